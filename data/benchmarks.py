@@ -1,0 +1,318 @@
+"""Benchmarks and problem sets: every source becomes a list of {"id", "problem", "answer", ...}.
+
+`load_benchmark(name_or_path)` is the one entry point. It accepts a registered name (below), a group
+name ("tiny", "paper"), or a local .jsonl / .json / .parquet file; all are mapped to the same
+normalized rows so that evaluate.py and train.py never look at raw field names.
+
+The paper's six benchmarks (ERPO.md §6) are loaded with `datasets.load_dataset` from these
+Hugging Face hub datasets (or from a local copy, see `data_dir`):
+
+| name          | hub id                      | config | split | problem    | answer                  | n   |
+|---------------|-----------------------------|--------|-------|------------|-------------------------|-----|
+| aime24        | HuggingFaceH4/aime_2024     | -      | train | problem    | answer (str, "025")     | 30  |
+| aime25        | math-ai/aime25              | -      | test  | problem    | answer                  | 30  |
+| amc           | AI-MO/aimo-validation-amc   | -      | train | problem    | answer (float, 27.0)    | 83  |
+| math500       | HuggingFaceH4/MATH-500      | -      | test  | problem    | answer (+ solution)     | 500 |
+| minerva       | math-ai/minervamath         | -      | test  | question   | answer                  | 272 |
+| olympiadbench | math-ai/olympiadbench       | -      | test  | question   | final_answer (list)     | 675 |
+
+Also registered: `amc23` (math-ai/amc23, test, question/answer, 40: AMC 2023 only) and
+`olympiadbench-hothan` (Hothan/OlympiadBench, config OE_TO_maths_en_COMP, train,
+question/final_answer, 674: the upstream English text-only open-ended maths split; the 675-row set
+above is the one shipped with the Qwen2.5-Math evaluation suite, which the 675 in the paper matches).
+The AMC set is AMC12 2022 + 2023 (83 problems). Real files have traps (ERPO.md §9); answers are
+normalized by `normalize_answer`: floats 27.0 / "27.0" -> "27", zero-padded "025" -> "25",
+e-notation "4.5e33" -> "4.5 \\times 10^{33}" (math-verify misreads e-notation), list answers
+(OlympiadBench `final_answer`) -> the single element, or ", "-joined when there are several,
+surrounding $...$ removed. Anything else (units, intervals, "58,500") is left to the grader.
+
+The embedded tiny world (data/tinymath/, made by data/tinymath/prepare.py) is registered too:
+
+| name       | file                     | what                                      |
+|------------|--------------------------|-------------------------------------------|
+| tiny-test  | data/tinymath/test.jsonl | in-distribution held-out set (levels 3-5) |
+| tiny-hard  | data/tinymath/hard.jsonl | harder than training (levels 6-7)         |
+| tiny-ood   | data/tinymath/ood.jsonl  | out-of-distribution phrasing              |
+| tiny-train | data/tinymath/train.jsonl| the RL training problems                  |
+
+Groups: "tiny" = tiny-test + tiny-hard + tiny-ood; "paper" = the six paper benchmarks.
+"""
+
+import json
+import math
+import os
+import re
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY_DIR = os.path.join(HERE, "tinymath")
+
+# name -> (hub id, config, split). Field names are not listed: normalize_row tries the known ones.
+HUB = {
+    "aime24": ("HuggingFaceH4/aime_2024", None, "train"),
+    "aime25": ("math-ai/aime25", None, "test"),
+    "amc": ("AI-MO/aimo-validation-amc", None, "train"),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test"),
+    "minerva": ("math-ai/minervamath", None, "test"),
+    "olympiadbench": ("math-ai/olympiadbench", None, "test"),
+    "amc23": ("math-ai/amc23", None, "test"),
+    "olympiadbench-hothan": ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train"),
+}
+TINY = {
+    "tiny-test": "test.jsonl",
+    "tiny-hard": "hard.jsonl",
+    "tiny-ood": "ood.jsonl",
+    "tiny-train": "train.jsonl",
+}
+GROUPS = {
+    "tiny": ["tiny-test", "tiny-hard", "tiny-ood"],
+    "paper": ["aime24", "aime25", "amc", "math500", "minerva", "olympiadbench"],
+}
+ALIASES = {
+    "aime2024": "aime24", "aime_2024": "aime24", "aime2025": "aime25", "aime_2025": "aime25",
+    "amc22_23": "amc", "math-500": "math500", "math_500": "math500", "minerva_math": "minerva",
+    "minervamath": "minerva", "olympiad": "olympiadbench", "olympiad_bench": "olympiadbench",
+}
+# Local copies looked up in `data_dir` before going to the hub (file names people actually use).
+LOCAL_FILES = {
+    "aime24": ["aime24.jsonl", "aime2024.jsonl"],
+    "aime25": ["aime25.jsonl", "aime2025.jsonl"],
+    "amc": ["amc.jsonl", "amc22_23.jsonl"],
+    "math500": ["math500.jsonl"],
+    "minerva": ["minerva.jsonl", "minerva_math.jsonl"],
+    "olympiadbench": ["olympiadbench.jsonl"],
+    "amc23": ["amc23.jsonl"],
+}
+
+# Raw field names, in order of preference.
+PROBLEM_KEYS = ["problem", "question", "Problem", "Question"]
+ANSWER_KEYS = ["answer", "final_answer", "Answer", "gt", "ground_truth", "expected_answer"]
+SOLUTION_KEYS = ["solution", "Solution"]
+ID_KEYS = ["id", "unique_id", "ID", "problem_idx", "idx"]
+
+
+def known_names():
+    return sorted(set(HUB) | set(TINY) | set(GROUPS))
+
+
+def canonical_name(name):
+    """Registered name for `name` (case-insensitive, aliases resolved), or None."""
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    return key if key in HUB or key in TINY or key in GROUPS else None
+
+
+def expand_benchmarks(names):
+    """Expand group names ("tiny", "paper") in a list of names/paths; keep order, drop repeats."""
+    out = []
+    for name in names:
+        key = canonical_name(name)
+        for item in GROUPS.get(key, [key or name]):
+            if item not in out:
+                out.append(item)
+    return out
+
+
+# ----------------------------------------------------------------------------- normalization
+
+_FLOAT_INT = re.compile(r"^[+-]?\d+\.0*$")  # "27.0", "27."
+_ZERO_PADDED = re.compile(r"^0+\d+$")  # AIME "025"
+_E_NOTATION = re.compile(r"^([+-]?\d+(?:\.\d+)?)[eE]([+-]?\d+)$")  # Minerva "4.5e33"
+
+
+def normalize_answer(value):
+    """Gold answer -> a clean string the grader reads the way a human would.
+
+    27.0 / "27.0" -> "27"; "025" -> "25"; "4.5e33" -> "4.5 \\times 10^{33}"; ["$3$"] -> "3";
+    ["1", "2"] -> "1, 2"; "$x$" -> "x". Everything else is returned stripped, unchanged.
+    """
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        parts = [normalize_answer(v) for v in value]
+        parts = [p for p in parts if p]
+        return ", ".join(parts)
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            return str(int(value))
+        return repr(value)
+    text = str(value).strip()
+    if len(text) >= 2 and text.startswith("$") and text.endswith("$"):
+        text = text.strip("$").strip()
+    if _FLOAT_INT.match(text):
+        text = text.split(".")[0]
+        text = text.lstrip("+")
+    if _ZERO_PADDED.match(text):
+        text = text.lstrip("0") or "0"
+    m = _E_NOTATION.match(text)
+    if m:
+        text = f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}"
+    return text
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...} in `text` (braces matched), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def _first(row, keys):
+    for k in keys:
+        if k in row and row[k] is not None and row[k] != "" and row[k] != []:
+            return k, row[k]
+    return None, None
+
+
+def _jsonable(v):
+    return v is None or isinstance(v, (str, int, float, bool)) or (
+        isinstance(v, (list, tuple)) and all(_jsonable(x) for x in v)
+    ) or (isinstance(v, dict) and all(isinstance(k, str) and _jsonable(x) for k, x in v.items()))
+
+
+def normalize_row(row, index, source="?"):
+    """Raw dataset row -> {"id": str, "problem": str, "answer": str, "solution"?, ...extras}.
+
+    Extras (level, subject, url, ...) are kept when JSON-serializable (images are dropped). A row
+    with no answer field falls back to the last \\boxed{} of its solution.
+    """
+    pkey, problem = _first(row, PROBLEM_KEYS)
+    if problem is None:
+        raise ValueError(f"{source}: row {index} has no problem field (tried {PROBLEM_KEYS}); "
+                         f"fields are {sorted(row)}")
+    akey, answer = _first(row, ANSWER_KEYS)
+    skey, solution = _first(row, SOLUTION_KEYS)
+    if isinstance(solution, (list, tuple)):
+        solution = "\n\n".join(str(s) for s in solution)
+    if answer is None and solution:
+        answer = last_boxed(solution)
+    if answer is None:
+        raise ValueError(f"{source}: row {index} has no answer field (tried {ANSWER_KEYS}) and "
+                         f"no \\boxed{{}} in its solution; fields are {sorted(row)}")
+    ikey, pid = _first(row, ID_KEYS)
+    out = {k: v for k, v in row.items() if k not in (pkey, akey, skey, ikey) and _jsonable(v)}
+    norm = normalize_answer(answer)
+    if not isinstance(answer, str) or norm != answer.strip():
+        out["answer_raw"] = answer if _jsonable(answer) else str(answer)
+    out.update(id=str(pid if pid is not None else index), problem=str(problem).strip(),
+               answer=norm)
+    if solution:
+        out["solution"] = str(solution)
+    return out
+
+
+# ----------------------------------------------------------------------------- loading
+
+def read_rows(path):
+    """Raw rows of a local .jsonl / .json / .parquet file."""
+    if not os.path.isfile(path):
+        raise ValueError(f"benchmark file not found: {path}")
+    ext = path.lower().rsplit(".", 1)[-1]
+    if ext == "jsonl":
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if ext == "json":
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if isinstance(data, dict):  # {"data": [...]} or {"test": [...]}: take the one list
+            lists = [v for v in data.values() if isinstance(v, list)]
+            if len(lists) != 1:
+                raise ValueError(f"{path}: expected a JSON list of rows")
+            data = lists[0]
+        return list(data)
+    if ext == "parquet":
+        import datasets
+        return list(datasets.load_dataset("parquet", data_files=path, split="train"))
+    raise ValueError(f"unsupported benchmark file type {path!r} (use .jsonl, .json or .parquet)")
+
+
+def load_hub(hub_id, config=None, split="test"):
+    """Raw rows of a Hugging Face hub dataset (needs network access or a warm HF cache)."""
+    import datasets
+    try:
+        ds = datasets.load_dataset(hub_id, config, split=split)
+    except Exception as e:  # offline, renamed, gated...: say what to do instead
+        raise ValueError(f"could not load {hub_id} (config={config}, split={split}) from the "
+                         f"Hugging Face hub: {type(e).__name__}: {str(e).splitlines()[0][:200]}. "
+                         f"Pass a local .jsonl path, or a data_dir (--data-dir, $ERPO_DATA_DIR) "
+                         f"holding a copy.") from e
+    return list(ds)
+
+
+def _local_copy(name, data_dir):
+    if not data_dir:
+        return None
+    for fname in LOCAL_FILES.get(name, []) + [f"{name}.jsonl"]:
+        path = os.path.join(data_dir, fname)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def looks_like_path(name):
+    """A file path rather than a benchmark name: it exists, has a folder part or a data suffix."""
+    return (os.path.exists(name) or "/" in name or os.sep in name
+            or name.lower().endswith((".jsonl", ".json", ".parquet")))
+
+
+def load_benchmark(name_or_path, limit=None, data_dir=None):
+    """Load a benchmark or problem set as a list of normalized rows (see module docstring).
+
+    name_or_path: registered name (case-insensitive), group name, or a local file path.
+    limit: keep the first `limit` rows (quick runs). data_dir: folder with local copies of the
+    hub benchmarks (e.g. aime2024.jsonl), tried before the hub; default $ERPO_DATA_DIR.
+    Raises ValueError for an unknown name, a missing file, or rows without problem/answer.
+    """
+    data_dir = data_dir if data_dir is not None else os.environ.get("ERPO_DATA_DIR")
+    key = canonical_name(name_or_path)
+    if key in GROUPS:
+        rows = []
+        for sub in GROUPS[key]:
+            for r in load_benchmark(sub, data_dir=data_dir):
+                rows.append({**r, "id": f"{sub}/{r['id']}"})
+        return rows[:limit] if limit is not None else rows
+    if key in TINY:
+        source = os.path.join(TINY_DIR, TINY[key])
+        if not os.path.isfile(source):
+            raise ValueError(f"{key}: {source} is missing (run python -m data.tinymath.prepare)")
+        raw = read_rows(source)
+    elif key in HUB:
+        source = _local_copy(key, data_dir)
+        raw = read_rows(source) if source else load_hub(*HUB[key])
+        source = source or HUB[key][0]
+    elif looks_like_path(name_or_path):
+        source = name_or_path
+        raw = read_rows(source)
+    else:
+        raise ValueError(f"unknown benchmark {name_or_path!r}: use one of {known_names()} "
+                         f"or a path to a .jsonl/.json/.parquet file")
+    if limit is not None:
+        raw = raw[:limit]
+    rows = [normalize_row(r, i, source) for i, r in enumerate(raw)]
+    ids = [r["id"] for r in rows]
+    if len(set(ids)) != len(ids):  # resume and per-problem metrics key on the id: must be unique
+        rows = [{**r, "id": str(i), "orig_id": r["id"]} for i, r in enumerate(rows)]
+    return rows
+
+
+def load_problems(name_or_path, limit=None, data_dir=None):
+    """Training problems (e.g. "tiny-train" or the MATH L3-5 jsonl): same rows as load_benchmark."""
+    return load_benchmark(name_or_path, limit=limit, data_dir=data_dir)
+
+
+def benchmark_label(name_or_path):
+    """Short stable name for tables and JSONL keys: the registered name or the file stem."""
+    key = canonical_name(name_or_path)
+    if key:
+        return key
+    base = os.path.basename(os.path.normpath(name_or_path))
+    return base.rsplit(".", 1)[0] if "." in base else base

@@ -1,0 +1,398 @@
+"""
+The losses: GRPO, Dr.GRPO, DAPO, RLOO and ERPO as small pure functions side by side.
+
+Read top to bottom, the whole difference between GRPO and ERPO is visible in `rl_loss` at the end:
+
+    GRPO:  loss = PG(A)      + beta  * PolicyKL_k3(response tokens)        (ERPO.md §5, §8)
+    ERPO:  loss = PG(A * w)  + alpha * QueryKL_k3(prompt tokens)           (ERPO.md §2-§4)
+
+where A is the group advantage, w the per-query weight (ERPO.md §4) and both KLs are the k3
+estimator, one over the response tokens against the reference policy, one over the *prompt*
+tokens against the reference model's (cached) prompt log-likelihoods.
+
+Conventions (every function):
+  B = sequences (responses) in this micro-batch, T = padded length, G = responses per prompt.
+  logp = log pi_theta(token | prefix) of the token that was actually there, shape (B, T).
+  Masks are 0/1 tensors of the same shape; padded positions must hold finite values.
+  Rows of a group are consecutive: rows [k*G, (k+1)*G) are the G responses to prompt k.
+
+This file imports only torch and the standard library.
+"""
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+KL_KINDS = ("k1", "k2", "k3")
+ADVANTAGES = ("grpo", "drgrpo", "rloo")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+WEIGHT_KINDS = ("none", "paper", "code")
+KL_PLACEMENTS = ("loss", "reward")
+K3_CLAMP = 10.0  # EasyR1 "low_var_kl" and the released ERPO code clamp per-token k3 to [-10, 10]
+
+
+# -----------------------------------------------------------------------------
+# KL estimators (ERPO.md §8, "KL estimators")
+
+def policy_kl(logp, ref_logp, kind="k3", clamp=None):
+    """Per-token estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta.
+
+    logp, ref_logp: (...) log-probs of the sampled tokens under pi_theta / pi_ref.
+    Returns a tensor of the same shape. With log r = ref_logp - logp:
+
+      k1 = -log r               unbiased for KL(pi_theta||pi_ref); high variance, can be < 0.
+                                As a LOSS its expected gradient is zero (E_pi[grad log pi] = 0),
+                                so k1 belongs in the reward (RLOO), not in the loss.
+      k2 = 0.5 * (log r)^2      biased, >= 0, low variance. As a loss its expected gradient is
+                                grad KL(pi_theta||pi_ref): the gradient of the KL it estimates.
+      k3 = exp(log r) - 1 - log r   unbiased, >= 0, low variance (GRPO / EasyR1 "low_var_kl").
+                                As a loss its expected gradient is grad KL(pi_ref||pi_theta):
+                                the *other* direction, since E_pi[(1 - r) grad log pi]
+                                = -sum_x pi_ref(x) grad log pi(x).
+    The sign of log r matters: building it as logp - ref_logp silently makes k1 and k3 estimate
+    something else (tests/test_losses.py checks the direction on an exact toy categorical).
+
+    clamp: None, or c > 0 to bound the result to [-c, c] (the released code uses 10 for k3); the
+    log-ratio is then also bounded to [-20, 20] so exp() cannot overflow to inf.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"policy_kl kind must be one of {KL_KINDS}, got {kind!r}")
+    log_r = ref_logp - logp
+    if clamp is not None:
+        log_r = log_r.clamp(-20.0, 20.0)
+    if kind == "k1":
+        kl = -log_r
+    elif kind == "k2":
+        kl = 0.5 * log_r.square()
+    else:
+        kl = torch.exp(log_r) - 1.0 - log_r
+    if clamp is not None:
+        kl = kl.clamp(-clamp, clamp)
+    return kl
+
+
+def query_kl(logp, ref_logp, mask, clamp=K3_CLAMP):
+    """Per-prompt Query-KL, the ERPO regularizer R_query = KL(rho_theta || rho_theta0) (ERPO.md §2-3).
+
+    logp:     (B, T) log p_theta(x_t | x_<t) of the prompt tokens, read from the SAME forward pass
+              that scores the responses (no extra pass; ERPO.md §3).
+    ref_logp: (B, T) the same under the reference model (cached before RL, or a reference worker).
+    mask:     (B, T) 1 on prompt tokens after the first one (the first token has no prediction).
+    Returns (B,): per token k3 (delta = ref - logp; exp(delta) - delta - 1, clamped as in the
+    released code), averaged over the prompt tokens of each sequence. Average over sequences with
+    aggregate(..., mode="seq-mean") -> the released code's seq-mean-token-mean.
+
+    Proposition 1 (structural decoupling): the gradient flows only through the prompt
+    log-likelihoods l_theta(q); the response score function grad log pi(o|q) never appears, and a
+    causal LM's prompt log-probs do not see the response, so changing the responses leaves this
+    term's gradient unchanged (tested with a tiny Qwen2 in tests/test_losses.py).
+    """
+    k3 = policy_kl(logp, ref_logp, "k3", clamp=clamp)
+    mask = mask.to(k3.dtype)
+    return (k3 * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+
+
+def kl_penalized_rewards(rewards, logp, ref_logp, mask, beta, kind="k1"):
+    """RLOO's KL placement: R_i - beta * sum_t kl_t over the response tokens (no gradient).
+
+    rewards: (B,); logp, ref_logp, mask: (B, T) over response tokens. Returns (B,), detached.
+    k1 is the usual choice here: it is unbiased for the sequence KL and, being in the reward, its
+    zero-expected-gradient problem as a loss (see policy_kl) does not apply.
+    """
+    with torch.no_grad():
+        kl = policy_kl(logp, ref_logp, kind) * mask.to(logp.dtype)
+        return rewards.to(logp.dtype) - beta * kl.sum(-1)
+
+
+# -----------------------------------------------------------------------------
+# Advantages and batch shaping (ERPO.md §8)
+
+def _groups(x, group_size):
+    """(B,) -> (n_groups, G) view, with a clear error when B is not a multiple of G."""
+    if x.dim() != 1:
+        raise ValueError(f"expected a 1-D (B,) tensor of rewards, got shape {tuple(x.shape)}")
+    if group_size < 1 or x.numel() % group_size != 0:
+        raise ValueError(f"batch of {x.numel()} rewards is not a whole number of groups of {group_size}")
+    return x.view(-1, group_size)
+
+
+def group_advantages(rewards, group_size, kind="grpo", eps=1e-6):
+    """Group-relative advantages. rewards (B,) with B = n_groups * G -> advantages (B,).
+
+      "grpo":   A_i = (R_i - mean R) / (std R + eps). std is the UNBIASED (Bessel, /(G-1)) sample
+                std, torch.std's default, as in verl and EasyR1; eps = 1e-6.
+      "drgrpo": A_i = R_i - mean R (Dr.GRPO drops the std, which up-weights easy/hard prompts).
+      "rloo":   A_i = R_i - mean_{j != i} R_j = G/(G-1) * (R_i - mean R).
+    A group whose rewards are all equal gets exactly 0 (set explicitly: float round-off in
+    R - mean divided by a ~0 std would otherwise give small nonzero values).
+    """
+    if kind not in ADVANTAGES:
+        raise ValueError(f"advantage kind must be one of {ADVANTAGES}, got {kind!r}")
+    if group_size < 2:
+        raise ValueError(f"group advantages need group_size >= 2 (the baseline comes from the other "
+                         f"responses), got {group_size}")
+    r = _groups(rewards.float(), group_size)                           # (n_groups, G)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if kind == "grpo":
+        adv = centred / (r.std(dim=1, keepdim=True) + eps)               # unbiased std
+    elif kind == "drgrpo":
+        adv = centred
+    else:
+        adv = centred * (group_size / (group_size - 1))                  # leave-one-out baseline
+    constant = ~nonconstant_groups(rewards, group_size)
+    adv = adv.masked_fill(constant[:, None], 0.0)
+    return adv.reshape(-1)
+
+
+def nonconstant_groups(rewards, group_size):
+    """(B,) -> (n_groups,) bool: True for groups whose rewards are not all equal.
+
+    DAPO's dynamic sampling keeps only these (an all-equal group has zero advantage everywhere and
+    contributes no gradient, only dilutes the token-mean).
+    """
+    r = _groups(rewards, group_size)
+    return (r != r[:, :1]).any(dim=1)
+
+
+def overlong_penalty(lengths, max_len, cache_len):
+    """DAPO soft overlong punishment. lengths (B,) response lengths -> (B,) reward to add.
+
+      0                                   if L <= max_len - cache_len
+      ((max_len - cache_len) - L) / cache_len   if max_len - cache_len < L <= max_len  (0 .. -1)
+      -1                                  if L > max_len
+    """
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+    L = lengths.float()
+    free = max_len - cache_len
+    ramp = (free - L) / cache_len
+    return torch.where(L <= free, torch.zeros_like(L), torch.where(L <= max_len, ramp, -torch.ones_like(L)))
+
+
+def query_weights(nll, mean_nll=None, clip=None):
+    """Query reweighting w_i = mean_nll / nll_i (ERPO.md §4). nll (N,) -> (N,), no gradient.
+
+    Typical queries (low NLL) get more weight; strange ones (high NLL) breed strange responses and
+    are turned down. The weight multiplies the policy-gradient term (the advantage) of every
+    response of that query, never the Query-KL term.
+
+      paper (App. I): nll = cached REFERENCE-model NLL of each query, mean_nll = the mean over the
+                      WHOLE training set, clip = (0, 2). Constant over training.
+      code (release): nll = CURRENT policy NLL (computed without gradient), mean_nll = None ->
+                      the mean of the given nll (pass the whole optimizer batch), clip = None.
+                      E.g. nll [3, 6] -> weights [1.5, 0.75].
+    nll and mean_nll must use the same convention (sum over prompt tokens = -l(q) in the paper).
+    """
+    nll = nll.detach().float()
+    if (nll < 0).any():
+        raise ValueError("query_weights expects NLLs (>= 0); got a negative value - did you pass a log-likelihood?")
+    mean = nll.mean() if mean_nll is None else torch.as_tensor(mean_nll, dtype=nll.dtype, device=nll.device)
+    w = mean / nll.clamp_min(1e-8)
+    if clip is not None:
+        w = w.clamp(clip[0], clip[1])
+    return w
+
+
+# -----------------------------------------------------------------------------
+# Policy-gradient surrogate and loss aggregation (ERPO.md §8)
+
+def ppo_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.0):
+    """PPO clipped surrogate, per token.
+
+    logp, old_logp: (B, T); advantages: (B,) (broadcast over tokens) or (B, T).
+      r = pi_theta / pi_old = exp(logp - old_logp)
+      loss_t = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)              (clip-higher when eps_high > eps_low)
+      A < 0 and dual_clip=c: loss_t = min(loss_t, c*|A|)                 (dual-clip: bounds the loss of
+                             a huge ratio on a bad token; c > 1, None disables)
+    Returns (loss_tok (B, T), clipped (B, T) bool): clipped marks tokens where a clip was active,
+    i.e. whose gradient was cut to zero; its masked mean is the usual "clip fraction".
+    """
+    if advantages.dim() == logp.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    # the log-ratio is bounded only to keep exp() finite; any clip decision is made far inside it
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(pg1, pg2)
+    clipped = pg2 > pg1
+    if dual_clip is not None:
+        pg3 = -advantages * dual_clip                      # = c*|A| where A < 0
+        dual = (advantages < 0) & (pg3 < loss)
+        loss = torch.where(dual, pg3, loss)
+        clipped = clipped | dual
+    return loss, clipped
+
+
+def aggregate(values, mask=None, mode="token-mean", num_tokens=None, num_seqs=None, max_len=None):
+    """Reduce per-token (B, T) or per-sequence (B,) values to the scalar this micro-batch adds.
+
+      "token-mean":              sum(v*m) / num_tokens                       (DAPO, EasyR1 default)
+      "seq-mean-token-mean":     sum_i (sum_t v*m / sum_t m) / num_seqs      (original GRPO)
+      "seq-mean-token-sum-norm": sum(v*m) / (num_seqs * max_len)             (Dr.GRPO; max_len =
+                                 the configured max response length, a constant - required)
+      "seq-mean" ((B,) values):  sum(v*m) / num_seqs                         (e.g. query_kl output)
+
+    Each mode returns a SUM over this micro-batch divided by a denominator of the whole optimizer
+    batch: pass num_tokens = response tokens of the whole batch (all micro-batches, all ranks) and
+    num_seqs = its sequence count. Summing the micro-batch losses (gradient accumulation) then
+    gives exactly the one-big-batch loss and gradient. Defaults (this call's own counts) are only
+    right when the call sees the whole batch.
+    DDP: DDP *averages* gradients over the W ranks; with global denominators the wanted gradient is
+    the SUM over ranks, so the caller multiplies its loss by W before backward() (or equivalently
+    passes num_tokens / W and num_seqs / W).
+    """
+    if values.dim() == 1:
+        if mode != "seq-mean":
+            raise ValueError(f"per-sequence (B,) values are aggregated with mode='seq-mean', got {mode!r}")
+        m = torch.ones_like(values) if mask is None else mask.to(values.dtype)
+        n = m.sum().clamp_min(1.0) if num_seqs is None else num_seqs
+        return torch.where(m.bool(), values, 0.0).sum() / n
+    if mode not in AGG_MODES:
+        raise ValueError(f"aggregate mode for (B, T) values must be one of {AGG_MODES}, got {mode!r}")
+    if mask is None:
+        mask = torch.ones_like(values)
+    m = mask.to(values.dtype)
+    v = torch.where(m.bool(), values, 0.0)               # where, not *, so junk in padding cannot leak
+    if mode == "token-mean":
+        n = m.sum().clamp_min(1.0) if num_tokens is None else num_tokens
+        return v.sum() / n
+    n_seqs = values.shape[0] if num_seqs is None else num_seqs
+    if mode == "seq-mean-token-mean":
+        return (v.sum(-1) / m.sum(-1).clamp_min(1.0)).sum() / n_seqs
+    if max_len is None:
+        raise ValueError("mode 'seq-mean-token-sum-norm' needs max_len (the configured max response length)")
+    return v.sum() / (n_seqs * max_len)
+
+
+# -----------------------------------------------------------------------------
+# The algorithm table: each name maps to its parts; individual flags override any part.
+
+@dataclass(frozen=True)
+class Algo:
+    advantage: str = "grpo"          # grpo | drgrpo | rloo
+    policy_kl: str | None = "k3"     # estimator for the Policy-KL term, None = no Policy-KL
+    beta: float = 0.01               # Policy-KL coefficient
+    kl_in: str = "loss"              # "loss" (GRPO) | "reward" (RLOO: R - beta * sum k1)
+    alpha: float = 0.0               # Query-KL coefficient (0 = no Query-KL term)
+    weights: str = "none"            # none | paper | code   (query reweighting, ERPO.md §4)
+    eps_low: float = 0.2
+    eps_high: float = 0.3            # EasyR1 default
+    dual_clip: float | None = 3.0
+    agg: str = "token-mean"
+    dynamic_sampling: bool = False   # DAPO: keep only groups with non-constant rewards
+    overlong: bool = False           # DAPO: soft overlong punishment added to the reward
+    doc: str = ""                    # one line: what it changes relative to GRPO
+
+    @property
+    def has_policy_kl_loss(self):
+        return self.policy_kl is not None and self.kl_in == "loss" and self.beta > 0
+
+
+_DAPO = dict(policy_kl=None, beta=0.0, eps_low=0.2, eps_high=0.28, dual_clip=None,
+             dynamic_sampling=True, overlong=True)
+
+ALGOS: dict[str, Algo] = {
+    "grpo": Algo(doc="baseline (EasyR1 defaults): group-normalized advantage, k3 Policy-KL in the loss (beta 0.01)"),
+    "erpo": Algo(policy_kl=None, beta=0.0, alpha=0.01, weights="paper",
+                 doc="GRPO with Policy-KL replaced by Query-KL (alpha 0.01) and paper query weights"),
+    "grpo-star": Algo(weights="paper", doc="GRPO* : GRPO (with Policy-KL) + paper query weights, no Query-KL"),
+    "qkl": Algo(policy_kl=None, beta=0.0, alpha=0.01,
+                doc="'Query-KL only': Query-KL (alpha 0.01) replaces Policy-KL, no query weights"),
+    "drgrpo": Algo(advantage="drgrpo", policy_kl=None, beta=0.0, eps_high=0.2, dual_clip=None,
+                   agg="seq-mean-token-sum-norm",
+                   doc="Dr.GRPO: advantage R - mean (no std), no KL, seq-mean-token-sum-norm, clip 0.2/0.2"),
+    "dapo": Algo(**_DAPO, doc="DAPO: no KL, clip-higher 0.2/0.28, no dual-clip, dynamic sampling, overlong punishment"),
+    "dapo-erpo": Algo(**_DAPO, alpha=0.01, weights="paper", doc="DAPO + Query-KL (alpha 0.01) + paper query weights"),
+    "rloo": Algo(advantage="rloo", kl_in="reward", policy_kl="k1",
+                 doc="RLOO: leave-one-out advantage, k1 KL as a reward penalty (beta 0.01) instead of a loss term"),
+    "rloo-erpo": Algo(advantage="rloo", policy_kl=None, beta=0.0, alpha=0.01, weights="paper",
+                      doc="RLOO advantage, no Policy-KL, Query-KL (alpha 0.01) + paper query weights"),
+}
+
+_CHOICES = {"advantage": ADVANTAGES, "policy_kl": (None,) + KL_KINDS, "kl_in": KL_PLACEMENTS,
+            "weights": WEIGHT_KINDS, "agg": AGG_MODES}
+
+
+def validate_algo(algo):
+    """Raise ValueError (naming the allowed values) if any field of `algo` is out of range."""
+    for name, allowed in _CHOICES.items():
+        if getattr(algo, name) not in allowed:
+            raise ValueError(f"Algo.{name} must be one of {allowed}, got {getattr(algo, name)!r}")
+    if algo.beta < 0 or algo.alpha < 0:
+        raise ValueError(f"beta and alpha must be >= 0, got beta={algo.beta}, alpha={algo.alpha}")
+    if not (0 <= algo.eps_low < 1 and algo.eps_high >= 0):
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {algo.eps_low}, {algo.eps_high}")
+    if algo.dual_clip is not None and algo.dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 (or None to disable), got {algo.dual_clip}")
+    return algo
+
+
+def make_algo(name, **overrides):
+    """ALGOS[name] with the non-None overrides applied, validated.
+
+    None means "not given" (e.g. an unset CLI flag), so to switch a part off pass the string
+    "none": policy_kl="none" (no Policy-KL term), dual_clip="none" (no dual-clip).
+    Setting beta > 0 on an algorithm without a Policy-KL estimator is an error (say which one).
+    """
+    if name not in ALGOS:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGOS)}")
+    known = {f.name for f in fields(Algo)}
+    unknown = set(overrides) - known
+    if unknown:
+        raise ValueError(f"unknown Algo field(s) {sorted(unknown)}; fields are {sorted(known)}")
+    given = {k: (None if v == "none" and k in ("policy_kl", "dual_clip") else v)
+             for k, v in overrides.items() if v is not None}
+    algo = validate_algo(replace(ALGOS[name], **given))
+    if "beta" in given and algo.beta > 0 and algo.policy_kl is None:
+        raise ValueError(f"beta={algo.beta} but {name!r} has no Policy-KL term; "
+                         f"also pass policy_kl (one of {KL_KINDS})")
+    return algo
+
+
+# -----------------------------------------------------------------------------
+# The full per-micro-batch loss
+
+def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights,
+            prompt_logp, prompt_ref_logp, prompt_mask, num_tokens, num_seqs, max_len):
+    """loss = PG(A * w) [+ beta * PolicyKL] [+ alpha * QueryKL] for one micro-batch.
+
+    Response side (B, T_r): logp (with grad), old_logp (rollout policy), ref_logp (reference policy;
+      may be None when no Policy-KL term is in the loss), resp_mask.
+    advantages (B,) or (B, T_r); weights (B,) query weights of each response's prompt, or None when
+      algo.weights == "none" (ERPO.md §4: they scale the PG term only, never the Query-KL term).
+    Prompt side (B, T_p): prompt_logp (with grad, from the same forward pass), prompt_ref_logp
+      (cached reference), prompt_mask (prompt tokens after the first). May be None when alpha == 0;
+      when given with alpha == 0 the Query-KL is still reported (GRPO's Query-KL drift, Table 3).
+    num_tokens, num_seqs, max_len: denominators of the whole optimizer batch (see aggregate).
+    Returns (loss, stats): stats are detached micro-batch contributions; summed over the
+    micro-batches they give the batch values (given global num_tokens / num_seqs).
+    """
+    if (weights is None) != (algo.weights == "none"):
+        raise ValueError(f"algo.weights={algo.weights!r} but weights is {'None' if weights is None else 'given'}")
+    denom = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
+    adv = advantages if weights is None else advantages * (weights if advantages.dim() == 1 else weights[:, None])
+
+    pg_tok, clipped = ppo_loss(logp, old_logp, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
+    pg = aggregate(pg_tok, resp_mask, algo.agg, **denom)                           # PG(A * w)
+    loss = pg
+    stats = {"pg_loss": pg.detach(),
+             "clip_frac": aggregate(clipped.float(), resp_mask, "token-mean", num_tokens).detach()}
+
+    if ref_logp is not None:
+        kl = aggregate(policy_kl(logp, ref_logp, algo.policy_kl or "k3", clamp=K3_CLAMP), resp_mask, algo.agg, **denom)
+        if algo.has_policy_kl_loss:
+            loss = loss + algo.beta * kl                                           # + beta * PolicyKL
+        stats["policy_kl"] = kl.detach()
+    elif algo.has_policy_kl_loss:
+        raise ValueError("this algorithm has a Policy-KL loss term: ref_logp is required")
+
+    if prompt_logp is not None and prompt_ref_logp is not None:
+        qkl = aggregate(query_kl(prompt_logp, prompt_ref_logp, prompt_mask), None, "seq-mean", num_seqs=num_seqs)
+        if algo.alpha > 0:
+            loss = loss + algo.alpha * qkl                                         # + alpha * QueryKL
+        stats["query_kl"] = qkl.detach()
+    elif algo.alpha > 0:
+        raise ValueError("this algorithm has a Query-KL term: prompt_logp, prompt_ref_logp, prompt_mask are required")
+
+    stats["loss"] = loss.detach()
+    return loss, stats

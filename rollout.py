@@ -1,0 +1,518 @@
+"""Rollouts: load a policy, sample G responses per prompt, and score tokens.
+
+Used by train.py (training rollouts, the policy forward) and evaluate.py (benchmark sampling).
+Works the same for the embedded ~1M-parameter Qwen2 model on CPU (fp32) and for Qwen2.5-Math-7B
+on GPUs (bf16, possibly wrapped in DDP or sharded with FSDP2 `fully_shard`), so the model is only
+ever called through its normal forward.
+
+Three pieces:
+- `load_policy`   -> (model, tokenizer), with the transformers-5 tokenizer pitfall handled.
+- `sample`        -> `Rollout`: our own KV-cache decoding loop ("kv", default) or HF `generate`
+                     ("hf", a reference). Returns the sampled tokens, masks, and the log-prob of
+                     each sampled token under log_softmax(logits / T) -- the same quantity the
+                     training forward recomputes, so ratio pi_theta / pi_old = 1 on-policy.
+- `token_logprobs`-> one forward over [prompt | response]: per-token log-probs (and entropy) on
+                     logits / T in float32, chunked along the sequence so a 152k vocabulary never
+                     needs several (B, L, V) float32 copies.
+
+Per-row reproducible sampling (the "kv" sampler, and "hf" when seeds are given): the token of row i
+at step t is the Gumbel-max
+    token = argmax_j ( z_j + g_j ),   z = logits / T  (-inf outside the top-p nucleus),
+    g_j = -log(-log(u_j)),            u_j = hash(seed_i, t, j) in (0, 1)
+with a counter-based integer hash (lowbias32 rounds, computed vectorised in int64). Gumbel-max is
+exact sampling from softmax(z), and because the noise depends only on (seed_i, t, j), row i's
+sample depends only on seeds[i] and the model: not on the batch it shares, the chunking, or which
+rank runs it. (Caveat: on GPUs the logits themselves can differ in the last bits with batch shape
+and padding width; a near-tie can then flip a token. On CPU fp32 we observe bitwise-equal runs.)
+Without seeds, one 62-bit seed per row is drawn from torch's global RNG, so
+`torch.manual_seed(s)` makes a call reproducible -- but two ranks with the same global seed draw
+the same per-row seeds: pass `seeds` in distributed runs.
+"""
+
+import inspect
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _default_attn_implementation() -> str:
+    # flash-attn is an optional GPU extra (requirements-gpu.txt); it does not build on CPU boxes.
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except Exception:
+            pass
+    return "sdpa"
+
+
+def _load_tokenizer(path):
+    """transformers 5.x: AutoTokenizer in a folder with a Qwen2 config.json returns Qwen2Tokenizer
+    and silently replaces a custom tokenizer's normalizer/pre-tokenizer (ENV-NOTES). A tokenizer
+    saved as a plain PreTrainedTokenizerFast is therefore loaded as exactly that; anything else
+    (e.g. Qwen2.5-Math's own Qwen2Tokenizer) goes through AutoTokenizer."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok_json = os.path.join(str(path), "tokenizer.json")
+    cfg_json = os.path.join(str(path), "tokenizer_config.json")
+    cls = None
+    if os.path.isfile(tok_json) and os.path.isfile(cfg_json):
+        with open(cfg_json) as f:
+            cls = json.load(f).get("tokenizer_class")
+    # transformers 5.x saves a PreTrainedTokenizerFast (an alias) as "TokenizersBackend".
+    if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None):
+    """Load (model, tokenizer) from a HF folder (or hub id on machines that have the hub).
+
+    dtype: bfloat16 on CUDA devices, float32 otherwise, unless given.
+    attn_implementation: "flash_attention_2" when CUDA is available and flash_attn imports, else
+    "sdpa", unless given. The tokenizer gets a pad token (eos if missing) and left padding, which
+    is what batched decoding needs.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if attn_implementation is None:
+        attn_implementation = _default_attn_implementation() if device.type == "cuda" else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation
+    ).to(device)
+    tokenizer = _load_tokenizer(path)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer in {path} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Union of generation_config.eos_token_id (int or list) and tokenizer.eos_token_id.
+    (Qwen2.5 chat models end turns with <|im_end|> but the tokenizer's eos is <|endoftext|>.)"""
+    ids = []
+    gen = getattr(getattr(model, "module", model), "generation_config", None)
+    for e in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if e is None:
+            continue
+        for i in e if isinstance(e, (list, tuple)) else [e]:
+            if int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("neither the model's generation_config nor the tokenizer defines an EOS")
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# The rollout container
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.LongTensor  # (B, P) LEFT-padded with pad_id
+    prompt_mask: torch.LongTensor  # (B, P) 1 on real prompt tokens
+    response_ids: torch.LongTensor  # (B, R) RIGHT-padded with pad_id
+    response_mask: torch.LongTensor  # (B, R) 1 on generated tokens, final EOS included
+    logprobs: torch.FloatTensor  # (B, R) float32 log p(token) under log_softmax(logits/T); 0 on pads
+    finished: torch.BoolTensor  # (B,) ended with an EOS (False = truncated at max_new_tokens)
+
+    @property
+    def lengths(self) -> torch.LongTensor:
+        return self.response_mask.sum(1)
+
+    def to(self, device) -> "Rollout":
+        return Rollout(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def input_ids(self):
+        """(ids, mask) of the concatenated [prompt | response], ready for `token_logprobs`; the
+        response log-probs are then logp[:, P-1:] (P = prompt width)."""
+        ids = torch.cat([self.prompt_ids, self.response_ids], 1)
+        mask = torch.cat([self.prompt_mask, self.response_mask], 1)
+        return ids, mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Counter-based noise and token choice
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A bijective 32-bit avalanche mix (hash-prospector's 2-round [16 21f0aaad 15 735a2d97 15]).
+    x: int64 tensor in [0, 2^32). Both multipliers are < 2^31, so x * c < 2^63 never overflows
+    int64 and the integer ops give the same bits on every device."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def _row_keys(seeds, device) -> torch.LongTensor:
+    """Any Python ints -> (B,) int64 32-bit keys that use all 64 bits of each seed."""
+    s = [((int(v) & (2**64 - 1)) ^ (1 << 63)) - (1 << 63) for v in seeds]  # wrap to signed int64
+    s = torch.tensor(s, dtype=torch.int64, device=device)
+    lo, hi = s & _M32, (s >> 32) & _M32
+    return _mix32(_mix32(lo ^ 0x243F6A88) ^ hi)
+
+
+def _gumbel(keys, step: int, vocab: int) -> torch.FloatTensor:
+    """(B, V) float32 Gumbel(0, 1) noise g[i, j] = G(hash(key_i, step, j)); a pure function.
+    The per-(row, step) key and the per-token hash are mixed separately (cheap, (B,) and (V,));
+    only one mix round runs over (B, V)."""
+    dev = keys.device
+    k = _mix32(keys ^ _mix32(torch.full_like(keys, (step * 0x9E3779B9 + 0x85EBCA6B) & _M32)))
+    j = _mix32(torch.arange(vocab, device=dev, dtype=torch.int64) ^ 0x1B873593)
+    h = _mix32(k[:, None] ^ j[None, :])  # (B, V) in [0, 2^32)
+    u = (h.to(torch.float64) + 0.5) * 2.0**-32  # strictly inside (0, 1)
+    return (-torch.log(-torch.log(u))).to(torch.float32)
+
+
+def _nucleus_mask(z, top_p: float) -> torch.BoolTensor:
+    """(B, V) True on the top-p nucleus of softmax(z): the most likely tokens until their mass
+    reaches top_p (the token that crosses top_p is kept; at least one token always)."""
+    sz, si = z.sort(dim=-1, descending=True)
+    p = sz.softmax(-1)
+    keep = (p.cumsum(-1) - p) < top_p  # mass strictly before this token < top_p
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter(-1, si, keep)
+
+
+def _choose(logits, temperature: float, top_p: float, keys, step: int):
+    """logits (B, V) float32 -> (tokens (B,), logprobs (B,) float32 under log_softmax(logits/T)).
+    T == 0 is greedy and reports log-probs at T = 1."""
+    if temperature == 0:
+        tok = logits.argmax(-1)
+        return tok, logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
+    z = logits / temperature
+    score = z if top_p >= 1.0 else z.masked_fill(~_nucleus_mask(z, top_p), float("-inf"))
+    tok = (score + _gumbel(keys, step, z.shape[-1])).argmax(-1)
+    return tok, z.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+
+
+def _unwrap(model):
+    # DDP: generate with the inner module -- DDP's forward may broadcast buffers (a collective),
+    # and ranks decode different numbers of steps. FSDP2 modules have no .module: called as-is.
+    return getattr(model, "module", model)
+
+
+def _forward_kwargs(model) -> tuple[str, bool]:
+    """(name of the cache kwarg, whether logits_to_keep is supported). transformers 5.24 renamed
+    past_key_values -> cache (the old name warns until 5.40)."""
+    params = inspect.signature(type(model).forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    return cache_kw, "logits_to_keep" in params
+
+
+def _lockstep(model) -> bool:
+    """FSDP2-sharded models all-gather parameters inside forward, so every rank must make the same
+    number of forward calls: decoding then stops only when all ranks are done."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _any_across_ranks(flag: bool, device) -> bool:
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def _left_pad(prompts, pad_id, device):
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if len(p):
+            ids[i, P - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+            mask[i, P - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature, top_p,
+               lockstep, progress):
+    """Our KV-cache decoding loop for one left-padded chunk. Finished rows are dropped from the
+    batch (and cache) once they are a quarter of it, so long tails decode at small batch."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    ids, mask = _left_pad(prompts, pad_id, dev)
+    B = ids.shape[0]
+    cache_kw, has_keep = _forward_kwargs(model)
+    keep = {"logits_to_keep": 1} if has_keep else {}
+    cache = DynamicCache(config=model.config)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)  # (B, P) explicit positions: left pads shift nothing
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                **{cache_kw: cache}, **keep)
+    logits = out.logits[:, -1].float()  # only the last position is upcast
+    next_pos = pos[:, -1] + 1  # (B,)
+
+    resp = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)
+    lps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
+    rmask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    active = torch.arange(B, device=dev)  # rows of the full chunk still in the decoding batch
+    attn = mask
+    steps = range(max_new_tokens)
+    if progress:
+        from tqdm import tqdm
+
+        steps = tqdm(steps, desc="sample", leave=False)
+    width = 0
+    for t in steps:
+        tok, lp = _choose(logits, temperature, top_p, keys[active], t)
+        alive = ~done[active]
+        tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
+        resp[active, t] = tok
+        lps[active, t] = torch.where(alive, lp, torch.zeros_like(lp))
+        rmask[active, t] = alive.long()
+        done[active] = done[active] | (alive & torch.isin(tok, eos))
+        width = t + 1
+        if t == max_new_tokens - 1:
+            break
+        n_alive = int((~done[active]).sum())  # one host sync per step
+        if not (_any_across_ranks(n_alive > 0, dev) if lockstep else n_alive > 0):
+            break
+        if 0 < n_alive <= 0.75 * active.numel():
+            # Compact: drop finished rows from batch, mask, positions and every cache layer.
+            sel = (~done[active]).nonzero().squeeze(1)
+            active, attn, next_pos, tok = active[sel], attn[sel], next_pos[sel], tok[sel]
+            cache.batch_select_indices(sel)
+        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], 1)
+        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                    use_cache=True, **{cache_kw: cache}, **keep)
+        logits = out.logits[:, -1].float()
+        next_pos = next_pos + 1
+    return ids, mask, resp[:, :width], rmask[:, :width], lps[:, :width], done
+
+
+def _sample_hf(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature, top_p,
+               lockstep, seeded):
+    """Reference sampler through model.generate. With seeds, sampling is done by a logits
+    processor that applies the same temperature / top-p / Gumbel noise as "kv" followed by
+    greedy choice, so both samplers draw identical tokens; without seeds, HF's own sampling."""
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+    dev = next(model.parameters()).device
+    ids, mask = _left_pad(prompts, pad_id, dev)
+    P = ids.shape[1]
+    eos_list = eos.tolist()
+    cfg = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_list, pad_token_id=pad_id,
+               return_dict_in_generate=True, output_logits=True)
+    procs = LogitsProcessorList()
+    if temperature == 0:
+        cfg.update(do_sample=False)
+    elif seeded:
+
+        class _Gumbel(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                z = scores.float() / temperature
+                if top_p < 1.0:
+                    z = z.masked_fill(~_nucleus_mask(z, top_p), float("-inf"))
+                return z + _gumbel(keys, input_ids.shape[1] - P, z.shape[-1])
+
+        cfg.update(do_sample=False)
+        procs.append(_Gumbel())
+    else:
+        cfg.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(**cfg),
+                         logits_processor=procs, synced_gpus=lockstep)
+    resp = out.sequences[:, P:]
+    R = resp.shape[1]
+    # Mask = up to and including the first EOS (pad may equal eos, so never test `!= pad`).
+    is_eos = torch.isin(resp, eos)
+    first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(resp[:, 0], R))
+    rmask = (torch.arange(R, device=dev)[None, :] <= first[:, None]).long()
+    T = 1.0 if temperature == 0 else temperature
+    lps = torch.stack([(lg.float() / T).log_softmax(-1).gather(-1, resp[:, t : t + 1]).squeeze(-1)
+                       for t, lg in enumerate(out.logits)], 1) if R else resp.float()
+    resp = resp.masked_fill(rmask == 0, pad_id)
+    return ids, mask, resp, rmask, lps * rmask, is_eos.any(1)
+
+
+def _cat_padded(ts, pad, left: bool):
+    W = max(t.shape[1] for t in ts)
+    padded = []
+    for t in ts:
+        extra = W - t.shape[1]
+        padded.append(F.pad(t, (extra, 0) if left else (0, extra), value=pad) if extra else t)
+    return torch.cat(padded, 0)
+
+
+@torch.no_grad()
+def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_p=1.0,
+           seeds=None, sampler="kv", batch_size=None, progress=False, lockstep=None) -> Rollout:
+    """Sample one response per prompt (repeat prompts G times for G samples each).
+
+    prompts: list of token-id lists (no padding). eos_ids: int or list of ints. temperature 0 is
+    greedy. top_p: nucleus filtering (1.0 = off); note the returned logprobs are NOT renormalised
+    over the nucleus -- they are log_softmax(logits / T), what the training forward recomputes.
+    seeds: one int per row (see the module docstring), or None for torch's global RNG.
+    sampler: "kv" (own KV-cache loop, default) or "hf" (model.generate; keeps every step's
+    logits in memory, a reference for tests and benchmarks). batch_size: decode rows in chunks
+    of this many. lockstep: keep ranks in step (auto: True for FSDP2-sharded models in a
+    multi-rank process group); then every rank must call sample() with the same batch_size.
+    Returns a Rollout on the model's device.
+    """
+    if sampler not in ("kv", "hf"):
+        raise ValueError(f"sampler must be 'kv' or 'hf', got {sampler!r}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (nothing to condition on)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts (need one per row)")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+    m = _unwrap(model)
+    dev = next(m.parameters()).device
+    seeded = seeds is not None
+    if seeds is None:
+        seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()  # torch's global RNG
+    keys = _row_keys(seeds, dev)
+    eos = torch.tensor([eos_ids] if isinstance(eos_ids, int) else list(eos_ids), dtype=torch.long,
+                       device=dev)
+    if lockstep is None:
+        lockstep = _lockstep(m)
+    bs = batch_size or len(prompts)
+    starts = list(range(0, len(prompts), bs))
+    n_chunks = len(starts)
+    if lockstep:  # every rank must run as many chunks (forward calls) as the busiest one
+        import torch.distributed as dist
+
+        t = torch.tensor([n_chunks], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        n_chunks = int(t.item())
+
+    parts = []
+    for c in range(n_chunks):
+        if c < len(starts):
+            sl = slice(starts[c], starts[c] + bs)
+            chunk, ck = prompts[sl], keys[sl]
+        else:  # a dummy chunk that only keeps this rank's forwards in step; discarded
+            chunk, ck = [[pad_id]], keys[:1]
+        kw = dict(max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id, temperature=temperature,
+                  top_p=top_p, lockstep=lockstep)
+        if sampler == "kv":
+            res = _sample_kv(m, chunk, ck, progress=progress, **kw)
+        else:
+            res = _sample_hf(m, chunk, ck, seeded=seeded, **kw)
+        if c < len(starts):
+            parts.append(res)
+
+    cols = list(zip(*parts))
+    return Rollout(
+        prompt_ids=_cat_padded(cols[0], pad_id, left=True),
+        prompt_mask=_cat_padded(cols[1], 0, left=True),
+        response_ids=_cat_padded(cols[2], pad_id, left=False),
+        response_mask=_cat_padded(cols[3], 0, left=False),
+        logprobs=_cat_padded(cols[4], 0.0, left=False),
+        finished=torch.cat(cols[5], 0),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring: per-token log-probs (and entropy) of given sequences
+
+
+class _TokenLogprob(torch.autograd.Function):
+    """logp[b, l] = log_softmax(logits[b, l] / T)[targets[b, l]] in float32, plus the entropy of
+    that distribution (no grad). Chunked along l in forward AND backward, saving only the
+    (model-dtype) logits and the (B, L) log-normalisers, so no (B, L, V) float32 copy is ever
+    held: backward recomputes softmax per chunk (d logp / d logits = (onehot - softmax) / T)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, chunk, with_entropy):
+        B, L, V = logits.shape
+        logp = torch.empty((B, L), dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if with_entropy else None
+        for s in range(0, L, chunk):
+            z = logits[:, s : s + chunk].float() / temperature  # (B, c, V) float32
+            lse_c = torch.logsumexp(z, -1)
+            lse[:, s : s + chunk] = lse_c
+            logp[:, s : s + chunk] = z.gather(-1, targets[:, s : s + chunk, None]).squeeze(-1) - lse_c
+            if with_entropy:  # H = lse - sum_j p_j z_j
+                ent[:, s : s + chunk] = lse_c - (torch.exp(z - lse_c[..., None]) * z).sum(-1)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, targets, lse = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[1], chunk):
+            z = logits[:, s : s + chunk].float() / T
+            g = g_logp[:, s : s + chunk, None]  # (B, c, 1)
+            gl = -torch.exp(z - lse[:, s : s + chunk, None]) * g
+            gl.scatter_add_(-1, targets[:, s : s + chunk, None], g)
+            grad[:, s : s + chunk] = (gl / T).to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=False,
+                   chunk_elems=2**26):
+    """One forward over prompt+response (left padding allowed).
+
+    input_ids, attention_mask: (B, L). Returns (logp, entropy), each (B, L-1) float32, with
+    logp[:, j] = log p(input_ids[:, j+1] | input_ids[:, :j+1]) under softmax(logits / T), and
+    entropy[:, j] the entropy of that distribution (None unless with_entropy; never has grad).
+    Positions whose target is padding carry garbage: mask them with attention_mask[:, 1:].
+    Gradients flow through logp (wrap in torch.no_grad() when not needed). chunk_elems bounds the
+    float32 working set (B * chunk * V elements) of the log-softmax.
+    """
+    if temperature <= 0:
+        raise ValueError(f"token_logprobs needs temperature > 0, got {temperature}")
+    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids and attention_mask must both be (B, L); got {tuple(input_ids.shape)} and "
+            f"{tuple(attention_mask.shape)}"
+        )
+    if input_ids.shape[1] < 2:
+        raise ValueError("need sequences of length >= 2 to score any token")
+    pos = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
+                   use_cache=False).logits  # (B, L, V) in the model dtype
+    logits = logits[:, :-1]
+    B, L, V = logits.shape
+    chunk = max(1, chunk_elems // max(1, B * V))
+    return _TokenLogprob.apply(logits, input_ids[:, 1:], float(temperature), chunk,
+                               bool(with_entropy))

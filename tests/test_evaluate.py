@@ -1,0 +1,326 @@
+"""Tests for evaluate.py and data/benchmarks.py: the pass@k estimator against brute force, the
+temperature-bucket / benchmark-average layout and maj@n on hand-made records, benchmark loading
+and answer normalization, and an end-to-end sweep (with resume) on a tiny random Qwen2."""
+
+import itertools
+import json
+import math
+import os
+
+import pytest
+
+import evaluate as E
+from data.benchmarks import load_benchmark, normalize_answer
+
+SHARED = "/work/shared/data/benchmarks"
+
+# ----------------------------------------------------------------------------- pass@k
+
+
+def brute_pass_at_k(n, c, k):
+    """Fraction of all k-subsets of n samples (c correct) that hold at least one correct one."""
+    samples = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_matches_enumeration():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert E.pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12)
+
+
+def test_pass_at_k_edges_and_pass1_is_mean():
+    assert E.pass_at_k(10, 3, 8) == 1.0  # n - c = 7 < k
+    assert E.pass_at_k(10, 0, 5) == 0.0
+    assert E.pass_at_k(32, 1, 32) == 1.0
+    for n, c in [(1, 0), (1, 1), (7, 3), (32, 5)]:
+        assert E.pass_at_k(n, c, 1) == pytest.approx(c / n)  # avg@n = unbiased pass@1
+    # Large n stays finite and exact-ish (product form, no huge binomials).
+    assert E.pass_at_k(1000, 1, 10) == pytest.approx(10 / 1000)
+    with pytest.raises(ValueError):
+        E.pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError):
+        E.pass_at_k(4, 1, 5)
+
+
+# ----------------------------------------------------------------------------- summaries
+
+
+def recs(model, bench, pid, t, correct, extracted=None):
+    extracted = extracted or [None] * len(correct)
+    return [{"model": model, "benchmark": bench, "id": pid, "temperature": t, "sample": i,
+             "correct": c, "extracted": e} for i, (c, e) in enumerate(zip(correct, extracted))]
+
+
+def test_summary_buckets_and_benchmark_average():
+    # Two benchmarks, temperatures 0.5, 1.0, 1.2, 1.5; 2 problems each, n = 4.
+    # Accuracy of benchmark A at T: problem p1 all correct, p2 has c(T) correct of 4.
+    cA = {0.5: 4, 1.0: 2, 1.2: 1, 1.5: 0}
+    cB = {0.5: 2, 1.0: 2, 1.2: 0, 1.5: 0}
+    records = []
+    for t in cA:
+        records += recs("m", "A", "p1", t, [1, 1, 1, 1])
+        records += recs("m", "A", "p2", t, [1] * cA[t] + [0] * (4 - cA[t]))
+        records += recs("m", "B", "q1", t, [0, 0, 0, 0])
+        records += recs("m", "B", "q2", t, [1] * cB[t] + [0] * (4 - cB[t]))
+    records += recs("m", "A", "p1", 1.0, [0, 0, 0, 0, 0])[4:]  # a 5th sample: ignored at n=4
+    s = E.summarize(records, ks=[1, 2, 4], n=4)
+    res = s["results"]["m"]
+    accA = {t: (1 + cA[t] / 4) / 2 for t in cA}
+    accB = {t: (0 + cB[t] / 4) / 2 for t in cB}
+    for t in cA:
+        row = res["A"]["by_temperature"][f"{t:g}"]
+        assert row["avg@4"] == pytest.approx(accA[t])
+        assert row["pass@1"] == pytest.approx(accA[t])
+        assert row["pass@4"] == pytest.approx((1 + (cA[t] > 0)) / 2)
+        assert row["pass@2"] == pytest.approx((1 + E.pass_at_k(4, cA[t], 2)) / 2)
+        assert row["num_problems"] == 2
+        # Avg. = unweighted mean over the two benchmarks, per temperature.
+        assert res["Avg."]["by_temperature"][f"{t:g}"]["avg@4"] == \
+            pytest.approx((accA[t] + accB[t]) / 2)
+    mean = res["A"]["mean"]
+    assert mean["all"]["avg@4"] == pytest.approx(sum(accA.values()) / 4)
+    assert mean["<=1.0"]["avg@4"] == pytest.approx((accA[0.5] + accA[1.0]) / 2)
+    assert mean["1.2-1.5"]["avg@4"] == pytest.approx((accA[1.2] + accA[1.5]) / 2)
+    avg_low = ((accA[0.5] + accA[1.0]) / 2 + (accB[0.5] + accB[1.0]) / 2) / 2
+    assert res["Avg."]["mean"]["<=1.0"]["avg@4"] == pytest.approx(avg_low)
+    assert s["benchmarks"] == ["A", "B"] and s["temperatures"] == [0.5, 1.0, 1.2, 1.5]
+    # Filtering by temperature changes the buckets: only 1.2 left in "1.2-1.5", nothing <= 1.0.
+    s2 = E.summarize(records, ks=[1], n=4, temperatures=[1.2])
+    assert s2["results"]["m"]["A"]["mean"]["1.2-1.5"]["avg@4"] == pytest.approx(accA[1.2])
+    assert s2["results"]["m"]["A"]["mean"]["<=1.0"] == {}
+    # The table shows these numbers (in %).
+    table = E.write_table(s)
+    assert f"{100 * mean['all']['avg@4']:.1f}" in table and "1.2-1.5" in table
+
+
+def test_majority_vote():
+    # "27", "27.0" and " 027" vote together (3 votes) and beat "5" (2 votes): correct.
+    ex = ["5", "27", "27.0", "5", " 027", None]
+    co = [0, 1, 1, 0, 1, 0]
+    assert E.majority_correct(ex, co) == 1.0
+    # Wrong majority: "5" x3 beats the correct "27" x2.
+    assert E.majority_correct(["5", "27", "5", "27", "5"], [0, 1, 0, 1, 0]) == 0.0
+    # Tie: the answer seen first wins.
+    assert E.majority_correct(["27", "5", "5", "27"], [1, 0, 0, 1]) == 1.0
+    assert E.majority_correct(["5", "27", "27", "5"], [0, 1, 1, 0]) == 0.0
+    # No answers at all: wrong. Missing answers do not vote.
+    assert E.majority_correct([None, None], [0, 0]) == 0.0
+    assert E.majority_correct([None, None, None, "\\frac{1}{2}"], [0, 0, 0, 1]) == 1.0
+    # \dfrac and \frac, spaces and \left/\right are the same vote.
+    assert E.normalize_extracted("\\dfrac{1}{2}") == E.normalize_extracted("\\frac{1}{2}")
+    assert E.normalize_extracted("\\left( 1, 2 \\right)") == E.normalize_extracted("(1,2)")
+    # maj@n in a summary: problem 1 majority right, problem 2 majority wrong -> 0.5.
+    r = recs("m", "A", "p1", 1.0, [1, 1, 0], ["3", "3", "4"]) + \
+        recs("m", "A", "p2", 1.0, [1, 0, 0], ["3", "4", "4"])
+    assert E.summarize(r, n=3)["results"]["m"]["A"]["by_temperature"]["1"]["maj@3"] == 0.5
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def test_normalize_answer():
+    assert normalize_answer(27.0) == "27"
+    assert normalize_answer("27.0") == "27"
+    assert normalize_answer("025") == "25"
+    assert normalize_answer("0") == "0"
+    assert normalize_answer(2.5) == "2.5"
+    assert normalize_answer(["$\\frac{1}{2}$"]) == "\\frac{1}{2}"
+    assert normalize_answer(["3", "5"]) == "3, 5"
+    assert normalize_answer("4.5e33") == "4.5 \\times 10^{33}"
+    assert normalize_answer("\\left( 3, \\frac{\\pi}{2} \\right)") == \
+        "\\left( 3, \\frac{\\pi}{2} \\right)"
+
+
+def test_load_benchmark_fields_and_errors(tmp_path):
+    path = tmp_path / "b.jsonl"
+    rows = [{"question": "Q1", "final_answer": ["$27.0$"], "solution": ["s"], "idx": 7},
+            {"problem": "Q2", "answer": 27.0, "level": 3},
+            {"Problem": "Q3", "solution": "so \\boxed{\\frac{1}{2}}."},
+            {"problem": "Q4", "answer": "025", "id": "a"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = load_benchmark(str(path))
+    assert [r["problem"] for r in got] == ["Q1", "Q2", "Q3", "Q4"]
+    assert [r["answer"] for r in got] == ["27", "27", "\\frac{1}{2}", "25"]
+    assert [r["id"] for r in got] == ["7", "1", "2", "a"]
+    assert got[1]["level"] == 3 and got[0]["solution"] == "s"
+    assert len(load_benchmark(str(path), limit=2)) == 2
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        load_benchmark("no-such-benchmark")
+    with pytest.raises(ValueError, match="not found"):
+        load_benchmark(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(ValueError, match="no problem field"):
+        load_benchmark(str(tmp_path / "bad.jsonl"))
+
+
+def test_tiny_benchmarks_load():
+    rows = load_benchmark("tiny-test", limit=5)
+    if not rows:
+        pytest.skip("data/tinymath/test.jsonl not generated yet")
+    assert all(r["answer"] and r["problem"] and r["id"] for r in rows)
+    group = load_benchmark("tiny")
+    assert len({r["id"] for r in group}) == len(group)  # ids unique across the three sets
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED), reason="shared benchmark files not present")
+def test_shared_benchmarks_load_and_grade():
+    reward = pytest.importorskip("reward")
+    files = sorted(f for f in os.listdir(SHARED) if f.endswith(".jsonl"))
+    assert files
+    for f in files:
+        rows = load_benchmark(os.path.join(SHARED, f))
+        assert rows and all(r["problem"] and r["answer"] for r in rows)
+        assert len({r["id"] for r in rows}) == len(rows)
+        scores, _ = reward.score_batch(["\\boxed{" + r["answer"] + "}" for r in rows],
+                                       [r["answer"] for r in rows])
+        assert all(s == 1.0 for s in scores), f
+        for r in rows:
+            if "answer_original" in r:  # AMC stores 27.0: the float must grade as 27
+                assert reward.score("\\boxed{" + normalize_answer(r["answer_original"]) + "}",
+                                    r["answer"]) == 1.0
+    aime = load_benchmark(os.path.join(SHARED, "aime2024.jsonl"))
+    padded = [r for r in aime if r.get("answer_raw", "").startswith("0")]
+    assert padded  # "025" and friends
+    for r in padded:
+        assert reward.score("\\boxed{" + r["answer_raw"] + "}", r["answer"]) == 1.0
+        assert reward.score("\\boxed{" + str(int(r["answer_raw"])) + "}", r["answer"]) == 1.0
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def make_tiny_model(folder):
+    """A random 2-layer Qwen2 with a character-level tokenizer, saved as an HF folder."""
+    torch = pytest.importorskip("torch")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=1,
+                      pad_token_id=0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    pytest.importorskip("rollout")
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_end_to_end_sweep_and_resume(tmp_path, monkeypatch, tiny_model_dir):
+    rollout = pytest.importorskip("rollout")
+    pytest.importorskip("reward")
+    model = tiny_model_dir
+    bench = tmp_path / "mini.jsonl"
+    bench.write_text("\n".join(json.dumps({"id": f"p{i}", "problem": f"{i}+{i}=?",
+                                           "answer": str(2 * i)}) for i in range(3)) + "\n")
+    out = tmp_path / "out"
+    argv = ["--model", model, "--benchmarks", str(bench), "--temperatures", "0.7", "1.3",
+            "--n", "2", "--k", "1", "2", "--max-new-tokens", "8", "--batch-size", "4",
+            "--out", str(out), "--no-progress"]
+    summary = E.main(argv)
+    samples = read_jsonl(out / "samples.jsonl")
+    assert len(samples) == 3 * 2 * 2  # problems x temperatures x n
+    assert {(r["id"], r["temperature"], r["sample"]) for r in samples} == \
+        {(f"p{i}", t, j) for i in range(3) for t in (0.7, 1.3) for j in range(2)}
+    # Each sample has its own seed: the n samples of a problem differ (random model, T >= 0.7).
+    assert len({r["completion"] for r in samples}) >= 10
+    for f in ("summary.json", "results.md", "accuracy_vs_temperature.png"):
+        assert (out / f).stat().st_size > 0
+    key = os.path.normpath(model)
+    res = summary["results"][key]["mini"]["by_temperature"]
+    for t in ("0.7", "1.3"):
+        rs = [r for r in samples if f"{r['temperature']:g}" == t]
+        assert res[t]["avg@2"] == pytest.approx(sum(r["correct"] for r in rs) / len(rs))
+    assert json.loads((out / "summary.json").read_text())["n"] == 2
+
+    # Resume after a kill: drop the last 5 samples (and leave half a line). Only those are
+    # regenerated, and the per-sample seeds make them identical to the first run's.
+    lines = (out / "samples.jsonl").read_text().splitlines(keepends=True)
+    (out / "samples.jsonl").write_text("".join(lines[:-5]) + lines[-5][:10])
+    calls = []
+    real_sample = rollout.sample
+    monkeypatch.setattr(rollout, "sample", lambda *a, **k: calls.append(len(a[1])) or
+                        real_sample(*a, **k))
+    E.main(argv)
+    assert sum(calls) == 5
+    again = [r for r in read_jsonl_lenient(out / "samples.jsonl")]
+    assert len(again) == 12
+    by_key = {(r["id"], r["temperature"], r["sample"]): r["completion"] for r in again}
+    assert by_key == {(r["id"], r["temperature"], r["sample"]): r["completion"] for r in samples}
+
+    # A complete run resumes without generating anything (not even loading the model).
+    monkeypatch.setattr(rollout, "load_policy", lambda *a, **k: pytest.fail("model loaded"))
+    E.main(argv)
+    assert sum(calls) == 5
+    # Other generation settings into the same folder: refused with a one-line error.
+    with pytest.raises(SystemExit):
+        E.main(argv[:-3] + ["--max-new-tokens", "9", "--out", str(out), "--no-progress"])
+
+
+def read_jsonl_lenient(path):
+    return E.load_records(str(path))
+
+
+def test_cli_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        E.main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert "model path not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        E.main(["--model", str(tmp_path), "--benchmarks", "nope", "--out", str(tmp_path / "o")])
+    assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_from_run_plots(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "reward": 0.5, "train_acc": 0.5 + 0.01 * s, "query_kl": 0.01 * (s + 1),
+             "policy_kl": 0.001 * (s + 1)} for s in range(10)]
+    for r in rows[::3]:
+        r["eval_acc"] = r["train_acc"] - 0.1
+    rows.append({"step": 10, "reward": 0.6})  # keys missing: tolerated
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    E.main(["--from-run", str(run), "--out", str(tmp_path / "o")])
+    assert (tmp_path / "o" / "kl.png").stat().st_size > 0
+    assert (tmp_path / "o" / "train_eval_gap.png").stat().st_size > 0
+    assert E.train_eval_gap(rows) == pytest.approx(0.1)
+
+
+def test_nll_analysis_masks(tiny_model_dir):
+    """Query/response NLL from one forward equals the NLL computed on each part separately."""
+    torch = pytest.importorskip("torch")
+    rollout = pytest.importorskip("rollout")
+    model, tok = rollout.load_policy(tiny_model_dir)
+    prompts = [tok("ab+cd=", add_special_tokens=False)["input_ids"],
+               tok("xyz", add_special_tokens=False)["input_ids"]]  # different lengths: padding
+    ro = rollout.sample(model, prompts, max_new_tokens=6, eos_ids=[1], pad_id=0, seeds=[1, 2])
+    q, r, nq, nr = E.query_response_nll(model, ro)
+    for i, p in enumerate(prompts):
+        resp = ro.response_ids[i][ro.response_mask[i].bool()].tolist()
+        ids = torch.tensor([p + resp])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        tok_lp = logp.gather(1, ids[0, 1:, None])[:, 0]
+        assert nq[i] == len(p) - 1 and nr[i] == len(resp)
+        assert q[i] == pytest.approx(-tok_lp[:len(p) - 1].mean().item(), abs=1e-4)
+        assert r[i] == pytest.approx(-tok_lp[len(p) - 1:].mean().item(), abs=1e-4)
+    assert E.pearson([1, 2, 3], [2, 4, 6.5]) > 0.99
+    assert math.isnan(E.pearson([1, 1], [2, 3]))

@@ -1,0 +1,449 @@
+"""Math tests for losses.py: KL directions, advantages, Proposition 1, aggregation, the ALGOS table."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from losses import (ALGOS, Algo, aggregate, group_advantages, kl_penalized_rewards, make_algo,
+                    nonconstant_groups, overlong_penalty, policy_kl, ppo_loss, query_kl,
+                    query_weights, rl_loss)
+
+# -----------------------------------------------------------------------------
+# KL estimators on a 5-category toy where both KL directions are exact and clearly different
+
+P = torch.tensor([0.70, 0.10, 0.10, 0.05, 0.05], dtype=torch.float64)    # pi_theta
+Q = torch.tensor([0.05, 0.20, 0.25, 0.25, 0.25], dtype=torch.float64)    # pi_ref
+KL_PQ = float((P * (P / Q).log()).sum())                                  # KL(pi_theta || pi_ref) ~ 1.53
+KL_QP = float((Q * (Q / P).log()).sum())                                  # KL(pi_ref || pi_theta) ~ 1.04
+
+
+def test_toy_kl_directions_differ():
+    assert abs(KL_PQ - KL_QP) > 0.4
+
+
+def test_kl_estimators_values_match_exact_kl():
+    g = torch.Generator().manual_seed(0)
+    x = torch.multinomial(P, 400_000, replacement=True, generator=g)     # tokens sampled from pi_theta
+    logp, ref = P.log()[x], Q.log()[x]
+    k1, k2, k3 = (policy_kl(logp, ref, k) for k in ("k1", "k2", "k3"))
+    for k in (k1, k3):                                                    # unbiased for KL(p||q)
+        assert k.mean().item() == pytest.approx(KL_PQ, abs=0.02)
+        assert abs(k.mean().item() - KL_QP) > 0.3                         # ... and not the reverse
+    assert (k3 >= 0).all() and (k2 >= 0).all()
+    assert (k1 < 0).any()                                                 # k1 can be negative per token
+    exact_k2 = float((P * 0.5 * (Q / P).log() ** 2).sum())
+    assert k2.mean().item() == pytest.approx(exact_k2, abs=0.02)
+    assert abs(exact_k2 - KL_PQ) > 0.1                                    # k2 is biased
+
+
+def test_kl_clamp():
+    logp = torch.tensor([0.0, -30.0])
+    ref = torch.tensor([-30.0, 0.0])
+    k3 = policy_kl(logp, ref, "k3", clamp=10.0)
+    assert torch.isfinite(k3).all() and (k3 <= 10.0).all()
+    assert k3[0].item() == pytest.approx(10.0) and k3[1].item() == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="k1"):
+        policy_kl(logp, ref, "k4")
+
+
+def _expected_grad(kind):
+    """Exact E_{x~pi_theta}[grad_theta k(x)]: sum over categories with DETACHED pi_theta weights
+    (the sampling distribution is not differentiated), k computed on differentiable log-probs."""
+    theta = P.log().clone().requires_grad_(True)
+    logp = torch.log_softmax(theta, 0)
+    (P.detach() * policy_kl(logp, Q.log(), kind)).sum().backward()
+    return theta.grad
+
+
+def _kl_grad(direction):
+    """Exact gradient w.r.t. the logits of KL(p||q) ("reverse") or KL(q||p) ("forward"), p = pi_theta."""
+    theta = P.log().clone().requires_grad_(True)
+    logp = torch.log_softmax(theta, 0)
+    if direction == "reverse":
+        kl = (logp.exp() * (logp - Q.log())).sum()
+    else:
+        kl = (Q * (Q.log() - logp)).sum()
+    kl.backward()
+    return theta.grad
+
+
+def test_kl_estimator_gradients():
+    grad_reverse = _kl_grad("reverse")   # grad KL(pi_theta || pi_ref)
+    grad_forward = _kl_grad("forward")    # grad KL(pi_ref || pi_theta)
+    assert (grad_reverse - grad_forward).abs().max() > 0.1
+    torch.testing.assert_close(_expected_grad("k3"), grad_forward)
+    torch.testing.assert_close(_expected_grad("k2"), grad_reverse)
+    torch.testing.assert_close(_expected_grad("k1"), torch.zeros(5, dtype=torch.float64))
+
+
+def test_k3_monte_carlo_gradient_is_forward_kl_gradient():
+    g = torch.Generator().manual_seed(1)
+    x = torch.multinomial(P, 400_000, replacement=True, generator=g)
+    theta = P.log().clone().requires_grad_(True)
+    logp = torch.log_softmax(theta, 0)[x]
+    policy_kl(logp, Q.log()[x], "k3").mean().backward()
+    torch.testing.assert_close(theta.grad, _kl_grad("forward"), atol=0.03, rtol=0)
+
+
+# -----------------------------------------------------------------------------
+# Group advantages
+
+def test_group_advantages_hand_values():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)                                   # unbiased std of [1,0,0,1]
+    torch.testing.assert_close(group_advantages(r, 4, "grpo"), torch.tensor([a, -a, -a, a]))
+    torch.testing.assert_close(group_advantages(r, 4, "drgrpo"), torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    torch.testing.assert_close(group_advantages(r, 4, "rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    for kind in ("grpo", "drgrpo", "rloo"):
+        assert (group_advantages(torch.ones(4), 4, kind) == 0).all()
+        # float rewards like 0.1 (format-only) must also give exactly zero
+        assert (group_advantages(torch.full((8,), 0.1), 8, kind) == 0).all()
+
+
+def test_group_advantages_errors():
+    with pytest.raises(ValueError, match="whole number of groups"):
+        group_advantages(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match="one of"):
+        group_advantages(torch.zeros(4), 2, "ppo")
+
+
+def _loop_advantages(rewards, G, kind, eps=1e-6):
+    out = []
+    for k in range(0, len(rewards), G):
+        g = rewards[k:k + G]
+        mean = sum(g) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in g) / (G - 1))
+        for i, x in enumerate(g):
+            if all(y == g[0] for y in g):
+                out.append(0.0)
+            elif kind == "grpo":
+                out.append((x - mean) / (std + eps))
+            elif kind == "drgrpo":
+                out.append(x - mean)
+            else:
+                out.append(x - (sum(g) - x) / (G - 1))                    # leave-one-out mean
+    return out
+
+
+def test_group_advantages_loop_equivalence():
+    rng = random.Random(0)
+    for G in (2, 3, 4, 8, 16):
+        for n_groups in (1, 3, 7):
+            rewards = []
+            for _ in range(n_groups):
+                style = rng.choice(["binary", "float", "const"])
+                if style == "binary":
+                    rewards += [float(rng.random() < 0.4) for _ in range(G)]
+                elif style == "float":
+                    rewards += [rng.choice([0.0, 0.1, 0.9, 1.0]) + rng.random() * 0.01 for _ in range(G)]
+                else:
+                    rewards += [0.9] * G
+            for kind in ("grpo", "drgrpo", "rloo"):
+                got = group_advantages(torch.tensor(rewards, dtype=torch.float64), G, kind)
+                want = torch.tensor(_loop_advantages(rewards, G, kind), dtype=torch.float32)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_nonconstant_groups():
+    r = torch.tensor([1, 1, 0, 1, 0, 0, 0, 0, 0.9, 0.9, 0.9, 0.9, 0, 0, 0, 1])
+    assert nonconstant_groups(r, 4).tolist() == [True, False, False, True]
+
+
+def test_overlong_penalty_boundaries():
+    L = torch.tensor([10, 16, 17, 18, 20, 21, 100])
+    got = overlong_penalty(L, max_len=20, cache_len=4)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0]))
+    with pytest.raises(ValueError):
+        overlong_penalty(L, max_len=20, cache_len=0)
+
+
+def test_kl_penalized_rewards():
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    out = kl_penalized_rewards(torch.tensor([1.0, 0.0]), logp, ref, mask, beta=0.1)
+    # k1 = logp - ref summed over the mask: row0 0.5 - 1 + 0 = -0.5, row1 0.5 + 0.5 = 1.0
+    torch.testing.assert_close(out, torch.tensor([1.05, -0.1]))
+    assert not out.requires_grad
+
+
+# -----------------------------------------------------------------------------
+# Query-KL and Proposition 1
+
+def test_query_kl_mask_and_zero():
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 6, generator=g) * 3
+    ref = -torch.rand(3, 6, generator=g) * 3
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [0, 1, 0, 0, 0, 0]])
+    assert (query_kl(logp, logp.clone(), mask) == 0).all()
+    base = query_kl(logp, ref, mask)
+    assert (base > 0).all()
+    changed = logp.clone()
+    changed[0, 0] -= 5.0; changed[0, 4] += 1.0; changed[2, 3] -= 2.0       # unmasked positions only
+    torch.testing.assert_close(query_kl(changed, ref, mask), base)
+    changed[0, 2] -= 1.0                                                  # a masked one does count
+    assert not torch.allclose(query_kl(changed, ref, mask)[0], base[0])
+    # per-sequence token mean of the k3 values
+    k3 = torch.exp(ref - logp) - (ref - logp) - 1
+    torch.testing.assert_close(base[1], k3[1, 1:].mean())
+
+
+def _tiny_lm():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+
+
+def _token_logp(model, ids):
+    """(B, L) ids -> (B, L-1) log p(ids[:, t+1] | ids[:, :t+1]) from ONE forward pass."""
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def test_proposition1_query_kl_gradient_ignores_responses():
+    model = _tiny_lm()
+    P_len, R_len, B = 7, 6, 2
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 50, (B, P_len), generator=g)
+    resp_a = torch.randint(0, 50, (B, R_len), generator=g)
+    resp_b = torch.randint(0, 50, (B, R_len), generator=g)
+    ref_prompt_logp = -torch.rand(B, P_len - 1, generator=g) * 4 - 1     # fixed "cached" reference
+    prompt_mask = torch.ones(B, P_len - 1)                                 # prompt tokens after the first
+    adv = torch.tensor([1.0, -1.0])
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(resp, term):
+        model.zero_grad()
+        lp = _token_logp(model, torch.cat([prompt, resp], 1))             # one pass over prompt+response
+        prompt_lp, resp_lp = lp[:, :P_len - 1], lp[:, P_len - 1:]
+        if term == "qkl":
+            loss = aggregate(query_kl(prompt_lp, ref_prompt_logp, prompt_mask), None, "seq-mean")
+        else:
+            loss = aggregate(ppo_loss(resp_lp, resp_lp.detach(), adv)[0], torch.ones_like(resp_lp))
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in params]).clone(), prompt_lp.detach()
+
+    q_a, prompt_lp_a = grads(resp_a, "qkl")
+    q_b, prompt_lp_b = grads(resp_b, "qkl")
+    assert q_a.abs().max() > 0
+    torch.testing.assert_close(q_a, q_b, rtol=0, atol=1e-7)
+    torch.testing.assert_close(prompt_lp_a, prompt_lp_b)
+    # the prompt slice of the joint pass equals a prompt-only pass (no extra forward is needed)
+    torch.testing.assert_close(prompt_lp_a, _token_logp(model, prompt).detach(), rtol=1e-5, atol=1e-5)
+    pg_a, _ = grads(resp_a, "pg")
+    pg_b, _ = grads(resp_b, "pg")
+    assert (pg_a - pg_b).abs().max() > 1e-4                               # the response term does see them
+
+
+# -----------------------------------------------------------------------------
+# Query weights
+
+def test_query_weights():
+    torch.testing.assert_close(query_weights(torch.tensor([3.0, 6.0])), torch.tensor([1.5, 0.75]))
+    w = query_weights(torch.tensor([0.1, 1.0, 4.0, 1000.0]), mean_nll=1.0, clip=(0.0, 2.0))
+    torch.testing.assert_close(w, torch.tensor([2.0, 1.0, 0.25, 0.001]))
+    nll = torch.tensor([2.0, 4.0], requires_grad=True)
+    assert not query_weights(nll).requires_grad
+    with pytest.raises(ValueError, match="log-likelihood"):
+        query_weights(torch.tensor([-3.0, 1.0]))
+
+
+# -----------------------------------------------------------------------------
+# PPO surrogate
+
+def _ppo(ratio, A, **kw):
+    logp = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    loss, clipped = ppo_loss(logp, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([A], dtype=torch.float64), **kw)
+    loss.sum().backward()
+    return loss.item(), bool(clipped.item()), logp.grad.item()
+
+
+def test_ppo_loss_cases():
+    assert _ppo(1.0, 2.0) == (pytest.approx(-2.0), False, pytest.approx(-2.0))
+    assert _ppo(1.0, -2.0)[:2] == (pytest.approx(2.0), False)
+    # A > 0: upper clip at 1 + eps_high
+    assert _ppo(1.25, 1.0)[:2] == (pytest.approx(-1.25), False)
+    assert _ppo(1.25, 1.0, eps_high=0.2)[:2] == (pytest.approx(-1.2), True)
+    assert _ppo(1.5, 1.0) == (pytest.approx(-1.3), True, 0.0)
+    assert _ppo(0.5, 1.0)[:2] == (pytest.approx(-0.5), False)         # A > 0 never clipped from below
+    # A < 0: lower clip at 1 - eps_low
+    assert _ppo(0.5, -1.0) == (pytest.approx(0.8), True, 0.0)
+    assert _ppo(0.7, -1.0, eps_low=0.4)[:2] == (pytest.approx(0.7), False)
+    # A < 0: dual clip bounds the loss at c * |A|
+    assert _ppo(2.0, -1.5)[:2] == (pytest.approx(3.0), False)
+    assert _ppo(100.0, -1.5) == (pytest.approx(4.5), True, 0.0)
+    assert _ppo(100.0, -1.5, dual_clip=None)[:2] == (pytest.approx(150.0), False)
+    assert _ppo(100.0, 1.5)[:2] == (pytest.approx(-1.95), True)        # dual clip is for A < 0 only
+
+
+def test_ppo_advantage_broadcast():
+    g = torch.Generator().manual_seed(0)
+    logp, old = -torch.rand(3, 5, generator=g), -torch.rand(3, 5, generator=g)
+    A = torch.tensor([1.0, -2.0, 0.5])
+    a, ca = ppo_loss(logp, old, A)
+    b, cb = ppo_loss(logp, old, A[:, None].expand(3, 5))
+    torch.testing.assert_close(a, b)
+    assert torch.equal(ca, cb)
+
+
+# -----------------------------------------------------------------------------
+# Aggregation: micro-batching with global denominators == one big batch
+
+def _batch(seed=0, B=8, T=9):
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(B, T, generator=g, dtype=torch.float64, requires_grad=True)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    return theta, mask
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_aggregate_microbatch_invariance(mode):
+    theta, mask = _batch()
+    f = lambda t: torch.sin(t) * t ** 2                                  # any per-token loss
+    full = aggregate(f(theta), mask, mode, max_len=9)
+    (g_full,) = torch.autograd.grad(full, theta)
+    denom = dict(num_tokens=mask.sum(), num_seqs=mask.shape[0], max_len=9)
+    total, naive = 0.0, 0.0
+    for sl in (slice(0, 1), slice(1, 3), slice(3, 8)):                  # uneven micro-batches
+        total = total + aggregate(f(theta[sl]), mask[sl], mode, **denom)
+        naive = naive + aggregate(f(theta[sl]), mask[sl], mode, max_len=9) / 3
+    (g_micro,) = torch.autograd.grad(total, theta)
+    torch.testing.assert_close(total, full)
+    torch.testing.assert_close(g_micro, g_full)
+    assert abs(naive.item() - full.item()) > 1e-3                        # per-micro-batch means would differ
+
+
+def test_aggregate_hand_values_and_errors():
+    v = torch.tensor([[1.0, 2.0, 99.0], [3.0, float("nan"), float("nan")]])
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert aggregate(v, m, "token-mean").item() == pytest.approx(2.0)
+    assert aggregate(v, m, "seq-mean-token-mean").item() == pytest.approx((1.5 + 3.0) / 2)
+    assert aggregate(v, m, "seq-mean-token-sum-norm", max_len=4).item() == pytest.approx(6.0 / 8)
+    assert aggregate(torch.tensor([1.0, 3.0]), None, "seq-mean", num_seqs=4).item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="max_len"):
+        aggregate(v, m, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="seq-mean"):
+        aggregate(torch.tensor([1.0]), None, "token-mean")
+    with pytest.raises(ValueError, match="token-mean"):
+        aggregate(v, m, "mean")
+
+
+# -----------------------------------------------------------------------------
+# The algorithm table and rl_loss
+
+def _inputs(seed=0, B=4, Tr=6, Tp=5):
+    g = torch.Generator().manual_seed(seed)
+    lp = lambda *s: -torch.rand(*s, generator=g, dtype=torch.float64) * 3
+    logp = lp(B, Tr).requires_grad_(True)
+    prompt_logp = lp(B, Tp).requires_grad_(True)
+    resp_mask = (torch.arange(Tr)[None] < torch.tensor([6, 3, 4, 1])[:, None]).long()
+    prompt_mask = torch.ones(B, Tp, dtype=torch.long); prompt_mask[:, 0] = 0
+    return dict(logp=logp, old_logp=logp.detach() + 0.1 * lp(B, Tr), ref_logp=lp(B, Tr),
+                resp_mask=resp_mask, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64),
+                weights=torch.tensor([1.5, 0.5, 1.0, 2.0], dtype=torch.float64),
+                prompt_logp=prompt_logp, prompt_ref_logp=lp(B, Tp), prompt_mask=prompt_mask,
+                num_tokens=resp_mask.sum(), num_seqs=B, max_len=Tr)
+
+
+def _grads(name, **changes):
+    algo = ALGOS[name]
+    kw = _inputs()
+    if algo.weights == "none":
+        kw["weights"] = None
+    kw.update(changes)
+    loss, stats = rl_loss(algo, **kw)
+    g1, g2 = torch.autograd.grad(loss, [kw["logp"], kw["prompt_logp"]], allow_unused=True)
+    zero = lambda g, like: torch.zeros_like(like) if g is None else g
+    return torch.cat([zero(g1, kw["logp"]).flatten(), zero(g2, kw["prompt_logp"]).flatten()]), stats
+
+
+def _other_ref(key):
+    return _inputs(seed=5)[key]
+
+
+@pytest.mark.parametrize("name", ["erpo", "qkl", "dapo-erpo", "rloo-erpo", "dapo", "drgrpo", "rloo"])
+def test_algos_without_policy_kl_term(name):
+    base, _ = _grads(name)
+    torch.testing.assert_close(_grads(name, ref_logp=_other_ref("ref_logp"))[0], base)
+    torch.testing.assert_close(_grads(name, ref_logp=None)[0], base)
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo-star"])
+def test_algos_with_policy_kl_term(name):
+    base, stats = _grads(name)
+    assert (_grads(name, ref_logp=_other_ref("ref_logp"))[0] - base).abs().max() > 1e-6
+    torch.testing.assert_close(_grads(name, prompt_ref_logp=_other_ref("prompt_ref_logp"))[0], base)
+    assert "query_kl" in stats                                           # still reported (Table 3)
+    with pytest.raises(ValueError, match="ref_logp"):
+        _grads(name, ref_logp=None)
+
+
+@pytest.mark.parametrize("name", ["erpo", "qkl", "dapo-erpo", "rloo-erpo"])
+def test_algos_with_query_kl_term(name):
+    base, _ = _grads(name)
+    assert (_grads(name, prompt_ref_logp=_other_ref("prompt_ref_logp"))[0] - base).abs().max() > 1e-6
+
+
+def test_weights_scale_pg_only():
+    assert ALGOS["erpo"].weights == ALGOS["grpo-star"].weights == "paper"
+    assert ALGOS["qkl"].weights == ALGOS["grpo"].weights == "none"
+    base, _ = _grads("erpo")
+    assert (_grads("erpo", weights=torch.ones(4, dtype=torch.float64))[0] - base).abs().max() > 1e-6
+    # with zero advantages only the Query-KL term is left: the weights must not touch it
+    zero_adv = dict(advantages=torch.zeros(4, dtype=torch.float64))
+    g_w, _ = _grads("erpo", **zero_adv)
+    g_1, _ = _grads("erpo", weights=torch.ones(4, dtype=torch.float64), **zero_adv)
+    assert g_w.abs().max() > 0
+    torch.testing.assert_close(g_w, g_1)
+    with pytest.raises(ValueError, match="weights"):
+        _grads("erpo", weights=None)
+
+
+def test_rl_loss_on_policy_values():
+    kw = _inputs()
+    kw.update(old_logp=kw["logp"].detach(), ref_logp=kw["logp"].detach(), weights=None,
+              prompt_ref_logp=kw["prompt_logp"].detach())
+    loss, stats = rl_loss(ALGOS["grpo"], **kw)
+    # on-policy ratio 1, KL 0: loss = -(token-weighted mean advantage) = -(6*1 - 3 + 4*.5 - .5)/14
+    assert loss.item() == pytest.approx(-(6 - 3 + 2 - 0.5) / 14)
+    assert stats["policy_kl"].item() == 0 and stats["query_kl"].item() == 0 and stats["clip_frac"].item() == 0
+    assert all(not v.requires_grad for v in stats.values())
+
+
+def test_make_algo():
+    for name in ALGOS:
+        assert make_algo(name) == ALGOS[name] and ALGOS[name].doc
+    a = make_algo("grpo", eps_high=0.28, alpha=None, beta=None)
+    assert a.eps_high == 0.28 and a.beta == 0.01 and a.alpha == 0.0
+    assert make_algo("grpo", policy_kl="none").policy_kl is None
+    assert make_algo("grpo", dual_clip="none").dual_clip is None
+    assert make_algo("erpo", weights="code").weights == "code"
+    assert make_algo("erpo", policy_kl="k3", beta=0.01).has_policy_kl_loss
+    bad = [("foo", {}), ("grpo", {"advantage": "ppo"}), ("grpo", {"weights": "yes"}), ("grpo", {"agg": "mean"}),
+           ("grpo", {"policy_kl": "k4"}), ("grpo", {"kl_in": "both"}), ("grpo", {"dual_clip": 0.5}),
+           ("grpo", {"beta": -1.0}), ("grpo", {"betaa": 0.1}), ("erpo", {"beta": 0.05})]
+    for name, kw in bad:
+        with pytest.raises(ValueError):
+            make_algo(name, **kw)
+    with pytest.raises(ValueError, match="drgrpo"):                       # message lists allowed values
+        make_algo("grpo", advantage="ppo")
+
+
+def test_algo_table_parts():
+    A = ALGOS
+    assert A["grpo"] == Algo(doc=A["grpo"].doc)                            # grpo = the defaults
+    assert A["grpo"].has_policy_kl_loss and A["grpo"].policy_kl == "k3" and A["grpo"].alpha == 0
+    assert (A["grpo"].eps_low, A["grpo"].eps_high, A["grpo"].dual_clip) == (0.2, 0.3, 3.0)
+    for n in ("erpo", "qkl", "dapo-erpo", "rloo-erpo"):
+        assert A[n].alpha == 0.01 and not A[n].has_policy_kl_loss
+    d = A["dapo"]
+    assert (d.eps_high, d.dual_clip, d.dynamic_sampling, d.overlong, d.policy_kl) == (0.28, None, True, True, None)
+    assert A["dapo-erpo"].dynamic_sampling and A["dapo-erpo"].weights == "paper"
+    assert (A["drgrpo"].advantage, A["drgrpo"].agg, A["drgrpo"].eps_high) == ("drgrpo", "seq-mean-token-sum-norm", 0.2)
+    assert (A["rloo"].advantage, A["rloo"].kl_in, A["rloo"].policy_kl, A["rloo"].beta) == ("rloo", "reward", "k1", 0.01)
+    assert A["rloo-erpo"].advantage == "rloo"

@@ -1,0 +1,227 @@
+"""Tests for reward.py: extraction, normalization, equivalence, benchmark self-consistency,
+adversarial time bounds (also off the main thread), the format reward and score_batch counts."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import reward  # noqa: E402
+from reward import extract_boxed, grade, normalize, score, score_batch  # noqa: E402
+
+BENCH_DIR = "/work/shared/data/benchmarks"
+
+
+# -----------------------------------------------------------------------------
+# extraction
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),
+    (r"\boxed{a^{b_{c}}+\{1\}}", r"a^{b_{c}}+\{1\}"),                    # nested + escaped braces
+    (r"first \boxed{3} then \boxed{4}", "4"),                           # last box wins
+    (r"we get $\boxed 5$ apples", "5"),                                 # space form
+    (r"\fbox{x+1} is it", "x+1"),
+    (r"or $\framebox{204}$ minutes", "204"),
+    (r"\boxed{1} and a truncated \boxed{2", None),                      # last box never closed
+    ("<think> 5 * 7 = 35 . 23 + 35 = 58 </think> Mia has \\boxed{58} apples.", "58"),
+    ("no box here, the answer is 7", None),
+    ("", None),
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+def test_extract_boxed_is_linear_on_adversarial_text():
+    cases = ["\\boxed{" + "{" * 100_000, "\\boxed{" * 15_000 + "}" * 5, "{" * 50_000 + "}" * 50_000,
+             "\\boxed{" + "{" * 50_000 + "}" * 50_001]
+    for text in cases:
+        t = time.perf_counter()
+        extract_boxed(text)
+        assert time.perf_counter() - t < 0.5
+    assert extract_boxed(cases[-1]) == "{" * 50_000 + "}" * 50_000
+
+
+# -----------------------------------------------------------------------------
+# normalization and grading
+
+@pytest.mark.parametrize("raw, expected", [
+    ("025", "25"), ("27.0", "27"), ("-0.50", "-0.5"), ("1,000", "1000"), ("1,2", "1,2"),
+    (r"\$32,\!348", "32348"), (r"\dfrac12", r"\frac{1}{2}"), (r"\tfrac{3}{4}", r"\frac{3}{4}"),
+    (r"30^\circ", "30"), (r"30^{\circ}", "30"), (r"\text{Monday}", "Monday"), (r"5\text{ cm}", "5"),
+    (r"864 \mbox{ inches}^2", "864"), (r"\textbf{(113) }", "113"), ("104.", "104"), ("x = 5", "5"),
+    (r"\left( 3, \frac{\pi}{2} \right)", r"(3,\frac{\pi}{2})"), (r"10\%", "10"), ("$-7$", "-7"),
+])
+def test_normalize(raw, expected):
+    assert normalize(raw) == expected
+
+
+EQUIVALENT = [  # (pred, gold)
+    ("25", "025"), ("27.0", "27"), ("1/2", r"\frac{1}{2}"), (r"\dfrac12", r"\frac{1}{2}"),
+    ("0.5", r"\frac{1}{2}"), (r"\frac{-1}{2}", "-0.5"), ("1000", "1,000"), (r"30", r"30^\circ"),
+    (r"\text{Monday}", "Monday"), (r"\text{(C)}", "C"), ("0.333333", r"\frac13"),
+    ("4.5e33", r"4.5\times10^{33}"),
+    ("[1, 2)", "[1,2)"), (r"(-\infty, 0]", r"(-\infty,0]"), ("(3, -1)", "(3,-1)"),
+    (r"\left( \frac{3}{2}, -13 \right)", r"(\frac32,-13)"),
+    (r"2\sqrt{2}", r"\sqrt{8}"),                                            # needs math-verify
+    (r"\begin{bmatrix}1&2\\3&4\end{bmatrix}", r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}"),
+    ("-2,1", "1,-2"), ("3+2x", "y = 2x + 3"), (r"\{3, 1\}", r"\{1,3\}"),
+]
+NOT_EQUIVALENT = [
+    ("(1,2)", "(2,1)"), ("1/2", "2"), ("0.33", r"\frac{1}{3}"), ("25.000001", "25"), ("12", "1,2"),
+    ("[1,2)", "[1,2]"), (r"\text{Tuesday}", r"\text{Monday}"), ("31", r"30^\circ"),
+    (r"\begin{pmatrix}1&2\\3&5\end{pmatrix}", r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}"),
+    ("", "0"), ("58", "85"), ("-5", "5"),
+]
+
+
+@pytest.fixture
+def patient_timeout(monkeypatch):
+    # a loaded 2-core CI box must not turn a slow-but-correct verification into a timeout here;
+    # the 1 s bound itself is tested by the adversarial tests below
+    monkeypatch.setattr(reward, "DEFAULT_TIMEOUT", 10.0)
+
+
+@pytest.mark.parametrize("pred, gold", EQUIVALENT)
+def test_grade_equivalent(pred, gold, patient_timeout):
+    assert grade(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold", NOT_EQUIVALENT)
+def test_grade_not_equivalent(pred, gold, patient_timeout):
+    assert not grade(pred, gold)
+
+
+def test_importing_reward_does_not_import_sympy():
+    code = "import sys, reward; assert 'sympy' not in sys.modules and 'math_verify' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_integer_fast_path_is_fast_and_never_starts_math_verify():
+    reward.shutdown()
+    golds = [str(17 * i + 3) for i in range(256)]
+    comps = [f"<think> {g} </think> Mia has \\boxed{{{g if i % 3 else int(g) + 1}}} apples."
+             for i, g in enumerate(golds)]
+    t = time.perf_counter()
+    rewards, stats = score_batch(comps, golds, format_reward=True)
+    dt = time.perf_counter() - t
+    print(f"\nscore_batch on 256 integer completions: {dt * 1e3:.2f} ms")
+    assert reward._server is None and stats["math_verify"] == 0
+    assert stats["correct"] == sum(1 for i in range(256) if i % 3) and stats["format_ok"] == 256
+    assert dt < 0.25
+
+
+# -----------------------------------------------------------------------------
+# real benchmarks: gold vs itself must grade right, gold vs another problem's gold must grade wrong
+
+@pytest.mark.parametrize("name", ["math500", "aime2024", "amc22_23", "amc23"])
+def test_benchmark_self_consistency(name):
+    path = os.path.join(BENCH_DIR, f"{name}.jsonl")
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not present")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    golds = [str(r["answer"]) for r in rows]
+    n = len(golds)
+    # own answer, boxed; and the worked solution itself (its LAST box is the answer)
+    r_ans, _ = score_batch([f"\\boxed{{{g}}}" for g in golds], golds)
+    sols = [(r["solution"], g) for r, g in zip(rows, golds) if r.get("solution")]
+    r_sol, _ = score_batch([s for s, _ in sols], [g for _, g in sols])
+    # derangement: each problem paired with the next problem's answer (skip equal golds)
+    pairs = [(i, (i + 1) % n) for i in range(n) if normalize(golds[i]) != normalize(golds[(i + 1) % n])]
+    r_mix, _ = score_batch([f"\\boxed{{{golds[i]}}}" for i, _ in pairs], [golds[j] for _, j in pairs])
+    acc_ans = sum(r_ans) / n
+    acc_sol = sum(r_sol) / len(sols) if sols else float("nan")
+    wrong_mix = 1 - sum(r_mix) / len(pairs)
+    print(f"\n{name}: own answer correct {100 * acc_ans:.1f}% of {n}; own solution correct "
+          f"{100 * acc_sol:.1f}% of {len(sols)}; other problem's answer wrong {100 * wrong_mix:.1f}% "
+          f"of {len(pairs)}")
+    assert acc_ans >= 0.99
+    assert not sols or acc_sol >= 0.99
+    assert wrong_mix >= 0.99
+
+
+# -----------------------------------------------------------------------------
+# adversarial inputs: bounded time, score 0, also off the main thread
+
+ADVERSARIAL = {
+    "power tower": r"\boxed{9^{9^{9^{9^{9}}}}}",            # reaches math-verify, must time out
+    "huge power": r"\boxed{10^{10^{10}}}",
+    "factorial": r"\boxed{1000000!}",
+    "100KB braces": "\\boxed{" + "{" * 50_000 + "}" * 50_000 + "}",
+    "unclosed braces": "\\boxed{" + "{" * 100_000,
+    "3000 parens": "\\boxed{" + "(" * 3000 + "1" + ")" * 3000 + "}",
+    "2000 sqrt": "\\boxed{" + "\\sqrt{" * 2000 + "2" + "}" * 2000 + "}",
+    "nested parens under length cap": "\\boxed{" + "(" * 100 + "1" + ")" * 100 + "}",
+    "100k digits": "\\boxed{" + "9" * 100_000 + "}",
+    "many boxes": "\\boxed{1}" * 20_000,
+}
+
+
+def _run_in_thread(fn):
+    out = {}
+    th = threading.Thread(target=lambda: out.update(value=fn()))
+    t = time.perf_counter()
+    th.start()
+    th.join(timeout=30)
+    return out.get("value"), time.perf_counter() - t
+
+
+def test_adversarial_inputs_are_bounded_off_main_thread():
+    reward.warmup()   # server start-up (~1-3 s) is a one-time cost, not part of the per-answer bound
+    timings = {}
+    for name, completion in ADVERSARIAL.items():
+        value, dt = _run_in_thread(lambda: score(completion, "2"))
+        timings[name] = dt
+        assert value == 0.0, name
+        assert dt < 1.5, f"{name}: {dt:.2f}s"
+    print("\nadversarial seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in timings.items()))
+    # and math-verify really answers off the main thread (not a silent 0 from a signal failure)
+    value, dt = _run_in_thread(lambda: score(r"\boxed{2\sqrt{2}}", r"\sqrt{8}"))
+    assert value == 1.0 and dt < 1.5
+
+
+def test_concurrent_threads_get_right_answers(patient_timeout):
+    cases = [(r"2\sqrt{2}", r"\sqrt{8}", True), ("(1,2)", "(2,1)", False),
+             ("x^2+2x+1", "(x+1)^2", True), (r"\sqrt{3}", r"\sqrt{2}", False)] * 2
+    results = [None] * len(cases)
+
+    def work(k):
+        results[k] = grade(cases[k][0], cases[k][1])
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(cases))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert results == [c[2] for c in cases]
+
+
+# -----------------------------------------------------------------------------
+# format reward and batch counts
+
+def test_score_with_format_reward():
+    good, bad = "<think> 5 * 7 = 35 . 23 + 35 = 58 </think> Mia has \\boxed{58} apples.", "\\boxed{58}"
+    assert score(good, "58", format_reward=True) == pytest.approx(1.0)
+    assert score(bad, "58", format_reward=True) == pytest.approx(0.9)          # right, no think
+    assert score(good, "57", format_reward=True) == pytest.approx(0.1)         # format only
+    assert score("58", "58", format_reward=True) == 0.0                        # neither
+    assert score("<think> \\boxed{58} </think> so 58", "58", format_reward=True) == pytest.approx(0.9)
+    assert score(good, "58") == 1.0 and score(good, "57") == 0.0
+
+
+def test_score_batch_counts():
+    comps = ["\\boxed{58}", "\\boxed{058}", "\\boxed{59}", "58", "\\boxed{" + "1" * 1000 + "}",
+             r"\boxed{9^{9^{9^{9^{9}}}}}", r"\boxed{2\sqrt{2}}"]
+    answers = ["58", "58", "58", "58", "58", "58", r"\sqrt{8}"]
+    rewards, stats = score_batch(comps, answers, timeout=1.0)
+    assert rewards == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert (stats["correct"], stats["wrong"], stats["no_answer"], stats["rejected"], stats["timeout"]) \
+        == (3, 1, 1, 1, 1)
+    assert stats["math_verify"] == 2 and stats["error"] == 0 and stats["total"] == 7
+    with pytest.raises(ValueError):
+        score_batch(["\\boxed{1}"], [])

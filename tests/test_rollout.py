@@ -1,0 +1,244 @@
+"""Tests for rollout.py: sampler parity, logprob consistency, per-row seeds, the sampling
+distribution, EOS handling and the load_policy tokenizer round trip. All on a tiny random Qwen2."""
+
+import math
+
+import pytest
+import torch
+
+import rollout as R
+
+V = 64
+
+
+def tiny_model(seed=0):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    # initializer_range 0.3 (not 0.02) so the random model's next-token distributions are far from
+    # "repeat the last token" and greedy outputs actually depend on positions and padding.
+    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=128, initializer_range=0.3)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models gain nothing from intra-op threads, and on a busy 2-core box OpenMP spin-waits
+    # make every small op ~30x slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model(one_thread):
+    return tiny_model()
+
+
+def prompts_of_lengths(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, V, (n,), generator=g).tolist() for n in lengths]
+
+
+PROMPTS = prompts_of_lengths([3, 7, 1, 5, 2, 6])
+
+
+def test_greedy_kv_matches_hf_and_unpadded(model):
+    kw = dict(max_new_tokens=12, eos_ids=[1], pad_id=0, temperature=0)
+    kv = R.sample(model, PROMPTS, sampler="kv", **kw)
+    hf = R.sample(model, PROMPTS, sampler="hf", **kw)
+    assert torch.equal(kv.response_ids, hf.response_ids)
+    assert torch.equal(kv.response_mask, hf.response_mask)
+    assert torch.equal(kv.finished, hf.finished)
+    torch.testing.assert_close(kv.logprobs, hf.logprobs, atol=1e-5, rtol=0)
+    # Left padding must not change anything: each prompt decoded alone (no padding) agrees.
+    for i, p in enumerate(PROMPTS):
+        one = R.sample(model, [p], sampler="kv", **kw)
+        n = int(one.lengths[0])
+        assert one.response_ids[0, :n].tolist() == kv.response_ids[i, :n].tolist()
+    # Greedy outputs are not trivial (guards against a degenerate model making parity vacuous).
+    assert len({tuple(r) for r in kv.response_ids.tolist()}) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (0.7, 0.8)])
+def test_sampled_logprobs_match_recomputed(model, temperature, top_p):
+    ro = R.sample(model, PROMPTS * 2, max_new_tokens=10, eos_ids=[1], pad_id=0,
+                  temperature=temperature, top_p=top_p, seeds=list(range(12)))
+    ids, mask = ro.input_ids()
+    logp, _ = R.token_logprobs(model, ids, mask, temperature=temperature)
+    P = ro.prompt_ids.shape[1]
+    resp_logp = logp[:, P - 1 :] * ro.response_mask  # position P-1 predicts the first response token
+    assert ro.logprobs.dtype == torch.float32
+    torch.testing.assert_close(ro.logprobs, resp_logp.detach(), atol=1e-4, rtol=0)
+    assert (ro.logprobs[ro.response_mask == 0] == 0).all()
+    # The test can fail: log-probs at another temperature differ by far more than the tolerance.
+    other, _ = R.token_logprobs(model, ids, mask, temperature=temperature + 0.3)
+    assert (ro.logprobs - other[:, P - 1 :] * ro.response_mask).abs().max() > 1e-2
+
+
+def test_token_logprobs_values_entropy_and_grad(model):
+    ids = torch.randint(2, V, (3, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding in row 0
+    ids[0, :4] = 0
+    T = 0.8
+    # Reference: full log_softmax on the whole (B, L, V) float32 tensor.
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, :-1].float() / T
+    ref_all = logits.log_softmax(-1)
+    ref = ref_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref_ent = -(ref_all.exp() * ref_all).sum(-1)
+    (ref * mask[:, 1:]).sum().backward()
+    ref_grad = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    # Ours, with a tiny chunk so several chunks are used in forward and backward.
+    logp, ent = R.token_logprobs(model, ids, mask, temperature=T, with_entropy=True, chunk_elems=V * 3 * 2)
+    torch.testing.assert_close(logp, ref.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent.detach(), atol=1e-5, rtol=0)
+    assert not ent.requires_grad
+    (logp * mask[:, 1:]).sum().backward()
+    for p, g in zip(model.parameters(), ref_grad):
+        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+    model.zero_grad()
+
+
+def test_per_row_seeds_independent_of_batch(model):
+    kw = dict(max_new_tokens=10, eos_ids=[1], pad_id=0, temperature=1.0, top_p=0.9)
+    seeds = [11, 12, 13, 14, 15, 2**40 + 7]
+    whole = R.sample(model, PROMPTS, seeds=seeds, **kw)
+
+    def rows(ro):
+        return [ro.response_ids[i, : ro.lengths[i]].tolist() for i in range(len(ro.lengths))]
+
+    ref = rows(whole)
+    assert rows(R.sample(model, PROMPTS, seeds=seeds, batch_size=2, **kw)) == ref
+    assert rows(R.sample(model, PROMPTS[::-1], seeds=seeds[::-1], **kw)) == ref[::-1]
+    extra = prompts_of_lengths([9, 4], seed=5)
+    mixed = R.sample(model, extra[:1] + PROMPTS + extra[1:], seeds=[99] + seeds + [98], **kw)
+    assert rows(mixed)[1:-1] == ref
+    # The "hf" sampler with seeds draws the very same tokens.
+    assert rows(R.sample(model, PROMPTS, seeds=seeds, sampler="hf", **kw)) == ref
+    # ... and the seed matters: other seeds (or the same prompt with 2 seeds) give other samples.
+    assert rows(R.sample(model, PROMPTS, seeds=[s + 100 for s in seeds], **kw)) != ref
+    two = rows(R.sample(model, [PROMPTS[1]] * 2, seeds=[1, 2], **kw))
+    assert two[0] != two[1]
+
+
+def _chi2(counts, probs):
+    n = counts.sum()
+    exp = n * probs
+    big = exp >= 5  # pool the rare tokens into one bin
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    ex = torch.cat([exp[big], exp[~big].sum().view(1)])
+    keep = ex > 0
+    stat = ((obs[keep] - ex[keep]) ** 2 / ex[keep]).sum().item()
+    return stat, int(keep.sum()) - 1
+
+
+def _chi2_ok(stat, df):
+    return stat < df + 5 * math.sqrt(2 * df)  # ~ p < 1e-4 for these dfs
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_one_step_distribution_matches_softmax(model, seeded):
+    prompt, T, N = PROMPTS[1], 0.7, 6000
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    probs = (logits / T).softmax(-1)
+    torch.manual_seed(123)
+    ro = R.sample(model, [prompt] * N, max_new_tokens=1, eos_ids=[1], pad_id=0, temperature=T,
+                  seeds=list(range(N)) if seeded else None)
+    counts = torch.bincount(ro.response_ids[:, 0], minlength=V).float()
+    stat, df = _chi2(counts, probs)
+    assert _chi2_ok(stat, df), (stat, df)
+    # Power check: the same counts are clearly rejected against the T=1 distribution.
+    stat_wrong, df_wrong = _chi2(counts, logits.softmax(-1))
+    assert not _chi2_ok(stat_wrong, df_wrong), (stat_wrong, df_wrong)
+
+
+def test_top_p_restricts_to_nucleus(model):
+    prompt, T, top_p, N = PROMPTS[3], 1.0, 0.6, 4000
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    probs = (logits / T).softmax(-1)
+    sp, si = probs.sort(descending=True)
+    k = int(((sp.cumsum(0) - sp) < top_p).sum())  # nucleus size
+    assert k >= 3, "test prompt should have a non-trivial nucleus"
+    nucleus = torch.zeros(V, dtype=torch.bool)
+    nucleus[si[:k]] = True
+    ro = R.sample(model, [prompt] * N, max_new_tokens=1, eos_ids=[1], pad_id=0, temperature=T,
+                  top_p=top_p, seeds=list(range(N)))
+    counts = torch.bincount(ro.response_ids[:, 0], minlength=V).float()
+    assert counts[~nucleus].sum() == 0  # support is exactly inside the nucleus
+    assert (counts[nucleus] > 0).all()
+    renorm = torch.where(nucleus, probs, torch.zeros_like(probs))
+    stat, df = _chi2(counts, renorm / renorm.sum())
+    assert _chi2_ok(stat, df), (stat, df)
+    # Reported log-probs are NOT renormalised over the nucleus (what training recomputes).
+    torch.testing.assert_close(ro.logprobs[:, 0], probs.log()[ro.response_ids[:, 0]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("sampler", ["kv", "hf"])
+def test_eos_masking_finished_and_truncation(model, sampler):
+    prompts = PROMPTS + prompts_of_lengths([4, 4], seed=9)
+    seeds, M = list(range(40, 48)), 12
+    kw = dict(max_new_tokens=M, pad_id=0, temperature=1.0, seeds=seeds, sampler=sampler)
+    free = R.sample(model, prompts, eos_ids=[], **kw)  # no EOS: every row runs to M tokens
+    assert free.response_ids.shape == (8, M) and (free.lengths == M).all() and not free.finished.any()
+    # Two EOS ids taken from the free run, so several rows stop early at different steps.
+    eos = [free.response_ids[0, 2].item(), free.response_ids[1, 1].item()]
+    ro = R.sample(model, prompts, eos_ids=eos, **kw)
+    assert ro.response_ids.shape[1] <= M
+    for i in range(8):
+        full = free.response_ids[i].tolist()
+        hits = [t for t, x in enumerate(full) if x in eos]
+        n = hits[0] + 1 if hits else M  # length includes the EOS token itself
+        assert ro.lengths[i] == n
+        assert bool(ro.finished[i]) == bool(hits)
+        assert ro.response_ids[i, :n].tolist() == full[:n]  # same seeds -> same prefix
+        assert (ro.response_ids[i, n:] == 0).all() and (ro.response_mask[i, n:] == 0).all()
+        assert (ro.response_mask[i, :n] == 1).all() and (ro.logprobs[i, n:] == 0).all()
+        torch.testing.assert_close(ro.logprobs[i, :n], free.logprobs[i, :n], atol=1e-5, rtol=0)
+    assert ro.finished.sum() >= 2 and (~ro.finished).sum() >= 1
+
+
+def test_load_policy_roundtrip_keeps_custom_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Spaces are tokens and digits are split one by one: Qwen2Tokenizer's own pre-tokenizer would
+    # drop the spaces (the transformers-5 pitfall this guards against).
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", " ", *"0123456789", "+", "="])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(" ", behavior="isolated"), pre_tokenizers.Digits(individual_digits=True)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>")
+    text = "12 + 34 = 46"
+    before = tok(text, add_special_tokens=False)["input_ids"]
+    assert before == [vocab[c] for c in "12 + 34 = 46"]
+
+    m = tiny_model()
+    m.generation_config.eos_token_id = [7, 1]
+    m.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    m2, tok2 = R.load_policy(tmp_path)
+    assert tok2(text, add_special_tokens=False)["input_ids"] == before
+    assert tok2.padding_side == "left" and tok2.pad_token_id == tok2.eos_token_id == 1
+    assert R.eos_token_ids(m2, tok2) == [7, 1]
+    assert next(m2.parameters()).dtype == torch.float32
+    x = torch.tensor([before])
+    with torch.no_grad():
+        torch.testing.assert_close(m2(input_ids=x).logits, m(input_ids=x).logits)
+
+
+def test_bad_input_raises(model):
+    with pytest.raises(ValueError):
+        R.sample(model, [[3, 4]], max_new_tokens=2, eos_ids=[1], pad_id=0, seeds=[1, 2])
+    with pytest.raises(ValueError):
+        R.sample(model, [[3, 4]], max_new_tokens=2, eos_ids=[1], pad_id=0, sampler="vllm")
+    with pytest.raises(ValueError):
+        R.token_logprobs(model, torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4), temperature=0)
