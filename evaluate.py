@@ -594,17 +594,16 @@ def plot_runs(runs, out_dir):
     label = short_labels([os.path.normpath(r) for r in runs])
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4))
-    positive = True
     for i, (run, rows) in enumerate(data.items()):
         color = f"C{i}"
         for key, style, name in (("query_kl", "-", "Query-KL"), ("policy_kl", "--", "Policy-KL")):
             x, y = _series(rows, key)
             if x:
-                positive &= all(v > 0 for v in y)
                 ax.plot(x, y, style, color=color, label=f"{label[os.path.normpath(run)]} {name}")
     if ax.lines:
-        if positive:
-            ax.set_yscale("log")  # Query-KL sits about an order of magnitude above Policy-KL
+        # log scale: the KLs of different runs and kinds differ by orders of magnitude; the exact
+        # zeros of step 1 (policy == reference) are left out rather than breaking the axis
+        ax.set_yscale("log", nonpositive="mask")
         ax.set_xlabel("step")
         ax.set_ylabel("KL")
         ax.grid(alpha=0.3)

@@ -11,13 +11,14 @@ algorithms is a row of `losses.ALGOS`; every loss term is in `losses.py`.
 """
 
 import argparse
+import hashlib
 import json
 import math
 import os
 import random
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from tqdm import tqdm
 import losses
 import reward
 import rollout
-from data.benchmarks import load_benchmark
+from data.benchmarks import load_benchmark, load_problems
 from data.prompts import build_prompt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +44,7 @@ DEFAULTS = dict(
     max_prompt_len=128, max_new_tokens=96, sampler="kv", gen_batch=256,
     # optimisation
     lr=2e-4, weight_decay=0.01, warmup=0, grad_clip=1.0, ppo_epochs=1, micro_batch=64, dtype="auto",
+    fsdp=False,
     # algorithm parts (None = the algorithm's own default from losses.ALGOS)
     alpha=None, beta=None, kl=None, kl_in=None, weights=None, adv=None, eps_low=None, eps_high=None,
     dual_clip=None, agg=None, dynamic_sampling=None, overlong=None, overlong_cache=16,
@@ -50,7 +52,7 @@ DEFAULTS = dict(
     # evaluation / checkpoints
     eval_every=10, eval_temperature=1.0, eval_limit=200, save_every=20, resume=False, export=None,
     # sft (warm start)
-    sft_data=os.path.join(TINY, "sft.jsonl"), sft_steps=1000, sft_batch=64, sft_lr=3e-3,
+    sft_data=os.path.join(TINY, "sft.jsonl"), sft_steps=750, sft_batch=64, sft_lr=3e-3,
     sft_warmup=100, max_seq_len=192,
 )
 
@@ -85,7 +87,8 @@ def parse_args(argv=None):
     add("--grad-clip", type=float)
     add("--ppo-epochs", type=int)
     add("--micro-batch", type=int, help="sequences per forward/backward on each rank")
-    add("--dtype", choices=["auto", "float32", "bfloat16"])
+    add("--dtype", choices=["auto", "float32", "bfloat16"], help="auto: fp32 weights + bf16 autocast on CUDA, fp32 on CPU")
+    add("--fsdp", type=_bool, help="shard the policy with FSDP2 instead of DDP replicas (true/false; large models)")
     add("--alpha", type=float, help="Query-KL coefficient")
     add("--beta", type=float, help="Policy-KL coefficient")
     add("--kl", choices=["k1", "k2", "k3", "none"], help="Policy-KL estimator (none = no Policy-KL)")
@@ -197,11 +200,51 @@ def all_gather_list(items: list) -> list:
     return [x for part in out for x in part]
 
 
-def wrap_ddp(model, device):
+def wrap_model(model, device, fsdp=False, bf16=False):
+    """DDP (a full replica per rank), or FSDP2 (`fully_shard` each decoder layer, then the root:
+    parameters, gradients and Adam state sharded across ranks, what 7B/32B models need)."""
     if not dist.is_initialized():
         return model
+    if fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+        for layer in model.model.layers:
+            fully_shard(layer, **kw)
+        return fully_shard(model, **kw)
     from torch.nn.parallel import DistributedDataParallel as DDP
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@contextmanager
+def grad_sync(model, sync):
+    """Gradient accumulation: skip the cross-rank gradient reduction on all but the last
+    micro-batch (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
+    if sync or not dist.is_initialized():
+        yield
+    elif hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
+def full_state(model, opt=None):
+    """Full (unsharded, CPU) model and optimizer state dicts on rank 0 -- a collective under
+    FSDP2, where each rank holds only shards; the plain state dicts otherwise."""
+    if not is_fsdp(model):
+        return _unwrap(model).state_dict(), (opt.state_dict() if opt is not None else None)
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    o = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=o), (get_optimizer_state_dict(model, opt, options=o) if opt is not None else None)
+
+
+def is_fsdp(model):
+    return type(model).__name__.startswith("FSDP")
 
 
 def precision(name, device):
@@ -216,9 +259,9 @@ def precision(name, device):
 # Data
 
 
-def load_prompts(source, tokenizer, template, max_prompt_len=None, limit=None):
+def load_prompts(source, tokenizer, template, max_prompt_len=None, limit=None, training=False):
     """Problems -> (rows, prompt token ids). Prompts longer than max_prompt_len are dropped."""
-    rows = load_benchmark(source, limit=limit)
+    rows = (load_problems if training else load_benchmark)(source, limit=limit)
     ids = [tokenizer(build_prompt(tokenizer, r["problem"], template), add_special_tokens=False).input_ids
            for r in rows]
     keep = [i for i, x in enumerate(ids) if max_prompt_len is None or len(x) <= max_prompt_len]
@@ -327,6 +370,8 @@ def decode(tokenizer, ro):
 def build_query_cache(model, prompt_ids, pad_id, temperature, device, batch=64, rank=0, world=1):
     """-> list over prompts of 1-D float32 tensors: log p_ref(x_t | x_<t) for t = 2..T."""
     mine = list(range(rank, len(prompt_ids), world))
+    # Same number of forwards on every rank (FSDP2 gathers weights collectively): pad with repeats.
+    mine += mine[-1:] * (-(-len(prompt_ids) // world) - len(mine))
     out = []
     for s in tqdm(range(0, len(mine), batch), desc="query-KL reference cache", disable=rank != 0, leave=False):
         rows = [prompt_ids[i] for i in mine[s:s + batch]]
@@ -342,8 +387,13 @@ def build_query_cache(model, prompt_ids, pad_id, temperature, device, batch=64, 
     return cache
 
 
-def load_or_build_cache(path, meta, model, prompt_ids, pad_id, args, device, rank, world):
-    if os.path.exists(path):
+def load_or_build_cache(path, meta, model, prompt_ids, pad_id, args, device, rank, world, resuming):
+    """A resumed run must reuse its cache (its policy is no longer the reference); a fresh run
+    always rebuilds it, so a stale file from an older run in the same folder is never read."""
+    if resuming:
+        if not os.path.exists(path):
+            raise SystemExit(f"error: resuming but {path} is missing; the reference cache must come "
+                             "from the initial model, so start a fresh run")
         saved = torch.load(path)
         if saved["meta"] != meta:
             raise SystemExit(f"error: {path} was built for {saved['meta']}, this run is {meta}; "
@@ -370,12 +420,17 @@ def heldout_accuracy(model, tokenizer, evalsets, args, eos, rank, world, step):
     out = {}
     for si, (name, (rows, ids)) in enumerate(evalsets.items()):
         mine = list(range(rank, len(rows), world))
-        ro = rollout.sample(_unwrap(model), [ids[i] for i in mine], max_new_tokens=args.max_new_tokens,
-                            eos_ids=eos, pad_id=tokenizer.pad_token_id, temperature=args.eval_temperature,
-                            top_p=1.0, seeds=[row_seed(args.seed, 99, si, i) for i in mine],
-                            sampler=args.sampler, batch_size=args.gen_batch)
-        scores, _ = reward.score_batch(decode(tokenizer, ro), [rows[i]["answer"] for i in mine])
-        res = all_gather_list([(rows[i].get("level"), s) for i, s in zip(mine, scores)])
+        n_mine = len(mine)  # ranks can differ by one problem (or hold none); pad with repeats so
+        mine += [mine[-1] if mine else 0] * (-(-len(rows) // world) - n_mine)  # all sample alike
+        local = []
+        if mine:
+            ro = rollout.sample(_unwrap(model), [ids[i] for i in mine], max_new_tokens=args.max_new_tokens,
+                                eos_ids=eos, pad_id=tokenizer.pad_token_id, temperature=args.eval_temperature,
+                                top_p=1.0, seeds=[row_seed(args.seed, 99, si, i) for i in mine],
+                                sampler=args.sampler, batch_size=args.gen_batch)
+            scores, _ = reward.score_batch(decode(tokenizer, ro), [rows[i]["answer"] for i in mine])
+            local = [(rows[i].get("level"), s) for i, s in zip(mine, scores)][:n_mine]
+        res = all_gather_list(local)
         out[f"eval_acc/{name}"] = sum(s for _, s in res) / len(res)
         for lv in sorted({lv for lv, _ in res if lv is not None}):
             sel = [s for l_, s in res if l_ == lv]
@@ -422,14 +477,14 @@ def train_sft(args, model, tokenizer, rank, world, device, log, on_checkpoint=No
             ids = torch.tensor([x + [pad] * (L - len(x)) for x in mb], device=device)
             mask = torch.tensor([[1] * len(x) + [0] * (L - len(x)) for x in mb], device=device)
             last = s + args.micro_batch >= len(batch)
-            with (nullcontext() if last or not dist.is_initialized() else model.no_sync()):
+            with grad_sync(model, last):
                 logp, _ = rollout.token_logprobs(model, ids, mask)
                 loss = -(logp * mask[:, 1:]).sum() / n_tok  # token-mean NLL over the global batch
                 (loss * world).backward()                  # DDP averages over ranks: undo it
             tot += loss.detach().cpu()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        gn = clip_grad(model, args.grad_clip)
         opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
-        m = {"step": step + 1, "sft_loss": all_sum(tot).item(), "grad_norm": gn.item(),
+        m = {"step": step + 1, "sft_loss": all_sum(tot).item(), "grad_norm": gn,
              "lr": sched.get_last_lr()[0], "step_time": time.time() - t0}
         if on_checkpoint and args.save_every and (step + 1) % args.save_every == 0:
             m.update(on_checkpoint(step + 1))
@@ -476,7 +531,7 @@ def collect(policy, tokenizer, data, step, rank, world, args, algo, eos):
             for i in rank_slice(args.rollout_batch, rank, world, args.update_batch)]
     ro = sample_groups(policy, tokenizer, ids, mine, step, 0, args, eos)
     rewards, acc, counts = score(tokenizer, ro, [rows[i]["answer"] for i in mine for _ in range(G)], args, algo)
-    keep = losses.nonconstant_groups(rewards, G)  # (n_groups,) bool
+    keep = losses.nonconstant_groups(acc, G)  # (n_groups,) bool: DAPO filters on accuracy
     info = {"zero_var_frac": 1 - keep.float().mean().item(), "resample_rounds": 0, **counts}
     first = (ro, rewards, acc, mine)  # the first sample is what train_acc/reward report
     if not algo.dynamic_sampling:
@@ -485,13 +540,13 @@ def collect(policy, tokenizer, data, step, rank, world, args, algo, eos):
     parts, need = [(ro, rewards, keep, mine)], len(mine)
     have = int(keep.sum())
     for r in range(1, args.max_resample_rounds + 1):
-        if have >= need:
-            break
+        if all_sum(torch.tensor(float(have < need))).item() == 0:  # every rank full (ranks sample
+            break                                                   # together: FSDP2 lock-step)
         extra = [step_prompts(len(ids), step * 7919 + r, args.rollout_batch, args.seed + r)[i]
                  for i in rank_slice(args.rollout_batch, rank, world, args.update_batch)]
         ro2 = sample_groups(policy, tokenizer, ids, extra, step, r, args, eos)
-        rw2, _, _ = score(tokenizer, ro2, [rows[i]["answer"] for i in extra for _ in range(G)], args, algo)
-        k2 = losses.nonconstant_groups(rw2, G)
+        rw2, acc2, _ = score(tokenizer, ro2, [rows[i]["answer"] for i in extra for _ in range(G)], args, algo)
+        k2 = losses.nonconstant_groups(acc2, G)
         parts.append((ro2, rw2, k2, extra))
         have += int(k2.sum())
         info["resample_rounds"] = r
@@ -529,7 +584,7 @@ def score_old_and_ref(policy, ref, input_ids, attn, P, args):
     return {k: (torch.cat(v) if v else None) for k, v in outs.items()}
 
 
-def query_weights(algo, gidx, G, prompt_logp, qmask, upd_rows, nll_ref, nll_ref_mean):
+def query_weights(algo, gidx, G, prompt_logp, qmask, valid, upd_rows, nll_ref, nll_ref_mean):
     """Per-row query weights (ERPO.md §4), or None. paper: cached reference NLL, dataset mean,
     clip [0, 2]. code: current-policy NLL (no grad), mean over the global optimizer batch."""
     if algo.weights == "none":
@@ -537,11 +592,12 @@ def query_weights(algo, gidx, G, prompt_logp, qmask, upd_rows, nll_ref, nll_ref_
     if algo.weights == "paper":
         w = losses.query_weights(nll_ref[gidx], mean_nll=nll_ref_mean, clip=(0.0, 2.0))
         return w.repeat_interleave(G)
-    nll = -(prompt_logp * qmask).sum(1)  # (B,) sequence NLL of each row's prompt
-    w = torch.empty_like(nll)
-    for rows in upd_rows:  # batch mean over each global optimizer batch
-        mean = (all_sum(nll[rows].sum()) / all_sum(torch.tensor(float(nll[rows].numel())))).item()
-        w[rows] = losses.query_weights(nll[rows], mean_nll=mean)
+    nll = -torch.where(qmask > 0, prompt_logp, 0.0).sum(1)  # (B,) sequence NLL of each row's prompt
+    w = torch.ones_like(nll)  # DAPO filler rows (valid = 0) keep 1: they carry no loss anyway
+    for rows in upd_rows:  # batch mean over each global optimizer batch, valid rows only
+        v = valid[rows] > 0
+        mean = (all_sum(nll[rows][v].sum()) / all_sum(v.sum().float()).clamp_min(1)).item()
+        w[rows] = torch.where(v, losses.query_weights(nll[rows].clamp_min(1e-8), mean_nll=mean), 1.0)
     return w
 
 
@@ -555,13 +611,15 @@ def ppo_update(model, opt, sched, algo, batch, upd_rows, args, world):
         for rows in upd_rows:
             mask = batch["resp_mask"][rows]
             num_tokens = all_sum(mask.sum().float()).clamp_min(1).item()
-            num_seqs = all_sum(batch["valid"][rows].sum()).clamp_min(1).item()
+            num_seqs = all_sum(batch["valid"][rows].sum()).item()
+            if num_seqs == 0:  # only DAPO filler groups (every rank sees the same count): no step
+                continue
             mbs = microbatches(mask.shape[0], args.micro_batch)
             for k, mb in enumerate(mbs):
                 r = range(*rows.indices(batch["input_ids"].shape[0]))[mb]
                 r = slice(r.start, r.stop)
                 sync = k == len(mbs) - 1 or not dist.is_initialized()
-                with (nullcontext() if sync else model.no_sync()):
+                with grad_sync(model, sync):
                     logp, plogp, _ = forward_logprobs(model, batch["input_ids"][r], batch["attn"][r],
                                                       batch["P"], args.temperature)
                     loss, st = losses.rl_loss(
@@ -574,12 +632,18 @@ def ppo_update(model, opt, sched, algo, batch, upd_rows, args, world):
                     (loss * world).backward()
                 for key, v in st.items():
                     stats[key] = stats.get(key, 0.0) + v.item()
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
+            norms.append(clip_grad(model, args.grad_clip))
             opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
-    n_opt = args.ppo_epochs * len(upd_rows)
+    n_opt = max(1, len(norms))
     out = {k: all_sum(torch.tensor(v)).item() / n_opt for k, v in stats.items()}
-    out["grad_norm"] = sum(norms) / len(norms)
+    out["grad_norm"] = sum(norms) / n_opt
     return out
+
+
+def clip_grad(model, max_norm):
+    """Clip to max_norm (<= 0: no clipping) and return the pre-clip global grad norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # DTensor under FSDP2
 
 
 def rl_step(step, policy, ref, opt, sched, tokenizer, data, cache, algo, args, rank, world, eos, device):
@@ -599,7 +663,8 @@ def rl_step(step, policy, ref, opt, sched, tokenizer, data, cache, algo, args, r
     adv = losses.group_advantages(rewards.to(device), G, algo.advantage)
     rows_per_update = args.update_batch // world * G
     upd_rows = microbatches(input_ids.shape[0], rows_per_update)
-    w = query_weights(algo, torch.tensor(gidx), G, sc["prompt"], qmask, upd_rows, cache["nll"], cache["nll_mean"])
+    w = query_weights(algo, torch.tensor(gidx), G, sc["prompt"], qmask, valid.to(device), upd_rows,
+                      cache["nll"], cache["nll_mean"])
     batch = dict(input_ids=input_ids, attn=attn, P=P, resp_mask=resp_mask, qmask=qmask, valid=valid.to(device),
                  old=sc["old"], ref=sc["ref"], adv=adv, w=None if w is None else w.to(device), qref=qref)
     upd = ppo_update(policy, opt, sched, algo, batch, upd_rows, args, world)
@@ -627,7 +692,7 @@ def rl_step(step, policy, ref, opt, sched, tokenizer, data, cache, algo, args, r
     for k in ("timeout", "error", "no_answer"):
         m[f"reward_{k}"] = all_sum(torch.tensor(float(info.get(k, 0)))).item()
     if algo.dynamic_sampling:
-        m["resample_rounds"] = info["resample_rounds"]
+        m["resample_rounds"] = all_max(torch.tensor(float(info["resample_rounds"]))).item()
         m["kept_groups"] = all_sum(torch.tensor(float(info["kept_groups"]))).item()
     m["step_time"] = time.time() - t0
     return m
@@ -650,7 +715,7 @@ def open_metrics(out, start_step, rank):
         return lambda m: None
     if start_step > 0 and os.path.exists(path):
         with open(path) as f:
-            keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= start_step]
+            keep = [ln for ln in f if _step_of(ln) is not None and _step_of(ln) <= start_step]
         with open(path, "w") as f:
             f.writelines(keep)
     elif start_step == 0 and os.path.exists(path):
@@ -663,27 +728,45 @@ def open_metrics(out, start_step, rank):
     return log
 
 
+def _step_of(line):
+    """The step of a metrics line, or None for a blank or half-written (killed mid-write) line."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return None
+
+
 def save_checkpoint(out, model, tokenizer, opt, sched, step, rank):
     """HF folder (save_pretrained, safetensors) + optimizer/scheduler/step/RNG state, written to a
     temporary folder and renamed, so a run killed mid-save keeps its previous checkpoint."""
-    if rank != 0:
-        return
+    model_sd, opt_sd = full_state(model, opt)  # every rank joins (a collective under FSDP2)
+    if rank == 0:
+        _save_checkpoint(out, model, model_sd, opt_sd, tokenizer, sched, step)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _save_checkpoint(out, model, model_sd, opt_sd, tokenizer, sched, step):
+    import shutil
     tmp, final = os.path.join(out, "ckpt.tmp"), os.path.join(out, "ckpt")
-    _unwrap(model).save_pretrained(tmp)
+    for leftover in (tmp, final + ".old"):  # from a run killed mid-save
+        shutil.rmtree(leftover, ignore_errors=True)
+    _unwrap(model).save_pretrained(tmp, state_dict=model_sd)
     tokenizer.save_pretrained(tmp)
-    torch.save({"step": step, "opt": opt.state_dict(), "sched": sched.state_dict(),
+    torch.save({"step": step, "opt": opt_sd, "sched": sched.state_dict(),
                 "rng": torch.get_rng_state(), "py_rng": random.getstate()}, os.path.join(tmp, "state.pt"))
     if os.path.exists(final):
         os.replace(final, final + ".old")
     os.replace(tmp, final)
-    if os.path.exists(final + ".old"):
-        import shutil
-        shutil.rmtree(final + ".old")
+    shutil.rmtree(final + ".old", ignore_errors=True)
 
 
 def export(model, tokenizer, path, rank):
-    if rank == 0 and path:
-        _unwrap(model).save_pretrained(path)
+    if not path:
+        return
+    model_sd, _ = full_state(model)
+    if rank == 0:
+        _unwrap(model).save_pretrained(path, state_dict=model_sd)
         tokenizer.save_pretrained(path)
 
 
@@ -734,12 +817,12 @@ def main(argv=None):
         raise SystemExit(f"error: cannot load model {args.model!r}: {e}")
     eos = rollout.eos_token_ids(model, tokenizer)
     print0(rank, f"model {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {device}")
-    state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False) if resuming else None
+    state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False) if resuming else None
     start = state["step"] if state else 0
     log = open_metrics(args.out, start, rank)
 
     if args.algo == "sft":
-        model = wrap_ddp(model, device)
+        model = wrap_model(model, device, args.fsdp, bf16=device.type == "cuda" and args.dtype == "auto")
         evalsets = {n: load_prompts(n, tokenizer, args.template, limit=args.eval_limit or None) for n in args.eval_data}
 
         def on_checkpoint(step):  # held-out accuracy along the way + a loadable HF folder
@@ -756,7 +839,7 @@ def main(argv=None):
     algo = algo_from_args(args)
     check_sizes(args, world)
     print0(rank, f"algo {args.algo}: {algo}")
-    data = load_prompts(args.train_data, tokenizer, args.template, args.max_prompt_len)
+    data = load_prompts(args.train_data, tokenizer, args.template, args.max_prompt_len, training=True)
     evalsets = {n: load_prompts(n, tokenizer, args.template, limit=args.eval_limit or None) for n in args.eval_data}
     print_sizes(args, world, rank, len(data[0]))
 
@@ -768,18 +851,24 @@ def main(argv=None):
     if ref is not None:
         ref.requires_grad_(False)
     meta = {"model": args.model, "data": args.train_data, "template": args.template,
-            "temperature": args.temperature, "n": len(data[1])}
+            "temperature": args.temperature, "n": len(data[1]),
+            "prompts_sha1": hashlib.sha1(json.dumps(data[1]).encode()).hexdigest()}
     with amp():
         logp = load_or_build_cache(os.path.join(args.out, "query_cache.pt"), meta, model, data[1],
-                                   tokenizer.pad_token_id, args, device, rank, world)
+                                   tokenizer.pad_token_id, args, device, rank, world, resuming)
     nll = torch.stack([-x.sum() for x in logp])  # s_i = -l_ref(q_i), the paper's query NLL
     cache = {"logp": logp, "nll": nll, "nll_mean": nll.mean().item()}
 
-    model = wrap_ddp(model, device)
+    model = wrap_model(model, device, args.fsdp, bf16=device.type == "cuda" and args.dtype == "auto")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
     if state:
-        opt.load_state_dict(state["opt"]), sched.load_state_dict(state["sched"])
+        if is_fsdp(model):  # a full optimizer state -> this rank's shards
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(model, opt, state["opt"], options=StateDictOptions(full_state_dict=True))
+        else:
+            opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
         torch.set_rng_state(state["rng"]), random.setstate(state["py_rng"])
         print0(rank, f"resumed from {ckpt} at step {start}")
 

@@ -35,6 +35,10 @@ The embedded tiny world (data/tinymath/, made by data/tinymath/prepare.py) is re
 | tiny-ood   | data/tinymath/ood.jsonl  | out-of-distribution phrasing              |
 | tiny-train | data/tinymath/train.jsonl| the RL training problems                  |
 
+Training set: `math-l3to5` = file simplelr_qwen_level3to5/train.parquet of the hub dataset
+hkust-nlp/SimpleRL-Zoo-Data (MATH levels 3-5, 8,523 problems; question / gt_answer, nested
+verl-style answers are found too), or a local math_l3to5.jsonl in data_dir.
+
 Groups: "tiny" = tiny-test + tiny-hard + tiny-ood; "paper" = the six paper benchmarks.
 """
 
@@ -56,6 +60,11 @@ HUB = {
     "olympiadbench": ("math-ai/olympiadbench", None, "test"),
     "amc23": ("math-ai/amc23", None, "test"),
     "olympiadbench-hothan": ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train"),
+}
+# Training sets stored as files inside a hub dataset: name -> (hub id, file in it). MATH levels
+# 3-5 as used by SimpleRL-Zoo / Dr.GRPO and the paper (8,523 problems).
+HUB_FILES = {
+    "math-l3to5": ("hkust-nlp/SimpleRL-Zoo-Data", "simplelr_qwen_level3to5/train.parquet"),
 }
 TINY = {
     "tiny-test": "test.jsonl",
@@ -81,24 +90,26 @@ LOCAL_FILES = {
     "minerva": ["minerva.jsonl", "minerva_math.jsonl"],
     "olympiadbench": ["olympiadbench.jsonl"],
     "amc23": ["amc23.jsonl"],
+    "math-l3to5": ["math_l3to5.jsonl", "math-l3to5.jsonl"],
 }
 
 # Raw field names, in order of preference.
 PROBLEM_KEYS = ["problem", "question", "Problem", "Question"]
-ANSWER_KEYS = ["answer", "final_answer", "Answer", "gt", "ground_truth", "expected_answer"]
+ANSWER_KEYS = ["answer", "final_answer", "Answer", "gt_answer", "gt", "ground_truth", "expected_answer",
+               "extra_info.answer", "reward_model.ground_truth"]  # a.b = nested field (verl parquet)
 SOLUTION_KEYS = ["solution", "Solution"]
 ID_KEYS = ["id", "unique_id", "ID", "problem_idx", "idx"]
 
 
 def known_names():
-    return sorted(set(HUB) | set(TINY) | set(GROUPS))
+    return sorted(set(HUB) | set(HUB_FILES) | set(TINY) | set(GROUPS))
 
 
 def canonical_name(name):
     """Registered name for `name` (case-insensitive, aliases resolved), or None."""
     key = name.strip().lower()
     key = ALIASES.get(key, key)
-    return key if key in HUB or key in TINY or key in GROUPS else None
+    return key if key in HUB or key in HUB_FILES or key in TINY or key in GROUPS else None
 
 
 def expand_benchmarks(names):
@@ -168,8 +179,11 @@ def last_boxed(text):
 
 def _first(row, keys):
     for k in keys:
-        if k in row and row[k] is not None and row[k] != "" and row[k] != []:
-            return k, row[k]
+        v = row
+        for part in k.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        if v is not None and v != "" and v != []:
+            return k.split(".")[0], v
     return None, None
 
 
@@ -235,11 +249,15 @@ def read_rows(path):
     raise ValueError(f"unsupported benchmark file type {path!r} (use .jsonl, .json or .parquet)")
 
 
-def load_hub(hub_id, config=None, split="test"):
-    """Raw rows of a Hugging Face hub dataset (needs network access or a warm HF cache)."""
+def load_hub(hub_id, config=None, split="test", data_file=None):
+    """Raw rows of a Hugging Face hub dataset (needs network access or a warm HF cache);
+    data_file: one file inside the hub repo (then split is "train")."""
     import datasets
     try:
-        ds = datasets.load_dataset(hub_id, config, split=split)
+        if data_file:
+            ds = datasets.load_dataset(hub_id, data_files={"train": data_file}, split="train")
+        else:
+            ds = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:  # offline, renamed, gated...: say what to do instead
         raise ValueError(f"could not load {hub_id} (config={config}, split={split}) from the "
                          f"Hugging Face hub: {type(e).__name__}: {str(e).splitlines()[0][:200]}. "
@@ -264,13 +282,15 @@ def looks_like_path(name):
             or name.lower().endswith((".jsonl", ".json", ".parquet")))
 
 
-def load_benchmark(name_or_path, limit=None, data_dir=None):
+def load_benchmark(name_or_path, limit=None, data_dir=None, skip_bad=False):
     """Load a benchmark or problem set as a list of normalized rows (see module docstring).
 
     name_or_path: registered name (case-insensitive), group name, or a local file path.
     limit: keep the first `limit` rows (quick runs). data_dir: folder with local copies of the
     hub benchmarks (e.g. aime2024.jsonl), tried before the hub; default $ERPO_DATA_DIR.
-    Raises ValueError for an unknown name, a missing file, or rows without problem/answer.
+    Raises ValueError for an unknown name, a missing file, or rows without problem/answer --
+    unless skip_bad, which drops such rows with a printed count (real training sets have a few:
+    2 of the 8,523 MATH L3-5 rows have an empty answer).
     """
     data_dir = data_dir if data_dir is not None else os.environ.get("ERPO_DATA_DIR")
     key = canonical_name(name_or_path)
@@ -285,10 +305,14 @@ def load_benchmark(name_or_path, limit=None, data_dir=None):
         if not os.path.isfile(source):
             raise ValueError(f"{key}: {source} is missing (run python -m data.tinymath.prepare)")
         raw = read_rows(source)
-    elif key in HUB:
+    elif key in HUB or key in HUB_FILES:
         source = _local_copy(key, data_dir)
-        raw = read_rows(source) if source else load_hub(*HUB[key])
-        source = source or HUB[key][0]
+        if source:
+            raw = read_rows(source)
+        elif key in HUB:
+            raw, source = load_hub(*HUB[key]), HUB[key][0]
+        else:
+            raw, source = load_hub(HUB_FILES[key][0], data_file=HUB_FILES[key][1]), HUB_FILES[key][0]
     elif looks_like_path(name_or_path):
         source = name_or_path
         raw = read_rows(source)
@@ -297,7 +321,16 @@ def load_benchmark(name_or_path, limit=None, data_dir=None):
                          f"or a path to a .jsonl/.json/.parquet file")
     if limit is not None:
         raw = raw[:limit]
-    rows = [normalize_row(r, i, source) for i, r in enumerate(raw)]
+    rows, bad = [], 0
+    for i, r in enumerate(raw):
+        try:
+            rows.append(normalize_row(r, i, source))
+        except ValueError:
+            if not skip_bad:
+                raise
+            bad += 1
+    if bad:
+        print(f"{source}: skipped {bad} of {len(raw)} rows without a problem or an answer")
     ids = [r["id"] for r in rows]
     if len(set(ids)) != len(ids):  # resume and per-problem metrics key on the id: must be unique
         rows = [{**r, "id": str(i), "orig_id": r["id"]} for i, r in enumerate(rows)]
@@ -305,8 +338,9 @@ def load_benchmark(name_or_path, limit=None, data_dir=None):
 
 
 def load_problems(name_or_path, limit=None, data_dir=None):
-    """Training problems (e.g. "tiny-train" or the MATH L3-5 jsonl): same rows as load_benchmark."""
-    return load_benchmark(name_or_path, limit=limit, data_dir=data_dir)
+    """Training problems (e.g. "tiny-train" or "math-l3to5"): the rows of load_benchmark, with
+    unusable rows skipped (and counted) rather than fatal."""
+    return load_benchmark(name_or_path, limit=limit, data_dir=data_dir, skip_bad=True)
 
 
 def benchmark_label(name_or_path):

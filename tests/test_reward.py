@@ -15,7 +15,8 @@ sys.path.insert(0, ROOT)
 import reward  # noqa: E402
 from reward import extract_boxed, grade, normalize, score, score_batch  # noqa: E402
 
-BENCH_DIR = "/work/shared/data/benchmarks"
+# the shared benchmark files beside the checkout (../shared), as on CI; tests skip without them
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "benchmarks")
 
 
 # -----------------------------------------------------------------------------

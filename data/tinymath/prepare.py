@@ -3,11 +3,12 @@
     python -m data.tinymath.prepare            # writes data/tinymath/*.jsonl and data/tinymath/base/
 
 Splits (all disjoint by problem text; eval sets are drawn first so training can never contain them):
-    test.jsonl   500  levels 3-5, training phrasings     in-distribution test (plays MATH500)
-    hard.jsonl   300  levels 6-7, training phrasings     harder than training (plays AIME/Olympiad)
-    ood.jsonl    300  levels 3-5, held-out names/objects/phrasings   out-of-distribution
-    train.jsonl 8523  levels 3-5, training phrasings     RL training set (plays MATH L3-5, 8,523)
-    sft.jsonl  30000  levels 1-5, training phrasings     warm-start corpus (not committed: regenerated)
+    test.jsonl   500  levels 3-5, training phrasing      in-distribution test (plays MATH500)
+    hard.jsonl   300  levels 6-7, training phrasing      harder than RL training (plays AIME)
+    ood.jsonl    300  levels 3-5, held-out phrasing      out of RL's distribution (plays Minerva)
+    train.jsonl 8523  levels 3-5, training phrasing      RL training set (plays MATH L3-5, 8,523)
+    sft.jsonl  30000  levels 1-7 training phrasing, 10% levels 1-5 held-out phrasing:
+                      the warm-start corpus, the "pretraining" of the tiny model (not committed)
 
 The tokenizer is a byte-level BPE (as Qwen2's) with digits split one per token, trained on the
 warm-start and RL training text only, so the out-of-distribution words are pieced together from
@@ -22,13 +23,16 @@ import random
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# split name -> (number of problems, levels, phrasing style). Order matters: eval sets first.
+# split name -> parts (number of problems, levels, phrasing style). Order matters: eval sets first.
 SPLITS = {
-    "test": (500, (3, 4, 5), "train"),
-    "hard": (300, (6, 7), "train"),
-    "ood": (300, (3, 4, 5), "ood"),
-    "train": (8523, (3, 4, 5), "train"),
-    "sft": (30000, (1, 2, 3, 4, 5), "train"),
+    "test": [(500, (3, 4, 5), "train")],
+    "hard": [(300, (6, 7), "train")],
+    "ood": [(300, (3, 4, 5), "ood")],
+    "train": [(8523, (3, 4, 5), "train")],
+    # The warm start plays the pretrained base model: it has seen every level and, rarely, the
+    # held-out phrasing (as Qwen2.5-Math has seen competition and science text before RL), while
+    # RL trains on levels 3-5 in the training phrasing only.
+    "sft": [(27000, (1, 2, 3, 4, 5, 6, 7), "train"), (3000, (1, 2, 3, 4, 5), "ood")],
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2.5's chat format, reduced to what the tiny world needs.
@@ -49,15 +53,18 @@ def generate_splits(seed: int) -> dict[str, list[dict]]:
 
     rng = random.Random(seed)
     seen, out = set(), {}
-    for name, (size, levels, style) in SPLITS.items():
+    for name, parts in SPLITS.items():
         rows = []
-        while len(rows) < size:
-            level = levels[len(rows) % len(levels)]  # equal share of each level
-            row = make_problem(rng, level, style)
-            if row["problem"] in seen:
-                continue
-            seen.add(row["problem"])
-            rows.append({"id": f"{name}-{len(rows)}", **row})
+        for size, levels, style in parts:
+            made = 0
+            while made < size:
+                level = levels[made % len(levels)]  # equal share of each level
+                row = make_problem(rng, level, style)
+                if row["problem"] in seen:
+                    continue
+                seen.add(row["problem"])
+                rows.append({"id": f"{name}-{len(rows)}", **row})
+                made += 1
         out[name] = rows
     return out
 
