@@ -587,6 +587,16 @@ def train_eval_gap(rows):
     return sum(gaps) / len(gaps) if gaps else None
 
 
+def _save_step_plot(fig, ax, ylabel, path):
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def plot_runs(runs, out_dir):
     """Fig 1/4: Query-KL vs Policy-KL over steps; plus train vs held-out accuracy per run."""
     plt = _plt()
@@ -604,13 +614,7 @@ def plot_runs(runs, out_dir):
         # log scale: the KLs of different runs and kinds differ by orders of magnitude; the exact
         # zeros of step 1 (policy == reference) are left out rather than breaking the axis
         ax.set_yscale("log", nonpositive="mask")
-        ax.set_xlabel("step")
-        ax.set_ylabel("KL")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "kl.png"))
-        fig.savefig(paths[-1], dpi=120)
+        paths.append(_save_step_plot(fig, ax, "KL", os.path.join(out_dir, "kl.png")))
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -627,13 +631,7 @@ def plot_runs(runs, out_dir):
         lines.append(f"{name}: mean train - held-out accuracy gap = "
                      f"{'-' if gap is None else f'{100 * gap:.2f} pts'}")
     if ax.lines:
-        ax.set_xlabel("step")
-        ax.set_ylabel("accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "train_eval_gap.png"))
-        fig.savefig(paths[-1], dpi=120)
+        paths.append(_save_step_plot(fig, ax, "accuracy", os.path.join(out_dir, "train_eval_gap.png")))
     plt.close(fig)
     print("\n".join(lines))
     print("wrote " + (", ".join(paths) if paths else "no plots (no KL or accuracy keys logged)"))

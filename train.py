@@ -99,7 +99,7 @@ def parse_args(argv=None):
     add("--eps-high", type=float)
     add("--dual-clip", type=float, help="dual-clip constant c (0 = off)")
     add("--agg", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-    add("--dynamic-sampling", type=_bool, help="DAPO: drop groups whose rewards are all equal (true/false)")
+    add("--dynamic-sampling", type=_bool, help="DAPO: drop groups whose accuracies are all equal, resample (true/false)")
     add("--overlong", type=_bool, help="DAPO soft overlong punishment (true/false)")
     add("--overlong-cache", type=int, help="L_cache of the overlong punishment (L_max = --max-new-tokens)")
     add("--max-resample-rounds", type=int, help="dynamic sampling: extra sampling rounds at most")
