@@ -3,9 +3,9 @@
     torchrun train.py --algo erpo --alpha 0.01            # ERPO on the embedded tiny world (CPU ok)
     torchrun train.py --algo grpo                         # the GRPO baseline, same setup
     torchrun --nproc_per_node=8 train.py --config configs/paper_qwen7b.json --algo erpo
-    python train.py --algo sft --model data/tinymath/base --export data/tinymath/warmstart
+    python train.py --algo sft --export data/tinymath/warmstart   # the warm start (from data/tinymath/base)
 
-One RL step reads top to bottom in `main`: pick prompts -> sample G responses each -> rewards ->
+One RL step reads top to bottom in `rl_step`: pick prompts -> sample G responses each -> rewards ->
 advantages (x query weights) -> PPO updates over micro-batches -> log. What distinguishes the
 algorithms is a row of `losses.ALGOS`; every loss term is in `losses.py`.
 """
