@@ -524,7 +524,7 @@ def collect(policy, tokenizer, data, step, rank, world, args, algo, eos):
     per row) and the prompt index of each row. DAPO's dynamic sampling drops groups whose rewards
     are all equal and samples more prompts (at most max_resample_rounds extra rounds) until this
     rank's share is full; if it never fills, the remaining slots are zero-weight groups, so every
-    rank still runs the same number of micro-batches (DDP needs that)."""
+    rank still runs the same number of micro-batches (DDP and FSDP2 need that)."""
     rows, ids = data
     G = args.group_size
     mine = [step_prompts(len(ids), step, args.rollout_batch, args.seed)[i]

@@ -108,15 +108,12 @@ def test_shipped_checkpoint_loads_through_the_real_path():
     assert auto_tok(text).input_ids == tok(text).input_ids
     assert tok.decode(tok(text).input_ids) == text
     assert [tok.decode([t]) for t in tok("123").input_ids] == ["1", "2", "3"]
-    # save/reload keeps the tokens
+    # the chat template wraps the problem as a user turn and opens the assistant turn
     prompt = build_prompt(tok, _rows("test")[0]["problem"], "plain")
     assert prompt.startswith("<|im_start|>user\n") and prompt.endswith("<|im_start|>assistant\n")
     # the warm start writes the paper's format
-    import torch
-
     ids = tok(prompt, add_special_tokens=False).input_ids
     ro = rollout.sample(model2, [ids] * 4, max_new_tokens=64, eos_ids=rollout.eos_token_ids(model2, tok),
                         pad_id=tok.pad_token_id, temperature=1.0, seeds=[0, 1, 2, 3])
     outs = tok.batch_decode(ro.response_ids, skip_special_tokens=True)
     assert sum("<think>" in o and "</think>" in o and "\\boxed{" in o for o in outs) >= 3, outs
-    assert torch.all(ro.finished[:3] | ~ro.finished[:3])  # shapes sane
