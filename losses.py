@@ -3,10 +3,10 @@ The losses: GRPO, Dr.GRPO, DAPO, RLOO and ERPO as small pure functions side by s
 
 Read top to bottom, the whole difference between GRPO and ERPO is visible in `rl_loss` at the end:
 
-    GRPO:  loss = PG(A)      + beta  * PolicyKL_k3(response tokens)        (ERPO.md §5, §8)
-    ERPO:  loss = PG(A * w)  + alpha * QueryKL_k3(prompt tokens)           (ERPO.md §2-§4)
+    GRPO:  loss = PG(A)      + beta  * PolicyKL_k3(response tokens)        (method.md §5, §8)
+    ERPO:  loss = PG(A * w)  + alpha * QueryKL_k3(prompt tokens)           (method.md §2-§4)
 
-where A is the group advantage, w the per-query weight (ERPO.md §4) and both KLs are the k3
+where A is the group advantage, w the per-query weight (method.md §4) and both KLs are the k3
 estimator, one over the response tokens against the reference policy, one over the *prompt*
 tokens against the reference model's (cached) prompt log-likelihoods.
 
@@ -16,10 +16,11 @@ Conventions (every function):
   Masks are 0/1 tensors of the same shape; padded positions must hold finite values.
   Rows of a group are consecutive: rows [k*G, (k+1)*G) are the G responses to prompt k.
 
-This file imports only torch and the standard library.
+This file imports only torch and the standard library. § numbers refer to docs/method.md, which
+writes out every equation implemented here.
 """
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -29,10 +30,11 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 WEIGHT_KINDS = ("none", "paper", "code")
 KL_PLACEMENTS = ("loss", "reward")
 K3_CLAMP = 10.0  # EasyR1 "low_var_kl" and the released ERPO code clamp per-token k3 to [-10, 10]
+# The fixed monitors train.py logs for every algorithm (paper Fig. 1, Table 3): k3, this clamp.
 
 
 # -----------------------------------------------------------------------------
-# KL estimators (ERPO.md §8, "KL estimators")
+# KL estimators (method.md §8, "KL estimators")
 
 def policy_kl(logp, ref_logp, kind="k3", clamp=None):
     """Per-token estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta.
@@ -52,12 +54,16 @@ def policy_kl(logp, ref_logp, kind="k3", clamp=None):
     The sign of log r matters: building it as logp - ref_logp silently makes k1 and k3 estimate
     something else (tests/test_losses.py checks the direction on an exact toy categorical).
 
-    clamp: None, or c > 0 to bound the result to [-c, c] (the released code uses 10 for k3); the
-    log-ratio is then also bounded to [-20, 20] so exp() cannot overflow to inf.
+    clamp: None, or c > 0 to bound k3 to [-c, c] (EasyR1's low_var_kl and the released code use 10);
+    the log-ratio is then also bounded to [-20, 20] so exp() cannot overflow to inf. The clamp acts
+    on k3 ALONE: k1 and k2 are returned unclamped whatever `clamp` says (no reference implementation
+    clamps them, and a clamped k2 would have its gradient cut where |log r| > 4.47; method.md §10).
     """
     if kind not in KL_KINDS:
         raise ValueError(f"policy_kl kind must be one of {KL_KINDS}, got {kind!r}")
     log_r = ref_logp - logp
+    if kind != "k3":
+        clamp = None
     if clamp is not None:
         log_r = log_r.clamp(-20.0, 20.0)
     if kind == "k1":
@@ -71,15 +77,16 @@ def policy_kl(logp, ref_logp, kind="k3", clamp=None):
     return kl
 
 
-def query_kl(logp, ref_logp, mask, clamp=K3_CLAMP):
-    """Per-prompt Query-KL, the ERPO regularizer R_query = KL(rho_theta || rho_theta0) (ERPO.md §2-3).
+def query_kl(logp, ref_logp, mask, kind="k3", clamp=K3_CLAMP):
+    """Per-prompt Query-KL, the ERPO regularizer R_query = KL(rho_theta || rho_theta0) (method.md §2-3).
 
     logp:     (B, T) log p_theta(x_t | x_<t) of the prompt tokens, read from the SAME forward pass
-              that scores the responses (no extra pass; ERPO.md §3).
+              that scores the responses (no extra pass; method.md §3).
     ref_logp: (B, T) the same under the reference model (cached before RL, or a reference worker).
     mask:     (B, T) 1 on prompt tokens after the first one (the first token has no prediction).
-    Returns (B,): per token k3 (delta = ref - logp; exp(delta) - delta - 1, clamped as in the
-    released code), averaged over the prompt tokens of each sequence. Average over sequences with
+    kind: the per-token estimator, k3 in the paper (delta = ref - logp; exp(delta) - delta - 1,
+    clamped as in the released code); k1/k2 as in policy_kl.
+    Returns (B,): the per-token estimate averaged over the prompt tokens of each sequence. Average over sequences with
     aggregate(..., mode="seq-mean") -> the released code's seq-mean-token-mean.
 
     Proposition 1 (structural decoupling): the gradient flows only through the prompt
@@ -87,9 +94,9 @@ def query_kl(logp, ref_logp, mask, clamp=K3_CLAMP):
     causal LM's prompt log-probs do not see the response, so changing the responses leaves this
     term's gradient unchanged (tested with a tiny Qwen2 in tests/test_losses.py).
     """
-    k3 = policy_kl(logp, ref_logp, "k3", clamp=clamp)
-    mask = mask.to(k3.dtype)
-    return (k3 * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+    kl = policy_kl(logp, ref_logp, kind, clamp=clamp)
+    mask = mask.to(kl.dtype)
+    return (kl * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
 
 
 def kl_penalized_rewards(rewards, logp, ref_logp, mask, beta, kind="k1"):
@@ -105,7 +112,7 @@ def kl_penalized_rewards(rewards, logp, ref_logp, mask, beta, kind="k1"):
 
 
 # -----------------------------------------------------------------------------
-# Advantages and batch shaping (ERPO.md §8)
+# Advantages and batch shaping (method.md §8)
 
 def _groups(x, group_size):
     """(B,) -> (n_groups, G) view, with a clear error when B is not a multiple of G."""
@@ -170,7 +177,7 @@ def overlong_penalty(lengths, max_len, cache_len):
 
 
 def query_weights(nll, mean_nll=None, clip=None):
-    """Query reweighting w_i = mean_nll / nll_i (ERPO.md §4). nll (N,) -> (N,), no gradient.
+    """Query reweighting w_i = mean_nll / nll_i (method.md §4). nll (N,) -> (N,), no gradient.
 
     Typical queries (low NLL) get more weight; strange ones (high NLL) breed strange responses and
     are turned down. The weight multiplies the policy-gradient term (the advantage) of every
@@ -194,7 +201,7 @@ def query_weights(nll, mean_nll=None, clip=None):
 
 
 # -----------------------------------------------------------------------------
-# Policy-gradient surrogate and loss aggregation (ERPO.md §8)
+# Policy-gradient surrogate and loss aggregation (method.md §8)
 
 def ppo_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.0):
     """PPO clipped surrogate, per token.
@@ -229,7 +236,10 @@ def aggregate(values, mask=None, mode="token-mean", num_tokens=None, num_seqs=No
       "token-mean":              sum(v*m) / num_tokens                       (DAPO, EasyR1 default)
       "seq-mean-token-mean":     sum_i (sum_t v*m / sum_t m) / num_seqs      (original GRPO)
       "seq-mean-token-sum-norm": sum(v*m) / (num_seqs * max_len)             (Dr.GRPO; max_len =
-                                 the configured max response length, a constant - required)
+                                 the configured max response length, a constant - required).
+                                 As in the Dr.GRPO paper and TRL's `dr_grpo`; verl's mode of the
+                                 same name divides by max_len only (num_seqs times larger), which
+                                 matters because gradient clipping makes the loss scale matter.
       "seq-mean" ((B,) values):  sum(v*m) / num_seqs                         (e.g. query_kl output)
 
     Each mode returns a SUM over this micro-batch divided by a denominator of the whole optimizer
@@ -265,65 +275,81 @@ def aggregate(values, mask=None, mode="token-mean", num_tokens=None, num_seqs=No
 
 
 # -----------------------------------------------------------------------------
-# The algorithm table: each name maps to its parts; individual flags override any part.
+# The algorithm table: each name maps to its parts. Every field is a loss hyperparameter and
+# becomes a command-line flag of train.py (--adv, --kl, --weight-clip, ...), generated from the
+# field's name, default and metadata: a new knob is one line here.
+
+def _knob(default, help, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
 
 @dataclass(frozen=True)
 class Algo:
-    advantage: str = "grpo"          # grpo | drgrpo | rloo
-    policy_kl: str | None = "k3"     # estimator for the Policy-KL term, None = no Policy-KL
-    beta: float = 0.01               # Policy-KL coefficient
-    kl_in: str = "loss"              # "loss" (GRPO) | "reward" (RLOO: R - beta * sum k1)
-    alpha: float = 0.0               # Query-KL coefficient (0 = no Query-KL term)
-    weights: str = "none"            # none | paper | code   (query reweighting, ERPO.md §4)
-    eps_low: float = 0.2
-    eps_high: float = 0.3            # EasyR1 default
-    dual_clip: float | None = 3.0
-    agg: str = "token-mean"
-    dynamic_sampling: bool = False   # DAPO: keep only groups with non-constant rewards
-    overlong: bool = False           # DAPO: soft overlong punishment added to the reward
-    doc: str = ""                    # one line: what it changes relative to GRPO
+    adv: str = _knob("grpo", "advantage estimator (method.md §8)", ADVANTAGES)
+    adv_eps: float = _knob(1e-6, "epsilon of GRPO's (R - mean) / (std + eps)")
+    kl: str | None = _knob("k3", "Policy-KL estimator (none = no Policy-KL term)", KL_KINDS)
+    beta: float = _knob(0.01, "Policy-KL coefficient")
+    kl_in: str = _knob("loss", "where the Policy-KL goes: the loss (GRPO) or the reward (RLOO)", KL_PLACEMENTS)
+    kl_clamp: float = _knob(K3_CLAMP, "per-token clamp [-c, c] of k3 estimators (Policy- and Query-KL)")
+    alpha: float = _knob(0.0, "Query-KL coefficient (0 = no Query-KL term)")
+    qkl_estimator: str = _knob("k3", "per-token estimator of the Query-KL", KL_KINDS)
+    weights: str = _knob("none", "query reweighting (method.md §4)", WEIGHT_KINDS)
+    weight_clip: tuple[float, float] = _knob((0.0, 2.0), "clip range of the paper query weights")
+    eps_low: float = _knob(0.2, "PPO clip: ratio >= 1 - eps_low")
+    eps_high: float = _knob(0.3, "PPO clip: ratio <= 1 + eps_high (EasyR1 default; DAPO clip-higher 0.28)")
+    dual_clip: float | None = _knob(3.0, "dual-clip constant c > 1 (0 = off)")
+    agg: str = _knob("token-mean", "loss aggregation (aggregate())", AGG_MODES)
+    dynamic_sampling: bool = _knob(False, "DAPO: drop groups whose accuracies are all equal, resample")
+    overlong: bool = _knob(False, "DAPO soft overlong punishment added to the reward")
+    overlong_cache: int = _knob(16, "L_cache of the overlong punishment (L_max = --max-new-tokens)")
+    doc: str = field(default="", compare=False)  # one line: what it changes relative to GRPO
 
     @property
     def has_policy_kl_loss(self):
-        return self.policy_kl is not None and self.kl_in == "loss" and self.beta > 0
+        return self.kl is not None and self.kl_in == "loss" and self.beta > 0
 
 
-_DAPO = dict(policy_kl=None, beta=0.0, eps_low=0.2, eps_high=0.28, dual_clip=None,
+_DAPO = dict(kl=None, beta=0.0, eps_low=0.2, eps_high=0.28, dual_clip=None,
              dynamic_sampling=True, overlong=True)
 
 ALGOS: dict[str, Algo] = {
     "grpo": Algo(doc="baseline (EasyR1 defaults): group-normalized advantage, k3 Policy-KL in the loss (beta 0.01)"),
-    "erpo": Algo(policy_kl=None, beta=0.0, alpha=0.01, weights="paper",
+    "erpo": Algo(kl=None, beta=0.0, alpha=0.01, weights="paper",
                  doc="GRPO with Policy-KL replaced by Query-KL (alpha 0.01) and paper query weights"),
     "grpo-star": Algo(weights="paper", doc="GRPO* : GRPO (with Policy-KL) + paper query weights, no Query-KL"),
-    "qkl": Algo(policy_kl=None, beta=0.0, alpha=0.01,
+    "qkl": Algo(kl=None, beta=0.0, alpha=0.01,
                 doc="'Query-KL only': Query-KL (alpha 0.01) replaces Policy-KL, no query weights"),
-    "drgrpo": Algo(advantage="drgrpo", policy_kl=None, beta=0.0, eps_high=0.2, dual_clip=None,
+    "drgrpo": Algo(adv="drgrpo", kl=None, beta=0.0, eps_high=0.2, dual_clip=None,
                    agg="seq-mean-token-sum-norm",
                    doc="Dr.GRPO: advantage R - mean (no std), no KL, seq-mean-token-sum-norm, clip 0.2/0.2"),
     "dapo": Algo(**_DAPO, doc="DAPO: no KL, clip-higher 0.2/0.28, no dual-clip, dynamic sampling, overlong punishment"),
     "dapo-erpo": Algo(**_DAPO, alpha=0.01, weights="paper", doc="DAPO + Query-KL (alpha 0.01) + paper query weights"),
-    "rloo": Algo(advantage="rloo", kl_in="reward", policy_kl="k1",
+    "rloo": Algo(adv="rloo", kl_in="reward", kl="k1",
                  doc="RLOO: leave-one-out advantage, k1 KL as a reward penalty (beta 0.01) instead of a loss term"),
-    "rloo-erpo": Algo(advantage="rloo", policy_kl=None, beta=0.0, alpha=0.01, weights="paper",
+    "rloo-erpo": Algo(adv="rloo", kl=None, beta=0.0, alpha=0.01, weights="paper",
                       doc="RLOO advantage, no Policy-KL, Query-KL (alpha 0.01) + paper query weights"),
 }
-
-_CHOICES = {"advantage": ADVANTAGES, "policy_kl": (None,) + KL_KINDS, "kl_in": KL_PLACEMENTS,
-            "weights": WEIGHT_KINDS, "agg": AGG_MODES}
 
 
 def validate_algo(algo):
     """Raise ValueError (naming the allowed values) if any field of `algo` is out of range."""
-    for name, allowed in _CHOICES.items():
-        if getattr(algo, name) not in allowed:
-            raise ValueError(f"Algo.{name} must be one of {allowed}, got {getattr(algo, name)!r}")
+    for f in fields(Algo):
+        allowed = f.metadata.get("choices")
+        value = getattr(algo, f.name)
+        if allowed and not (value in allowed or (f.name == "kl" and value is None)):
+            raise ValueError(f"Algo.{f.name} must be one of {allowed}, got {value!r}")
     if algo.beta < 0 or algo.alpha < 0:
         raise ValueError(f"beta and alpha must be >= 0, got beta={algo.beta}, alpha={algo.alpha}")
     if not (0 <= algo.eps_low < 1 and algo.eps_high >= 0):
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {algo.eps_low}, {algo.eps_high}")
     if algo.dual_clip is not None and algo.dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1 (or None to disable), got {algo.dual_clip}")
+    lo, hi = algo.weight_clip
+    if not 0 <= lo < hi:
+        raise ValueError(f"weight_clip must be (lo, hi) with 0 <= lo < hi, got {algo.weight_clip}")
+    if algo.kl_clamp <= 0 or algo.adv_eps < 0 or algo.overlong_cache < 1:
+        raise ValueError(f"need kl_clamp > 0, adv_eps >= 0, overlong_cache >= 1, got {algo.kl_clamp}, "
+                         f"{algo.adv_eps}, {algo.overlong_cache}")
     return algo
 
 
@@ -331,22 +357,41 @@ def make_algo(name, **overrides):
     """ALGOS[name] with the non-None overrides applied, validated.
 
     None means "not given" (e.g. an unset CLI flag), so to switch a part off pass the string
-    "none": policy_kl="none" (no Policy-KL term), dual_clip="none" (no dual-clip).
+    "none": kl="none" (no Policy-KL term), dual_clip="none" or 0 (no dual-clip).
     Setting beta > 0 on an algorithm without a Policy-KL estimator is an error (say which one).
     """
     if name not in ALGOS:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGOS)}")
-    known = {f.name for f in fields(Algo)}
+    known = {f.name for f in fields(Algo)} - {"doc"}
     unknown = set(overrides) - known
     if unknown:
         raise ValueError(f"unknown Algo field(s) {sorted(unknown)}; fields are {sorted(known)}")
-    given = {k: (None if v == "none" and k in ("policy_kl", "dual_clip") else v)
-             for k, v in overrides.items() if v is not None}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given.get("kl") == "none":
+        given["kl"] = None
+    if given.get("dual_clip") in ("none", 0, 0.0):
+        given["dual_clip"] = None
+    if "weight_clip" in given:
+        given["weight_clip"] = tuple(given["weight_clip"])
     algo = validate_algo(replace(ALGOS[name], **given))
-    if "beta" in given and algo.beta > 0 and algo.policy_kl is None:
+    if "beta" in given and algo.beta > 0 and algo.kl is None:
         raise ValueError(f"beta={algo.beta} but {name!r} has no Policy-KL term; "
-                         f"also pass policy_kl (one of {KL_KINDS})")
+                         f"also pass kl (one of {KL_KINDS})")
     return algo
+
+
+def unused_fields(algo):
+    """Fields of `algo` that cannot change its loss or reward (so setting one is a mistake):
+    the Policy-KL's estimator and placement when beta = 0, its beta when there is no estimator,
+    the Query-KL estimator when alpha = 0, the clip range of weights that are not clipped, ..."""
+    policy_kl = algo.kl is not None and algo.beta > 0
+    query_kl = algo.alpha > 0
+    k3 = (policy_kl and algo.kl == "k3") or (query_kl and algo.qkl_estimator == "k3")
+    unused = {"kl": algo.beta == 0, "kl_in": not policy_kl, "beta": algo.kl is None,
+              "kl_clamp": not k3, "qkl_estimator": not query_kl,
+              "weight_clip": algo.weights != "paper", "adv_eps": algo.adv != "grpo",
+              "overlong_cache": not algo.overlong}
+    return {name for name, is_unused in unused.items() if is_unused}
 
 
 # -----------------------------------------------------------------------------
@@ -359,7 +404,7 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights,
     Response side (B, T_r): logp (with grad), old_logp (rollout policy), ref_logp (reference policy;
       may be None when no Policy-KL term is in the loss), resp_mask.
     advantages (B,) or (B, T_r); weights (B,) query weights of each response's prompt, or None when
-      algo.weights == "none" (ERPO.md §4: they scale the PG term only, never the Query-KL term).
+      algo.weights == "none" (method.md §4: they scale the PG term only, never the Query-KL term).
     Prompt side (B, T_p): prompt_logp (with grad, from the same forward pass), prompt_ref_logp
       (cached reference), prompt_mask (prompt tokens after the first). May be None when alpha == 0;
       when given with alpha == 0 the Query-KL is still reported (GRPO's Query-KL drift, Table 3).
@@ -379,7 +424,7 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights,
              "clip_frac": aggregate(clipped.float(), resp_mask, "token-mean", num_tokens).detach()}
 
     if ref_logp is not None:
-        kl = aggregate(policy_kl(logp, ref_logp, algo.policy_kl or "k3", clamp=K3_CLAMP), resp_mask, algo.agg, **denom)
+        kl = aggregate(policy_kl(logp, ref_logp, algo.kl or "k3", clamp=algo.kl_clamp), resp_mask, algo.agg, **denom)
         if algo.has_policy_kl_loss:
             loss = loss + algo.beta * kl                                           # + beta * PolicyKL
         stats["policy_kl"] = kl.detach()
@@ -387,7 +432,8 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights,
         raise ValueError("this algorithm has a Policy-KL loss term: ref_logp is required")
 
     if prompt_logp is not None and prompt_ref_logp is not None:
-        qkl = aggregate(query_kl(prompt_logp, prompt_ref_logp, prompt_mask), None, "seq-mean", num_seqs=num_seqs)
+        qkl = aggregate(query_kl(prompt_logp, prompt_ref_logp, prompt_mask, algo.qkl_estimator, algo.kl_clamp),
+                        None, "seq-mean", num_seqs=num_seqs)
         if algo.alpha > 0:
             loss = loss + algo.alpha * qkl                                         # + alpha * QueryKL
         stats["query_kl"] = qkl.detach()

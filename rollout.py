@@ -56,7 +56,7 @@ def _default_attn_implementation() -> str:
 
 def _load_tokenizer(path):
     """transformers 5.x: AutoTokenizer in a folder with a Qwen2 config.json returns Qwen2Tokenizer
-    and silently replaces a custom tokenizer's normalizer/pre-tokenizer (ENV-NOTES). A tokenizer
+    and silently replaces a custom tokenizer's normalizer/pre-tokenizer (method.md §9). A tokenizer
     saved as a plain PreTrainedTokenizerFast is therefore loaded as exactly that; anything else
     (e.g. Qwen2.5-Math's own Qwen2Tokenizer) goes through AutoTokenizer."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -76,14 +76,19 @@ def _load_tokenizer(path):
 def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None):
     """Load (model, tokenizer) from a HF folder (or hub id on machines that have the hub).
 
-    dtype: bfloat16 on CUDA devices, float32 otherwise, unless given.
+    device: a torch device, or "auto" (CUDA when available).
+    dtype: bfloat16 on CUDA devices, float32 otherwise, unless given ("auto" = not given).
     attn_implementation: "flash_attention_2" when CUDA is available and flash_attn imports, else
     "sdpa", unless given. The tokenizer gets a pad token (eos if missing) and left padding, which
     is what batched decoding needs.
     """
     from transformers import AutoModelForCausalLM
 
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
+    if dtype == "auto":
+        dtype = None
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):
@@ -122,6 +127,16 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 # The rollout container
 
 
+@dataclass(frozen=True)
+class SampleSpec:
+    """How responses are decoded, shared by training rollouts and held-out evaluation."""
+    max_new_tokens: int
+    eos_ids: list
+    pad_id: int
+    sampler: str = "kv"                # "kv" (our KV-cache loop) or "hf" (model.generate)
+    batch_size: int | None = None      # rows per sampler call
+
+
 @dataclass
 class Rollout:
     prompt_ids: torch.LongTensor  # (B, P) LEFT-padded with pad_id
@@ -138,12 +153,136 @@ class Rollout:
     def to(self, device) -> "Rollout":
         return Rollout(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
-    def input_ids(self):
-        """(ids, mask) of the concatenated [prompt | response], ready for `token_logprobs`; the
-        response log-probs are then logp[:, P-1:] (P = prompt width)."""
-        ids = torch.cat([self.prompt_ids, self.response_ids], 1)
-        mask = torch.cat([self.prompt_mask, self.response_mask], 1)
-        return ids, mask
+    def take(self, idx) -> "Rollout":
+        """Rows `idx` (an index tensor, list or slice)."""
+        return Rollout(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+
+    def packed(self) -> "Packed":
+        """The one [left-padded prompt | right-padded response] layout every forward uses."""
+        return Packed(input_ids=torch.cat([self.prompt_ids, self.response_ids], 1),
+                      attention_mask=torch.cat([self.prompt_mask, self.response_mask], 1),
+                      prompt_tok_mask=self.prompt_mask[:, 1:] * self.prompt_mask[:, :-1],
+                      P=self.prompt_ids.shape[1])
+
+
+@dataclass
+class Packed:
+    """A rollout row is [left-padded prompt | right-padded response], width P + R. One forward
+    over it gives both the response log-probs (policy loss) and the prompt log-probs (Query-KL,
+    method.md §3). Position j of a token_logprobs output scores token j+1, so the prompt slice
+    [:, :P-1] scores the prompt tokens after the first one (prompt_tok_mask needs the previous
+    token to be a real prompt token too) and the response slice is [:, P-1:]."""
+    input_ids: torch.LongTensor        # (B, P+R)
+    attention_mask: torch.LongTensor   # (B, P+R)
+    prompt_tok_mask: torch.LongTensor  # (B, P-1)
+    P: int
+
+    def rows(self, sl) -> "Packed":
+        return Packed(self.input_ids[sl], self.attention_mask[sl], self.prompt_tok_mask[sl], self.P)
+
+
+@dataclass
+class TokenScores:
+    response: torch.Tensor             # (B, R) log p of each response token (on logits / T)
+    prompt: torch.Tensor               # (B, P-1) log p of prompt tokens 2..P (mask: prompt_tok_mask)
+    entropy: torch.Tensor | None       # (B, R) entropy of each response position, or None
+
+
+def score_tokens(model, packed: Packed, temperature, with_entropy=False) -> TokenScores:
+    """One forward over [prompt | response] -> response and prompt log-probs (and entropy)."""
+    logp, ent = token_logprobs(model, packed.input_ids, packed.attention_mask, temperature, with_entropy)
+    P = packed.P
+    return TokenScores(logp[:, P - 1:], logp[:, :P - 1], None if ent is None else ent[:, P - 1:])
+
+
+def cat_rollouts(ros: list["Rollout"], pad_id) -> "Rollout":
+    """Concatenate Rollouts of different widths (prompts stay left-padded, responses right-padded)."""
+    if len(ros) == 1:
+        return ros[0]
+    return Rollout(
+        prompt_ids=_cat_padded([r.prompt_ids for r in ros], pad_id, left=True),
+        prompt_mask=_cat_padded([r.prompt_mask for r in ros], 0, left=True),
+        response_ids=_cat_padded([r.response_ids for r in ros], pad_id, left=False),
+        response_mask=_cat_padded([r.response_mask for r in ros], 0, left=False),
+        logprobs=_cat_padded([r.logprobs for r in ros], 0.0, left=False),
+        finished=torch.cat([r.finished for r in ros]))
+
+
+@dataclass
+class Graded:
+    """One sampling round: G responses per prompt (consecutive rows), graded."""
+    ro: Rollout
+    rewards: torch.Tensor           # (B,) what enters the advantages (shaping included)
+    acc: torch.Tensor               # (B,) 0/1 correctness
+    prompt_idx: list                # (B / G,) training-set index of each group's prompt
+    counts: dict                    # grader outcome counts
+    keep: torch.Tensor | None = None  # (B / G,) bool: groups worth training on (DAPO)
+
+
+@dataclass
+class KeptGroups:
+    ro: Rollout
+    rewards: torch.Tensor           # (B,)
+    valid: torch.Tensor             # (B,) 1 for kept groups, 0 for filler
+    prompt_idx: list                # (B / G,)
+
+
+def fill_groups(rounds: list[Graded], need, G, pad_id) -> KeptGroups:
+    """DAPO's dynamic sampling: from the sampling rounds, keep up to `need` groups marked `keep`,
+    then fill the remaining slots with dropped groups marked invalid (valid = 0: they carry no
+    loss), so every rank ends with the same number of rows."""
+    chosen, filler = [], []
+    for ri, rd in enumerate(rounds):
+        for g in range(len(rd.prompt_idx)):
+            (chosen if rd.keep[g] else filler).append((ri, g))
+    slots = chosen[:need] + filler[:max(0, need - len(chosen))]
+    n_valid = min(need, len(chosen))
+    valid = torch.tensor([1.0] * n_valid + [0.0] * (need - n_valid))
+    ros, rws, gidx = [], [], []
+    for ri, g in slots:
+        rd, sel = rounds[ri], torch.arange(g * G, (g + 1) * G)
+        ros.append(rd.ro.take(sel)), rws.append(rd.rewards[sel]), gidx.append(rd.prompt_idx[g])
+    return KeptGroups(cat_rollouts(ros, pad_id), torch.cat(rws), valid.repeat_interleave(G), gidx)
+
+
+def decode_responses(tokenizer, ro: Rollout) -> list[str]:
+    lens = ro.response_mask.sum(1).tolist()
+    return tokenizer.batch_decode([ids[:n] for ids, n in zip(ro.response_ids.tolist(), lens)],
+                                  skip_special_tokens=True)
+
+
+def right_align(seqs: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Stack 1-D tensors right-aligned into (B, width) (zeros on the left), matching the
+    left-padded prompt layout (e.g. cached prompt log-probs next to Packed's prompt slice)."""
+    out = torch.zeros(len(seqs), width)
+    for i, s in enumerate(seqs):
+        s = s[-width:] if len(s) > width else s
+        if len(s):
+            out[i, width - len(s):] = s
+    return out
+
+
+_FNV_OFFSET, _FNV_PRIME, _M64 = 1469598103934665603, 1099511628211, 0xFFFFFFFFFFFFFFFF
+
+
+def row_seed(*parts) -> int:
+    """A 62-bit sampling seed named by its parts (FNV-1a over 64-bit words), the same on every
+    rank and in every process: training rollouts seed a row by (seed, step, round, prompt,
+    sample), evaluate.py a sample by (salt, benchmark, problem id, temperature, index). A str part
+    enters as the FNV-1a hash of its UTF-8 bytes."""
+    h = _FNV_OFFSET
+    for x in parts:
+        if isinstance(x, str):
+            x = _fnv_bytes(x.encode())
+        h = ((h ^ (int(x) & _M64)) * _FNV_PRIME) & _M64
+    return h >> 2
+
+
+def _fnv_bytes(b: bytes) -> int:
+    h = _FNV_OFFSET
+    for byte in b:
+        h = ((h ^ byte) * _FNV_PRIME) & _M64
+    return h
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,7 +384,8 @@ def _any_across_ranks(flag: bool, device) -> bool:
     return bool(t.item() > 0)
 
 
-def _left_pad(prompts, pad_id, device):
+def left_pad(prompts, pad_id, device):
+    """Token-id lists -> (ids, mask) (B, P), left-padded so every row's last token is at P-1."""
     P = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), P), dtype=torch.long)
@@ -263,7 +403,7 @@ def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
-    ids, mask = _left_pad(prompts, pad_id, dev)
+    ids, mask = left_pad(prompts, pad_id, dev)
     B = ids.shape[0]
     cache_kw, has_keep = _forward_kwargs(model)
     keep = {"logits_to_keep": 1} if has_keep else {}
@@ -321,7 +461,7 @@ def _sample_hf(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
     from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
     dev = next(model.parameters()).device
-    ids, mask = _left_pad(prompts, pad_id, dev)
+    ids, mask = left_pad(prompts, pad_id, dev)
     P = ids.shape[1]
     eos_list = eos.tolist()
     cfg = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_list, pad_token_id=pad_id,
@@ -366,21 +506,7 @@ def _cat_padded(ts, pad, left: bool):
     return torch.cat(padded, 0)
 
 
-@torch.no_grad()
-def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_p=1.0,
-           seeds=None, sampler="kv", batch_size=None, progress=False, lockstep=None) -> Rollout:
-    """Sample one response per prompt (repeat prompts G times for G samples each).
-
-    prompts: list of token-id lists (no padding). eos_ids: int or list of ints. temperature 0 is
-    greedy. top_p: nucleus filtering (1.0 = off); note the returned logprobs are NOT renormalised
-    over the nucleus -- they are log_softmax(logits / T), what the training forward recomputes.
-    seeds: one int per row (see the module docstring), or None for torch's global RNG.
-    sampler: "kv" (own KV-cache loop, default) or "hf" (model.generate; keeps every step's
-    logits in memory, a reference for tests and benchmarks). batch_size: decode rows in chunks
-    of this many. lockstep: keep ranks in step (auto: True for FSDP2-sharded models in a
-    multi-rank process group); then every rank must call sample() with the same batch_size.
-    Returns a Rollout on the model's device.
-    """
+def _check_sample_args(prompts, max_new_tokens, temperature, top_p, seeds, sampler, batch_size):
     if sampler not in ("kv", "hf"):
         raise ValueError(f"sampler must be 'kv' or 'hf', got {sampler!r}")
     if not prompts:
@@ -398,6 +524,23 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
 
+
+@torch.no_grad()
+def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_p=1.0,
+           seeds=None, sampler="kv", batch_size=None, progress=False, lockstep=None) -> Rollout:
+    """Sample one response per prompt (repeat prompts G times for G samples each).
+
+    prompts: list of token-id lists (no padding). eos_ids: int or list of ints. temperature 0 is
+    greedy. top_p: nucleus filtering (1.0 = off); note the returned logprobs are NOT renormalised
+    over the nucleus -- they are log_softmax(logits / T), what the training forward recomputes.
+    seeds: one int per row (see the module docstring), or None for torch's global RNG.
+    sampler: "kv" (own KV-cache loop, default) or "hf" (model.generate; keeps every step's
+    logits in memory, a reference for tests and benchmarks). batch_size: decode rows in chunks
+    of this many. lockstep: keep ranks in step (auto: True for FSDP2-sharded models in a
+    multi-rank process group); then every rank must call sample() with the same batch_size.
+    Returns a Rollout on the model's device.
+    """
+    _check_sample_args(prompts, max_new_tokens, temperature, top_p, seeds, sampler, batch_size)
     m = _unwrap(model)
     dev = next(m.parameters()).device
     seeded = seeds is not None

@@ -116,13 +116,11 @@ def main():
         s2 = (whole.response_ids == rev.response_ids.flip(0)).all(1).sum().item()
         s3 = (whole.response_ids == whole.response_ids).all(1).sum().item()
         print(f"seeded re-batching: chunked {s1}/{B}, reversed {s2}/{B} rows identical (self {s3})")
-        ids, mask = whole.input_ids()
         with torch.no_grad():
-            lp, ent = R.token_logprobs(model, ids, mask, temperature=args.temperature, with_entropy=True)
-        P = whole.prompt_ids.shape[1]
-        diff = (whole.logprobs - lp[:, P - 1 :] * whole.response_mask).abs()
+            sc = R.score_tokens(model, whole.packed(), args.temperature, with_entropy=True)
+        diff = (whole.logprobs - sc.response * whole.response_mask).abs()
         print(f"sampled logprob vs token_logprobs: max |diff| {diff.max():.3e}, mean {diff.mean():.3e}; "
-              f"mean entropy {ent[:, P - 1:][whole.response_mask.bool()].mean():.3f}")
+              f"mean entropy {sc.entropy[whole.response_mask.bool()].mean():.3f}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,14 @@
 
 Training (train.py) and evaluation (evaluate.py) both call `build_prompt`, so a checkpoint is
 always evaluated with the template it was trained on. The *whole* prompt, chat template included,
-is the query q whose log-likelihood l_theta(q) the Query-KL regularizes (ERPO.md §2).
+is the query q whose log-likelihood l_theta(q) the Query-KL regularizes (method.md §2).
 """
 
-# The instruction appended to every problem in the paper (ERPO.md §5).
+from dataclasses import dataclass
+
+import torch
+
+# The instruction appended to every problem in the paper (method.md §5).
 PAPER_INSTRUCTION = (
     "You FIRST think about the reasoning process as an internal monologue and then provide the "
     "final answer. The reasoning process MUST BE enclosed within <think> </think> tags. "
@@ -35,3 +39,43 @@ def build_prompt(tokenizer, problem: str, template: str = "paper") -> str:
             [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
         )
     return user + "\n"
+
+
+def encode_prompts(tokenizer, problems, template: str) -> list[list[int]]:
+    """One token-id list per problem row ({"problem": ...}): the templated prompt, no BOS added."""
+    return [tokenizer(build_prompt(tokenizer, p["problem"], template), add_special_tokens=False).input_ids
+            for p in problems]
+
+
+@dataclass
+class PromptSet:
+    """Problem rows and their prompt token ids, index-aligned."""
+    rows: list[dict]
+    ids: list[list[int]]
+
+    def __len__(self):
+        return len(self.rows)
+
+
+def load_prompt_set(source, tokenizer, template, max_prompt_len=None, limit=None, training=False) -> PromptSet:
+    """A benchmark or training set, encoded. Training sets skip (and count) rows without a problem
+    or an answer; prompts longer than max_prompt_len are dropped, with a count."""
+    from data.benchmarks import load_benchmark, load_problems
+
+    rows = (load_problems if training else load_benchmark)(source, limit=limit)
+    ids = encode_prompts(tokenizer, rows, template)
+    keep = [i for i, x in enumerate(ids) if max_prompt_len is None or len(x) <= max_prompt_len]
+    if len(keep) < len(rows):
+        print(f"dropped {len(rows) - len(keep)} of {len(rows)} prompts longer than {max_prompt_len} tokens")
+    return PromptSet([rows[i] for i in keep], [ids[i] for i in keep])
+
+
+def step_indices(n_data, step, batch, seed) -> list[int]:
+    """Indices of the problems of step `step`: an epoch-wise shuffle (drop_last), so a run is a
+    function of (seed, step) and resuming needs no data-loader state."""
+    per_epoch = n_data // batch
+    if per_epoch == 0:
+        raise ValueError(f"batch {batch} is larger than the data set ({n_data})")
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n_data, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
+    return perm[k * batch:(k + 1) * batch]

@@ -48,6 +48,29 @@ def test_kl_clamp():
         policy_kl(logp, ref, "k4")
 
 
+def test_kl_clamp_acts_on_k3_alone():
+    """k1/k2 are never clamped (no reference implementation does; a clamped k2 loses its gradient
+    where |log r| > sqrt(20) = 4.47): values and gradients equal the unclamped ones."""
+    logp = torch.tensor([0.0, -8.0, -1.0], requires_grad=True)
+    ref = torch.tensor([-9.0, 0.0, -1.5])
+    for kind in ("k1", "k2"):
+        a = policy_kl(logp, ref, kind, clamp=10.0)
+        b = policy_kl(logp, ref, kind, clamp=None)
+        torch.testing.assert_close(a, b)
+        (ga,) = torch.autograd.grad(a.sum(), logp)
+        (gb,) = torch.autograd.grad(b.sum(), logp)
+        torch.testing.assert_close(ga, gb)
+    k2 = policy_kl(logp, ref, "k2", clamp=10.0)
+    assert k2[0].item() == pytest.approx(40.5) and k2[1].item() == pytest.approx(32.0)   # > 10
+    (g,) = torch.autograd.grad(k2.sum(), logp)
+    assert g[0].item() == pytest.approx(9.0) and g[1].item() == pytest.approx(-8.0)      # not cut
+    algo = make_algo("grpo", kl="k2")
+    kw = dict(_inputs(), weights=None)
+    kw["ref_logp"] = kw["logp"].detach() - 6.0                                           # |log r| = 6
+    loss, stats = rl_loss(algo, **kw)
+    assert stats["policy_kl"].item() == pytest.approx(18.0)                               # 0.5 * 6^2
+
+
 def _expected_grad(kind):
     """Exact E_{x~pi_theta}[grad_theta k(x)]: sum over categories with DETACHED pi_theta weights
     (the sampling distribution is not differentiated), k computed on differentiable log-probs."""
@@ -420,30 +443,42 @@ def test_make_algo():
         assert make_algo(name) == ALGOS[name] and ALGOS[name].doc
     a = make_algo("grpo", eps_high=0.28, alpha=None, beta=None)
     assert a.eps_high == 0.28 and a.beta == 0.01 and a.alpha == 0.0
-    assert make_algo("grpo", policy_kl="none").policy_kl is None
+    assert make_algo("grpo", kl="none").kl is None
     assert make_algo("grpo", dual_clip="none").dual_clip is None
     assert make_algo("erpo", weights="code").weights == "code"
-    assert make_algo("erpo", policy_kl="k3", beta=0.01).has_policy_kl_loss
-    bad = [("foo", {}), ("grpo", {"advantage": "ppo"}), ("grpo", {"weights": "yes"}), ("grpo", {"agg": "mean"}),
-           ("grpo", {"policy_kl": "k4"}), ("grpo", {"kl_in": "both"}), ("grpo", {"dual_clip": 0.5}),
+    assert make_algo("erpo", kl="k3", beta=0.01).has_policy_kl_loss
+    bad = [("foo", {}), ("grpo", {"adv": "ppo"}), ("grpo", {"weights": "yes"}), ("grpo", {"agg": "mean"}),
+           ("grpo", {"kl": "k4"}), ("grpo", {"kl_in": "both"}), ("grpo", {"dual_clip": 0.5}),
            ("grpo", {"beta": -1.0}), ("grpo", {"betaa": 0.1}), ("erpo", {"beta": 0.05})]
     for name, kw in bad:
         with pytest.raises(ValueError):
             make_algo(name, **kw)
     with pytest.raises(ValueError, match="drgrpo"):                       # message lists allowed values
-        make_algo("grpo", advantage="ppo")
+        make_algo("grpo", adv="ppo")
 
 
 def test_algo_table_parts():
     A = ALGOS
     assert A["grpo"] == Algo(doc=A["grpo"].doc)                            # grpo = the defaults
-    assert A["grpo"].has_policy_kl_loss and A["grpo"].policy_kl == "k3" and A["grpo"].alpha == 0
+    assert A["grpo"].has_policy_kl_loss and A["grpo"].kl == "k3" and A["grpo"].alpha == 0
     assert (A["grpo"].eps_low, A["grpo"].eps_high, A["grpo"].dual_clip) == (0.2, 0.3, 3.0)
     for n in ("erpo", "qkl", "dapo-erpo", "rloo-erpo"):
         assert A[n].alpha == 0.01 and not A[n].has_policy_kl_loss
     d = A["dapo"]
-    assert (d.eps_high, d.dual_clip, d.dynamic_sampling, d.overlong, d.policy_kl) == (0.28, None, True, True, None)
+    assert (d.eps_high, d.dual_clip, d.dynamic_sampling, d.overlong, d.kl) == (0.28, None, True, True, None)
     assert A["dapo-erpo"].dynamic_sampling and A["dapo-erpo"].weights == "paper"
-    assert (A["drgrpo"].advantage, A["drgrpo"].agg, A["drgrpo"].eps_high) == ("drgrpo", "seq-mean-token-sum-norm", 0.2)
-    assert (A["rloo"].advantage, A["rloo"].kl_in, A["rloo"].policy_kl, A["rloo"].beta) == ("rloo", "reward", "k1", 0.01)
-    assert A["rloo-erpo"].advantage == "rloo"
+    assert (A["drgrpo"].adv, A["drgrpo"].agg, A["drgrpo"].eps_high) == ("drgrpo", "seq-mean-token-sum-norm", 0.2)
+    assert (A["rloo"].adv, A["rloo"].kl_in, A["rloo"].kl, A["rloo"].beta) == ("rloo", "reward", "k1", 0.01)
+    assert A["rloo-erpo"].adv == "rloo"
+
+
+def test_unused_fields_and_weight_clip():
+    from losses import unused_fields
+    assert {"kl", "kl_in", "beta"} <= unused_fields(ALGOS["erpo"]) and "kl_clamp" not in unused_fields(ALGOS["erpo"]) and \
+        "qkl_estimator" not in unused_fields(ALGOS["erpo"]) and "weight_clip" not in unused_fields(ALGOS["erpo"])
+    assert {"qkl_estimator", "weight_clip", "overlong_cache"} <= unused_fields(ALGOS["grpo"])
+    assert "kl" not in unused_fields(ALGOS["grpo"]) and "overlong_cache" not in unused_fields(ALGOS["dapo"])
+    assert "kl" not in unused_fields(make_algo("erpo", kl="k2", beta=0.01))            # ERPO + Policy-KL
+    assert make_algo("erpo", weight_clip=[0.5, 1.5]).weight_clip == (0.5, 1.5)
+    with pytest.raises(ValueError, match="weight_clip"):
+        make_algo("erpo", weight_clip=(1.0, 0.5))

@@ -67,10 +67,9 @@ def test_greedy_kv_matches_hf_and_unpadded(model):
 def test_sampled_logprobs_match_recomputed(model, temperature, top_p):
     ro = R.sample(model, PROMPTS * 2, max_new_tokens=10, eos_ids=[1], pad_id=0,
                   temperature=temperature, top_p=top_p, seeds=list(range(12)))
-    ids, mask = ro.input_ids()
-    logp, _ = R.token_logprobs(model, ids, mask, temperature=temperature)
-    P = ro.prompt_ids.shape[1]
-    resp_logp = logp[:, P - 1 :] * ro.response_mask  # position P-1 predicts the first response token
+    packed = ro.packed()
+    ids, mask, P = packed.input_ids, packed.attention_mask, packed.P
+    resp_logp = R.score_tokens(model, packed, temperature).response * ro.response_mask
     assert ro.logprobs.dtype == torch.float32
     torch.testing.assert_close(ro.logprobs, resp_logp.detach(), atol=1e-4, rtol=0)
     assert (ro.logprobs[ro.response_mask == 0] == 0).all()

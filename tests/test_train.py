@@ -37,7 +37,7 @@ def run(out, data, *extra, steps=2):
 
 
 KEYS = {"step", "reward", "train_acc", "query_kl", "policy_kl", "entropy", "response_len",
-        "grad_norm", "step_time", "clip_frac", "zero_var_frac"}
+        "grad_norm", "step_time", "clip_frac", "zero_var_frac", "loss_query_kl"}
 
 
 def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data):
@@ -93,6 +93,33 @@ def test_derived_sizes_and_bad_input(capsys, tmp_path, small_data):
                     "--update-batch", "4"])
     with pytest.raises(SystemExit):
         train.main(["--algo", "nope"])
+
+
+def test_loss_knobs_are_flags_and_inert_ones_are_errors(capsys, tmp_path):
+    """Every losses.Algo field is a flag; one that cannot act on the algorithm is an argparse
+    error (exit 2) when given on the command line, but a config file may set it."""
+    for argv, inert in ((["--algo", "erpo", "--kl", "k2"], "--kl"),
+                        (["--algo", "grpo", "--weight-clip", "0.5", "1.5"], "--weight-clip"),
+                        (["--algo", "grpo", "--qkl-estimator", "k2"], "--qkl-estimator"),
+                        (["--algo", "erpo", "--overlong-cache", "8"], "--overlong-cache")):
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{inert} cannot act on --algo {argv[1]}" in err, err
+    _, algo = train.parse_args(["--algo", "erpo", "--kl", "k2", "--beta", "0.02"])  # ERPO + Policy-KL
+    assert algo.kl == "k2" and algo.beta == 0.02 and algo.has_policy_kl_loss
+    _, algo = train.parse_args(["--algo", "erpo", "--weight-clip", "0.5", "1.5"])
+    assert algo.weight_clip == (0.5, 1.5)
+    _, algo = train.parse_args(["--algo", "dapo", "--overlong-cache", "8", "--dual-clip", "0"])
+    assert algo.overlong_cache == 8 and algo.dual_clip is None
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"kl": "k2", "weight_clip": [0.5, 1.5], "steps": 3}))
+    args, algo = train.parse_args(["--config", str(cfg), "--algo", "erpo"])   # defaults: fine
+    assert args.steps == 3 and algo.kl == "k2" and algo.beta == 0
+    cfg.write_text('{"steps": 3,}')
+    with pytest.raises(SystemExit):
+        train.parse_args(["--config", str(cfg)])
+    assert "c.json:1: not valid JSON" in capsys.readouterr().err
 
 
 def _torchrun(nproc, out, data, *extra):

@@ -82,7 +82,7 @@ def train_tokenizer(texts: list[str], vocab_size: int = 768):
 
     tok = Tokenizer(models.BPE())
     # Exactly Qwen2's normalizer and pre-tokenizer: transformers' AutoTokenizer re-applies Qwen2's
-    # own to any tokenizer next to a Qwen2 config.json (ENV-NOTES), so anything else would be
+    # own to any tokenizer next to a Qwen2 config.json (docs/method.md §9), so anything else would be
     # silently replaced. tests/test_world.py checks both loaders tokenize alike.
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -2,7 +2,7 @@
 
 Each problem is a short story: a start count, then events that each change the count, then a
 question. Every event is one or two arithmetic steps, and the worked solution writes one step per
-line inside <think> </think>, then the answer in \\boxed{} (the paper's format, ERPO.md §5), e.g.
+line inside <think> </think>, then the answer in \\boxed{} (the paper's format, method.md §5), e.g.
 
     Mia has 23 apples. Mia gives 5 apples to Tom. Mia buys 4 bags with 6 apples in each bag.
     How many apples does Mia have now?

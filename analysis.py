@@ -1,0 +1,172 @@
+"""Look at what training did: KL and accuracy curves of runs, and the paper's Appendix D study.
+
+    python analysis.py runs runs/grpo runs/erpo --out results/tiny        # Fig. 1/4, Tables 4-5
+    python analysis.py nll --model data/tinymath/warmstart --benchmarks tiny-test \\
+        --max-new-tokens 96 --out results/nll                             # Appendix D
+
+`runs` plots Query-KL vs Policy-KL over steps (kl.png) and training vs held-out accuracy
+(train_eval_gap.png) from each run's metrics.jsonl, and prints the mean train - held-out gap.
+`nll` samples one response per problem and relates the query's mean per-token NLL to the
+response's (one forward over [prompt | response]): their Pearson correlation is the paper's
+motivation for query weights (method.md §4).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+import heldout
+import plots
+import rollout
+import run_dir
+from data.benchmarks import benchmark_label, expand_benchmarks, load_benchmark
+from data.prompts import TEMPLATES
+
+# ----------------------------------------------------------------------------- training runs
+
+
+def read_metrics(run):
+    """Rows of a training run's metrics.jsonl (RUN_DIR or the file itself)."""
+    path = os.path.join(run, "metrics.jsonl") if os.path.isdir(run) else run
+    if not os.path.isfile(path):
+        raise ValueError(f"no metrics.jsonl in {run}")
+    return run_dir.read_jsonl(path)
+
+
+def train_eval_gap(rows):
+    """Tables 4-5: mean of (train_acc - eval_acc) over the steps that logged both, or None."""
+    gaps = [r["train_acc"] - r["eval_acc"] for r in rows
+            if r.get("train_acc") is not None and r.get("eval_acc") is not None]
+    return sum(gaps) / len(gaps) if gaps else None
+
+
+def analyze_runs(runs, out_dir):
+    label = plots.short_labels([os.path.normpath(r) for r in runs])
+    data = {label[os.path.normpath(r)]: read_metrics(r) for r in runs}
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [p for p in (plots.kl_over_steps(data, os.path.join(out_dir, "kl.png")),
+                         plots.train_vs_heldout(data, os.path.join(out_dir, "train_eval_gap.png"))) if p]
+    for name, rows in data.items():
+        gap = train_eval_gap(rows)
+        print(f"{name}: mean train - held-out accuracy gap = {'-' if gap is None else f'{100 * gap:.2f} pts'}")
+    print("wrote " + (", ".join(paths) if paths else "no plots (no KL or accuracy keys logged)"))
+    return paths
+
+
+# ----------------------------------------------------------------------------- Appendix D
+
+
+def query_response_nll(model, ro: rollout.Rollout):
+    """Mean per-token NLL of each prompt (tokens after the first) and of each response, from one
+    forward over [prompt | response] at temperature 1 (the model's own likelihood).
+    -> (query NLLs, response NLLs, query token counts, response token counts), lists of B."""
+    packed = ro.packed()
+    with torch.no_grad():
+        s = rollout.score_tokens(model, packed, 1.0)
+    q_mask, r_mask = packed.prompt_tok_mask.bool(), ro.response_mask.bool()
+    q = -torch.where(q_mask, s.prompt, 0.0).sum(1) / q_mask.sum(1).clamp(min=1)
+    r = -torch.where(r_mask, s.response, 0.0).sum(1) / r_mask.sum(1).clamp(min=1)
+    return q.tolist(), r.tolist(), q_mask.sum(1).tolist(), r_mask.sum(1).tolist()
+
+
+def pearson(xs, ys):
+    n = len(xs)
+    if n < 2:
+        return float("nan")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+
+
+def nll_pairs(model, tokenizer, key, bench, rows, args):
+    """One response per problem of one benchmark -> records of (query NLL, response NLL)."""
+    out, bs = [], args.batch_size
+    for s in tqdm(range(0, len(rows), bs), desc=f"nll {bench}", disable=args.no_progress):
+        chunk = rows[s:s + bs]
+        samples, ro = heldout.generate_samples(
+            model, tokenizer, chunk, args.temperature, {p["id"]: [0] for p in chunk}, benchmark=bench,
+            template=args.template, max_new_tokens=args.max_new_tokens, batch_size=bs, seed=args.seed,
+            sampler=args.sampler)
+        q, r, nq, nr = query_response_nll(model, ro)
+        correct, _ = heldout.grade([x["completion"] for x in samples], [p["answer"] for p in chunk])
+        for p, qi, ri, a, b, c in zip(chunk, q, r, nq, nr, correct):
+            out.append({"model": key, "benchmark": bench, "id": p["id"], "query_nll": qi, "response_nll": ri,
+                        "query_tokens": a, "response_tokens": b, "correct": bool(c)})
+    return out
+
+
+def analyze_nll(args):
+    """nll_pairs.jsonl, the Pearson correlation per model x benchmark, and a scatter plot."""
+    benches = {benchmark_label(b): load_benchmark(b, limit=args.limit, data_dir=args.data_dir)
+               for b in expand_benchmarks(args.benchmarks)}
+    pairs = []
+    for path, key in zip(args.model, args.labels or [os.path.normpath(m) for m in args.model]):
+        model, tokenizer = rollout.load_policy(path, device=args.device, dtype=args.dtype)
+        for bench, rows in benches.items():
+            pairs += nll_pairs(model.eval(), tokenizer, key, bench, rows, args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "nll_pairs.jsonl"), "w") as f:
+        f.writelines(json.dumps(p) + "\n" for p in pairs)
+    lines, groups = [], {}
+    for key in dict.fromkeys(p["model"] for p in pairs):
+        for bench in benches:
+            sel = [p for p in pairs if p["model"] == key and p["benchmark"] == bench]
+            xs, ys = [p["query_nll"] for p in sel], [p["response_nll"] for p in sel]
+            rho = pearson(xs, ys)
+            lines.append(f"{key} on {bench}: Pearson r(query NLL, response NLL) = {rho:.3f} over {len(sel)} problems")
+            groups[f"{plots.short_labels([key])[key]} / {bench} (r={rho:.2f})"] = (xs, ys)
+    plots.nll_scatter(groups, os.path.join(args.out, "nll_scatter.png"))
+    print("\n".join(lines))
+    with open(os.path.join(args.out, "nll_correlation.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return pairs
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("runs", help="KL and train vs held-out accuracy plots of training runs")
+    r.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    r.add_argument("--out", default="results/runs")
+    n = sub.add_parser("nll", help="Appendix D: query NLL vs response NLL per problem")
+    n.add_argument("--model", nargs="+", required=True)
+    n.add_argument("--labels", nargs="+")
+    n.add_argument("--benchmarks", nargs="+", default=["tiny-test"])
+    n.add_argument("--data-dir", default=None)
+    n.add_argument("--limit", type=int, default=None)
+    n.add_argument("--temperature", type=float, default=1.0)
+    n.add_argument("--max-new-tokens", type=int, default=256)
+    n.add_argument("--template", choices=sorted(TEMPLATES), default="plain")
+    n.add_argument("--batch-size", type=int, default=64)
+    n.add_argument("--sampler", choices=["kv", "hf"], default="kv")
+    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--device", default="auto")
+    n.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    n.add_argument("--out", default="results/nll")
+    n.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.cmd == "runs":
+            return analyze_runs(args.runs, args.out)
+        return analyze_nll(args)
+    except ValueError as e:  # a missing run folder or benchmark file: one line, no traceback
+        print(f"analysis.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""torchrun plumbing: process group, DDP / FSDP2 wrapping, cross-rank reductions.
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain `python train.py` is world size 1 and every
+helper here is then a no-op, so the training script reads the same either way. The distributed
+engine is PyTorch's own (DDP, or FSDP2's `fully_shard`); nothing here re-implements one.
+"""
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup() -> Dist:
+    """Join the process group torchrun describes: gloo on CPU, nccl on GPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(rank, world, device)
+
+
+def teardown():
+    """Leave the process group together: a rank that destroys it while another still has
+    collectives in flight can abort the job at exit (seen once with gloo under FSDP2)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def is_main() -> bool:
+    """Rank 0 (or the only process): the one that prints and writes files."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print0(*a):
+    if is_main():
+        print(*a, flush=True)
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+# Reductions (identity on one process)
+
+
+def all_sum(x: torch.Tensor, op=None) -> torch.Tensor:
+    """Reduce a tensor over ranks (sum by default). nccl reduces only CUDA tensors, so CPU
+    scalars make a round trip."""
+    if not dist.is_initialized():
+        return x
+    y = x.detach().clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(y, op=op or dist.ReduceOp.SUM)
+    return y.to(x.device)
+
+
+def all_max(x: torch.Tensor) -> torch.Tensor:
+    return all_sum(x, dist.ReduceOp.MAX) if dist.is_initialized() else x
+
+
+def all_gather_list(items: list) -> list:
+    """Concatenate per-rank Python lists in rank order."""
+    if not dist.is_initialized():
+        return items
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapping the policy
+
+
+def wrap_model(model, device, fsdp=False, bf16=False):
+    """DDP (a full replica per rank), or FSDP2 (`fully_shard` each decoder layer, then the root:
+    parameters, gradients and Adam state sharded across ranks, what 7B/32B models need)."""
+    if not dist.is_initialized():
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+        for layer in model.model.layers:
+            fully_shard(layer, **kw)
+        return fully_shard(model, **kw)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def unwrap(model):
+    """The module inside a DDP wrapper (FSDP2 modules are the model itself)."""
+    return getattr(model, "module", model)
+
+
+def is_fsdp(model) -> bool:
+    return type(model).__name__.startswith("FSDP")
+
+
+@contextmanager
+def grad_sync(model, sync):
+    """Gradient accumulation: skip the cross-rank gradient reduction on all but the last
+    micro-batch (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
+    if sync or not dist.is_initialized():
+        yield
+    elif hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
+def full_state(model, opt=None):
+    """Full (unsharded, CPU) model and optimizer state dicts -- a collective under FSDP2, where
+    each rank holds only shards; the plain state dicts otherwise."""
+    if not is_fsdp(model):
+        return unwrap(model).state_dict(), (opt.state_dict() if opt is not None else None)
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    o = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=o), (get_optimizer_state_dict(model, opt, options=o) if opt is not None else None)
+
+
+def load_optimizer_state(model, opt, state):
+    """A full optimizer state dict -> this rank's optimizer (its shards under FSDP2)."""
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        opt.load_state_dict(state)
+
+
+def precision(name, device):
+    """-> (parameter dtype, autocast context factory). "auto": float32 master weights with bf16
+    autocast on CUDA (updates of lr ~1e-6 vanish in bf16 weights), plain float32 on CPU."""
+    from contextlib import nullcontext
+    if name == "auto" and device.type == "cuda":
+        return torch.float32, lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return (torch.float32 if name == "auto" else getattr(torch, name)), nullcontext

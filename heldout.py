@@ -1,0 +1,86 @@
+"""Sampling held-out problems: the held-out accuracy logged during training, and the named,
+seeded samples evaluate.py (and the NLL study of analysis.py) grade.
+
+During training: one sample per problem at a fixed temperature, graded by reward.py, logged as
+eval_acc/<set> and eval_acc/<set>/L<level> (the paper's Tables 4-5 compare it with the training
+accuracy). The full protocol (temperature grid, n samples, pass@k) is evaluate.py.
+"""
+
+import torch
+
+import distributed
+import reward
+import rollout
+from data.prompts import PromptSet, encode_prompts
+
+
+def _strided_share(n, rank, world):
+    """Problem indices of this rank, padded with repeats so every rank samples the same number of
+    rows (FSDP2 ranks decode in lock-step); -> (indices, how many are real)."""
+    mine = list(range(rank, n, world))
+    n_mine = len(mine)
+    mine += [mine[-1] if mine else 0] * (-(-n // world) - n_mine)
+    return mine, n_mine
+
+
+@torch.no_grad()
+def heldout_accuracy(model, tokenizer, evalsets: dict[str, PromptSet], spec: rollout.SampleSpec, temperature,
+                     seed) -> dict:
+    """-> {"eval_acc": acc on the first set, "eval_acc/<name>": ..., "eval_acc/<name>/L<level>": ...}."""
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
+        if torch.distributed.is_initialized() else (0, 1)
+    out = {}
+    for si, (name, ps) in enumerate(evalsets.items()):
+        mine, n_mine = _strided_share(len(ps), rank, world)
+        local = []
+        if mine:
+            ro = rollout.sample(distributed.unwrap(model), [ps.ids[i] for i in mine],
+                                max_new_tokens=spec.max_new_tokens, eos_ids=spec.eos_ids, pad_id=spec.pad_id,
+                                temperature=temperature, top_p=1.0,
+                                seeds=[rollout.row_seed(seed, 99, si, i) for i in mine],
+                                sampler=spec.sampler, batch_size=spec.batch_size)
+            scores, _ = reward.score_batch(rollout.decode_responses(tokenizer, ro), [ps.rows[i]["answer"] for i in mine])
+            local = [(ps.rows[i].get("level"), s) for i, s in zip(mine, scores)][:n_mine]
+        res = distributed.all_gather_list(local)
+        out[f"eval_acc/{name}"] = sum(s for _, s in res) / len(res)
+        for lv in sorted({lv for lv, _ in res if lv is not None}):
+            sel = [s for l_, s in res if l_ == lv]
+            out[f"eval_acc/{name}/L{lv}"] = sum(sel) / len(sel)
+    if evalsets:
+        out["eval_acc"] = out[f"eval_acc/{next(iter(evalsets))}"]
+    return out
+
+
+def generate_samples(model, tokenizer, problems, temperature, sample_indices, *, benchmark, template,
+                     max_new_tokens, top_p=1.0, batch_size=None, seed=0, sampler="kv"):
+    """Sample the responses (problem, i) for i in sample_indices[problem id]; no grading. The
+    seed of a sample is row_seed(salt, benchmark, problem id, temperature, i): it depends only on
+    what the sample is, never on batching, order or which model, so resumed and re-run
+    evaluations draw the same samples and every model sees the same noise.
+
+    Returns one dict per sample: id, sample, completion, num_tokens, finished, plus the Rollout
+    (rows in the same order) for callers that need token ids (the NLL analysis).
+    """
+    eos = rollout.eos_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    rows, prompts, seeds = [], [], []
+    for p, ids in zip(problems, encode_prompts(tokenizer, problems, template)):
+        for i in sample_indices[p["id"]]:
+            rows.append((p["id"], i))
+            prompts.append(ids)
+            seeds.append(rollout.row_seed(seed, benchmark, str(p["id"]), f"{round(float(temperature), 6):g}", i))
+    ro = rollout.sample(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad,
+                        temperature=temperature, top_p=top_p, seeds=seeds, sampler=sampler, batch_size=batch_size)
+    out = []
+    for (pid, i), r_ids, r_mask, fin in zip(rows, ro.response_ids.tolist(), ro.response_mask.tolist(),
+                                            ro.finished.tolist()):
+        toks = [t for t, m in zip(r_ids, r_mask) if m]
+        out.append({"id": pid, "sample": i, "completion": tokenizer.decode(toks, skip_special_tokens=True),
+                    "num_tokens": len(toks), "finished": bool(fin)})
+    return out, ro
+
+
+def grade(completions, answers, timeout=reward.DEFAULT_TIMEOUT):
+    """-> (correct: list[bool], extracted answers: list[str|None]), accuracy only."""
+    scores, _ = reward.score_batch(completions, answers, format_reward=False, timeout=timeout)
+    return [s > 0.5 for s in scores], [reward.extract_boxed(c) for c in completions]

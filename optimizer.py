@@ -1,0 +1,22 @@
+"""The optimizer step: AdamW, a linear warm-up then constant LR, and gradient clipping.
+
+Constant after warm-up (no decay) on purpose: every prefix of a run is itself a run, so a resumed
+or shortened run is the same run, and the SFT warm start's length can be picked from one curve.
+"""
+
+import torch
+
+
+def adamw(model, lr, weight_decay, betas=(0.9, 0.999)):
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+
+
+def warmup_then_constant(opt, warmup_steps):
+    """LR multiplier (s + 1) / warmup for the first `warmup_steps` optimizer steps, then 1."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
+
+
+def clip_grad(model, max_norm) -> float:
+    """Clip to max_norm (<= 0: no clipping) and return the pre-clip global grad norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # DTensor under FSDP2

@@ -1,0 +1,121 @@
+"""Command-line options from one table, plus the loss knobs generated from `losses.Algo`.
+
+An entry script writes each option exactly once, as a row (name, default, help[, choices]); the
+flag is --name-with-dashes, its type comes from the default. Every field of `losses.Algo` becomes a
+flag too (--adv, --kl, --weight-clip, ...): unset, it keeps the chosen algorithm's own value. A
+JSON --config file sets defaults (same keys); flags given on the command line override it.
+"""
+
+import argparse
+import json
+from dataclasses import MISSING, dataclass, fields
+
+import losses
+
+
+def parse_bool(s):
+    if str(s).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(s).lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+
+def _add(parser, name, default, help, choices=None):
+    """One flag. Every flag's argparse default is None, so "given on the command line" is
+    `value is not None`; the table default is applied after the config file."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(default, bool):          # --fsdp, --fsdp true, --fsdp false
+        parser.add_argument(flag, nargs="?", const=True, type=parse_bool, help=help + " (true/false)")
+    elif isinstance(default, (list, tuple)) and len(default) == 2 and all(isinstance(x, float) for x in default):
+        parser.add_argument(flag, nargs=2, type=float, metavar=("LO", "HI"), help=help)
+    elif isinstance(default, list):
+        parser.add_argument(flag, nargs="*", help=help)
+    else:
+        kind = str if default is None else type(default)
+        parser.add_argument(flag, type=kind, choices=choices, help=f"{help} (default: {default})")
+
+
+def algo_knobs():
+    """(name, default, help, choices) of every losses.Algo field that is a loss hyperparameter."""
+    out = []
+    for f in fields(losses.Algo):
+        if "help" not in f.metadata:
+            continue
+        choices = f.metadata.get("choices")
+        if f.name == "kl":
+            choices = (*choices, "none")
+        default = f.default if f.default is not MISSING else None
+        out.append((f.name, default, f.metadata["help"] + " [default: the algorithm's own]", choices))
+    return out
+
+
+def build_parser(table, description):
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="JSON file of defaults (keys as the flags, with _), e.g. configs/paper_qwen7b.json")
+    for row in table:
+        _add(p, *row)
+    g = p.add_argument_group("loss knobs (fields of losses.Algo; unset = the algorithm's own value)")
+    for row in algo_knobs():
+        _add(g, *row)
+    return p
+
+
+def _read_config(path, known, parser):
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except OSError as e:
+        parser.error(f"cannot read --config {path}: {e.strerror}")
+    except json.JSONDecodeError as e:
+        parser.error(f"{path}:{e.lineno}: not valid JSON: {e.msg} (check commas and quotes)")
+    if not isinstance(cfg, dict):
+        parser.error(f"{path}: expected a JSON object of option: value")
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        parser.error(f"{path}: unknown keys {unknown}")
+    return cfg
+
+
+@dataclass
+class Parsed:
+    args: argparse.Namespace      # every table option and every Algo knob (None = algorithm's own)
+    cli: set                      # names given on the command line
+    config_keys: set              # names set by the --config file
+    parser: argparse.ArgumentParser
+
+    def error(self, msg):
+        self.parser.error(msg)    # argparse-style: usage line, message, exit status 2
+
+
+def parse(argv, table, description) -> Parsed:
+    """Table default < config file < command line."""
+    parser = build_parser(table, description)
+    ns = parser.parse_args(argv)
+    cfg = {name: default for name, default, *_ in table}
+    cfg.update({name: None for name, *_ in algo_knobs()})
+    from_file = _read_config(ns.config, set(cfg), parser) if ns.config else {}
+    cfg.update(from_file)
+    cli = {k for k, v in vars(ns).items() if v is not None and k != "config"}
+    cfg.update({k: getattr(ns, k) for k in cli})
+    return Parsed(argparse.Namespace(**cfg), cli, set(from_file), parser)
+
+
+def make_algo(parsed: Parsed):
+    """losses.make_algo(args.algo, knobs...), where a knob given on the command line that cannot act
+    on the chosen algorithm is an error (a config file may set defaults for unused parts)."""
+    args = parsed.args
+    try:
+        algo = losses.make_algo(args.algo, **{k: getattr(args, k) for k, *_ in algo_knobs()})
+    except ValueError as e:
+        parsed.error(str(e))
+    inert = sorted(parsed.cli & losses.unused_fields(algo))
+    if inert:
+        flags = ", ".join("--" + k.replace("_", "-") for k in inert)
+        parsed.error(f"{flags} cannot act on --algo {args.algo} as configured ({algo_summary(algo)}); "
+                     "e.g. a Policy-KL estimator needs --beta > 0, a Query-KL estimator --alpha > 0")
+    return algo
+
+
+def algo_summary(algo):
+    return ", ".join(f"{f.name}={getattr(algo, f.name)}" for f in fields(algo) if f.name != "doc")

@@ -1,0 +1,122 @@
+"""Figures: accuracy vs temperature (the paper's Figs 5-6), Query-KL / Policy-KL and train vs
+held-out accuracy over training steps (Figs 1 and 4), and the query/response NLL scatter (App. D).
+
+matplotlib is imported on first use (Agg backend: files only, no display needed).
+"""
+
+import math
+import os
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def short_labels(names):
+    """Display names: drop the path prefix all names share (runs/grpo/final -> grpo/final)."""
+    if len(names) < 2:
+        return {m: m for m in names}
+    parts = [os.path.normpath(m).split(os.sep) for m in names]
+    common = 0
+    while all(len(p) > common + 1 for p in parts) and len({p[common] for p in parts}) == 1:
+        common += 1
+    return {m: os.sep.join(p[common:]) for m, p in zip(names, parts)}
+
+
+def accuracy_vs_temperature(summary, path, metric=None, avg_key="Avg."):
+    """One panel per benchmark (and the average), one line per model; `summary` as built by
+    evaluate.summarize."""
+    plt = _plt()
+    metric = metric or f"avg@{summary['n']}"
+    benches = summary["benchmarks"] + ([avg_key] if len(summary["benchmarks"]) > 1 else [])
+    label = short_labels(summary["models"])
+    cols = min(3, len(benches))
+    rows = math.ceil(len(benches) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
+    for ax, b in zip(axes.flat, benches):
+        for m in summary["models"]:
+            by_t = summary["results"][m].get(b, {}).get("by_temperature", {})
+            ts = sorted(by_t, key=float)
+            ax.plot([float(t) for t in ts], [100 * by_t[t][metric] for t in ts], marker="o",
+                    ms=3, label=label[m])
+        ax.set_title(b)
+        ax.set_xlabel("temperature")
+        ax.set_ylabel(f"{metric} (%)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(benches):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def series(rows, key):
+    """(steps, values) of the metric rows that logged `key`."""
+    pts = [(r["step"], r[key]) for r in rows if "step" in r and r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _save_step_plot(fig, ax, ylabel, path):
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def kl_over_steps(runs: dict, path):
+    """runs: {label: metric rows}. Query-KL (solid) and Policy-KL (dashed) per run, log scale:
+    the KLs of different runs and kinds differ by orders of magnitude; the exact zeros of step 1
+    (policy == reference) are left out rather than breaking the axis. None if nothing to plot."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (name, rows) in enumerate(runs.items()):
+        for key, style, kind in (("query_kl", "-", "Query-KL"), ("policy_kl", "--", "Policy-KL")):
+            x, y = series(rows, key)
+            if x:
+                ax.plot(x, y, style, color=f"C{i}", label=f"{name} {kind}")
+    out = None
+    if ax.lines:
+        ax.set_yscale("log", nonpositive="mask")
+        out = _save_step_plot(fig, ax, "KL", path)
+    plt.close(fig)
+    return out
+
+
+def train_vs_heldout(runs: dict, path):
+    """runs: {label: metric rows}. Training accuracy (line) and held-out accuracy (markers)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (name, rows) in enumerate(runs.items()):
+        x, y = series(rows, "train_acc")
+        if x:
+            ax.plot(x, y, "-", color=f"C{i}", alpha=0.6, label=f"{name} train")
+        x, y = series(rows, "eval_acc")
+        if x:
+            ax.plot(x, y, "o--", color=f"C{i}", ms=4, label=f"{name} held-out")
+    out = _save_step_plot(fig, ax, "accuracy", path) if ax.lines else None
+    plt.close(fig)
+    return out
+
+
+def nll_scatter(groups: dict, path):
+    """groups: {label: (query NLLs, response NLLs)} -> one scatter plot."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for name, (xs, ys) in groups.items():
+        ax.scatter(xs, ys, s=6, alpha=0.5, label=name)
+    ax.set_xlabel("query NLL (mean per token)")
+    ax.set_ylabel("response NLL (mean per token)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,96 @@
+"""The SFT warm start: next-token loss over the WHOLE sequence, prompt tokens included.
+
+Why the prompt is in the loss: the model must learn a real query distribution, or Query-KL (which
+measures how the policy's scores of the questions drift, method.md §2) would measure nothing. The
+tiny world's warm start is made by `python train.py --algo sft --export data/tinymath/warmstart`.
+"""
+
+import json
+import os
+import time
+
+import torch
+from tqdm import tqdm
+
+import distributed
+import optimizer
+import rollout
+import run_dir
+from heldout import heldout_accuracy
+from data.benchmarks import load_benchmark
+from data.prompts import build_prompt, step_indices
+
+
+def load_sequences(path, tokenizer, template, max_seq_len) -> list[list[int]]:
+    """prompt + solution + EOS token ids of every row of an SFT file; longer ones are dropped."""
+    if path.endswith(".jsonl") and not os.path.exists(path):
+        raise SystemExit(f"error: {path} not found; run `python -m data.tinymath.prepare` first")
+    rows = load_benchmark(path)
+    eos = tokenizer.eos_token
+    seqs = [tokenizer(build_prompt(tokenizer, r["problem"], template) + r["solution"] + eos,
+                      add_special_tokens=False).input_ids for r in rows]
+    return [s for s in seqs if len(s) <= max_seq_len]
+
+
+def sft_loss(model, batch, pad_id, n_tok_global, device):
+    """Token-mean NLL of a micro-batch of token lists, divided by the GLOBAL token count (so the
+    micro-batches and ranks add up to the one-big-batch loss)."""
+    L = max(map(len, batch))
+    ids = torch.tensor([x + [pad_id] * (L - len(x)) for x in batch], device=device)
+    mask = torch.tensor([[1] * len(x) + [0] * (L - len(x)) for x in batch], device=device)
+    logp, _ = rollout.token_logprobs(model, ids, mask)
+    return -(logp * mask[:, 1:]).sum() / n_tok_global
+
+
+def train_sft(model, tokenizer, seqs, *, steps, batch, micro_batch, lr, warmup, weight_decay, grad_clip,
+              seed, device, log, save_every=0, on_checkpoint=None):
+    """`steps` AdamW steps of `batch` sequences (split across ranks, micro-batched)."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if batch % world:
+        raise SystemExit(f"error: --sft-batch {batch} must be divisible by the world size {world}")
+    opt = optimizer.adamw(model, lr, weight_decay, betas=(0.9, 0.95))
+    sched = optimizer.warmup_then_constant(opt, warmup)
+    per_rank = batch // world
+    distributed.print0(f"sft: {len(seqs)} sequences, {steps} steps x {batch} sequences "
+                       f"({per_rank} per rank, micro-batch {micro_batch})")
+    bar = tqdm(range(steps), desc="sft", disable=rank != 0)
+    for step in bar:
+        t0 = time.time()
+        mine = [seqs[i] for i in step_indices(len(seqs), step, batch, seed)[rank * per_rank:(rank + 1) * per_rank]]
+        n_tok = distributed.all_sum(torch.tensor(float(sum(len(s) - 1 for s in mine))))
+        tot = torch.zeros(())
+        for s in range(0, len(mine), micro_batch):
+            with distributed.grad_sync(model, s + micro_batch >= len(mine)):
+                loss = sft_loss(model, mine[s:s + micro_batch], tokenizer.pad_token_id, n_tok, device)
+                (loss * world).backward()  # DDP averages over ranks: undo it
+            tot += loss.detach().cpu()
+        gn = optimizer.clip_grad(model, grad_clip)
+        opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
+        m = {"step": step + 1, "sft_loss": distributed.all_sum(tot).item(), "grad_norm": gn,
+             "lr": sched.get_last_lr()[0], "step_time": time.time() - t0}
+        if on_checkpoint and save_every and (step + 1) % save_every == 0:
+            m.update(on_checkpoint(step + 1))
+        bar.set_postfix(loss=f"{m['sft_loss']:.3f}", acc=m.get("eval_acc", ""))
+        log(m)
+    return model
+
+
+def run(a, d, model, tokenizer, evalsets, log, amp):
+    """--algo sft: the warm start, with held-out accuracy and an HF folder at each --save-every."""
+    model = distributed.wrap_model(model, d.device, a.fsdp, bf16=d.device.type == "cuda" and a.dtype == "auto")
+    spec = rollout.SampleSpec(a.max_new_tokens, rollout.eos_token_ids(model, tokenizer), tokenizer.pad_token_id,
+                              a.sampler, a.gen_batch)
+
+    def on_checkpoint(step):
+        run_dir.export(model, tokenizer, os.path.join(a.out, f"sft-{step:05d}"))
+        return heldout_accuracy(model, tokenizer, evalsets, spec, a.eval_temperature, a.seed)
+    seqs = load_sequences(a.sft_data, tokenizer, a.template, a.max_seq_len)
+    with amp():
+        train_sft(model, tokenizer, seqs, steps=a.sft_steps, batch=a.sft_batch, micro_batch=a.micro_batch,
+                  lr=a.sft_lr, warmup=a.sft_warmup, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
+                  seed=a.seed, device=d.device, log=log, save_every=a.save_every, on_checkpoint=on_checkpoint)
+        acc = heldout_accuracy(model, tokenizer, evalsets, spec, a.eval_temperature, a.seed)
+    log({"step": a.sft_steps, **acc})
+    distributed.print0(json.dumps(acc, indent=1))
+    run_dir.export(model, tokenizer, a.export)
