@@ -9,51 +9,33 @@ The pipeline for one completion, cheapest step first:
 
     completion --extract_boxed--> pred --guards--> normalize(pred) == normalize(gold)?  -> correct
                                                    both plain numbers? compare exactly  -> decided
-                                                   otherwise: math-verify in a worker   -> decided
+                                                   otherwise: math-verify (time-bounded) -> decided
 
 Only the last step is slow (sympy), so the common case (integer answers) never touches it. When it
-is needed it runs in a persistent *server* subprocess that has math_verify imported; the server
-forks a few *runner* children (min(4, CPUs); REWARD_MV_WORKERS overrides) that do the actual
-parse/verify in parallel, and score_batch verifies identical (pred, gold) pairs only once.
+is needed it goes through mathverify_pool.py, which runs math-verify in forked worker processes
+under a hard per-answer time limit (DEFAULT_TIMEOUT) that also holds off the main thread;
+score_batch verifies identical (pred, gold) pairs only once. Cheap guards (length, nesting depth)
+reject junk before it gets there. Timeouts, rejections and parse failures grade as incorrect and
+are counted, never raised.
 
-math-verify's own timeouts use signal.alarm, which silently fails (or raises ValueError) outside
-the main thread, i.e. inside a DataLoader, a thread pool or under torchrun, and a power tower like
-9^{9^{9^{9^9}}} makes sympy compute for minutes. So we disable those timeouts and bound time
-ourselves: if a runner does not answer within `timeout` seconds the server SIGKILLs it and forks a
-fresh one (a few ms, nothing is re-imported), so one bad answer costs at most `timeout` seconds.
-Cheap guards (length, nesting depth) reject junk before it gets there. Timeouts, rejections and
-parse failures grade as incorrect and are counted, never raised.
+The same code reads the gold side: gold_answer turns a raw dataset value (27.0, "025", ["$3$"],
+"4.5e33") into the answer text the grader compares against, so data/benchmarks.py has no
+normaliser or \\boxed{} extractor of its own.
 
-Why a plain subprocess and not multiprocessing: multiprocessing refuses to start children from
-daemonic processes (DataLoader workers are daemonic), and "spawn" re-imports the caller's __main__
-(a train.py without a main guard would run again). `python reward.py --math-verify-server` has
-neither problem. The server dies on stdin EOF, so it never outlives its parent.
-
-Safety: model text never reaches eval/exec. math-verify's ExprExtractionConfig goes through
-sympy.parse_expr, which calls eval(); we only use LatexExtractionConfig (an ANTLR parser).
-
-Public API: extract_boxed, normalize, grade, score, score_batch (plus warmup, shutdown).
+Public API: extract_boxed, normalize, gold_answer, grade, has_format, score, score_batch,
+warmup, shutdown (the last two start and stop the math-verify pool), DEFAULT_TIMEOUT.
 """
 
-import atexit
-import collections
-import json
-import os
 import re
-import select
-import signal
-import subprocess
 import sys
-import threading
-import time
 from fractions import Fraction
 from functools import lru_cache
+
+import mathverify_pool
 
 DEFAULT_TIMEOUT = 1.0       # seconds of math-verify time per answer before it counts as "timeout"
 MAX_ANSWER_CHARS = 300      # longest real gold answer in MATH500 is 53 chars; longer preds are junk
 MAX_NESTING = 20            # deepest ({[ nesting allowed in a pred; real answers stay under ~6
-STARTUP_TIMEOUT = 120.0     # importing sympy + math_verify takes ~1 s here; generous for slow CI
-_SERVER_SLACK = 2.0         # extra parent-side wait on top of `timeout` before the server is presumed hung
 
 # -----------------------------------------------------------------------------
 # extraction
@@ -223,6 +205,37 @@ def normalize(ans: str) -> str:
 
 
 # -----------------------------------------------------------------------------
+# gold answers: raw dataset values -> the text the grader compares against
+
+_E_NOTATION_RE = re.compile(r"([+-]?\d+(?:\.\d+)?)[eE]([+-]?\d+)")   # Minerva "4.5e33"
+
+
+def gold_answer(value) -> str:
+    """The gold answer as the grader reads it: a raw dataset value (None, bool, int, float,
+    list/tuple, str) as answer text. 27.0 / "27.0" -> "27"; "025" -> "25"; ["$3$"] -> "3";
+    ["1", "2"] -> "1, 2"; "$x$" -> "x"; "4.5e33" -> "4.5 \\times 10^{33}" (math-verify misreads
+    e-notation). Anything else (units, intervals, "58,500") is returned stripped, for grade()."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):   # OlympiadBench final_answer: one element, or several
+        return ", ".join(p for p in map(gold_answer, value) if p)
+    if isinstance(value, (bool, int)):
+        return str(value)
+    # a float goes through its repr: 27.0 -> "27", 4.5e33 -> "4.5e+33" -> "4.5 \\times 10^{33}"
+    # (str(int(4.5e33)) would print float noise in the low digits)
+    text = (repr(value) if isinstance(value, float) else str(value)).strip()
+    if len(text) >= 2 and text.startswith("$") and text.endswith("$"):
+        text = text.strip("$").strip()
+    number = _canonical_number(text)
+    if _INT_RE.fullmatch(number):   # whole numbers only: "66.450" keeps the precision it states
+        text = number               # (grade() canonicalises both sides anyway)
+    m = _E_NOTATION_RE.fullmatch(text)
+    if m:
+        text = f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}"
+    return text
+
+
+# -----------------------------------------------------------------------------
 # plain numbers: decided exactly in-process, no sympy
 
 _NUM_SLASH_RE = re.compile(r"([+-]?\d+)/([+-]?\d+)")
@@ -307,174 +320,16 @@ def _reject_reason(pred):
 
 
 # -----------------------------------------------------------------------------
-# math-verify server, parent side. One server per process, guarded by a lock so any thread may
-# call. Requests carry an id; the server answers them in any order (it runs several runners).
-
-_lock = threading.Lock()
-_server = None           # subprocess.Popen of `python reward.py --math-verify-server N`
-_server_owner = None     # pid that started it (a fork()ed child must not share its pipes)
-_rbuf = bytearray()      # bytes read from the server not yet consumed as a line
-_start_failed_at = None  # time.monotonic() of the last failed start: retry at most once a minute
-_MAX_INFLIGHT = 64       # requests written ahead of replies (keeps both pipes far from full)
-
-
-def _num_runners():
-    """Parallel math-verify runners: REWARD_MV_WORKERS, else min(4, usable CPUs)."""
-    if os.environ.get("REWARD_MV_WORKERS"):
-        return max(1, int(os.environ["REWARD_MV_WORKERS"]))
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:
-        n = os.cpu_count() or 1
-    return max(1, min(4, n))
-
-
-def _read_line(fd, buf, deadline):
-    """Next b'\\n'-terminated line from fd before `deadline` (time.monotonic), using poll so it
-    works from any thread and never blocks past the deadline. None on timeout; b'' on EOF."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-    while True:
-        k = buf.find(b"\n")
-        if k >= 0:
-            line = bytes(buf[:k])
-            del buf[:k + 1]
-            return line
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        if poller.poll(None if remaining == float("inf") else max(1, int(remaining * 1000))):
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return b""
-            buf += chunk
-
-
-def _kill_server(graceful=False):
-    global _server
-    proc, _server = _server, None
-    _rbuf.clear()
-    if proc is not None and _server_owner == os.getpid():
-        try:
-            if graceful:   # EOF on stdin: the server SIGKILLs its runners, then exits
-                proc.stdin.close()
-                proc.wait(timeout=2)
-        except Exception:
-            pass
-        try:
-            proc.kill()
-            proc.wait(timeout=5)
-        except Exception:
-            pass
-        for f in (proc.stdin, proc.stdout):
-            try:
-                f.close()
-            except Exception:
-                pass
-
-
-def _ensure_server():
-    """True if a live server is ready for requests (starting one if needed; ~1-3 s)."""
-    global _server, _server_owner, _start_failed_at
-    if _server is not None and _server_owner == os.getpid() and _server.poll() is None:
-        return True
-    _kill_server()
-    if _start_failed_at is not None and time.monotonic() - _start_failed_at < 60:
-        return False
-    cmd = [sys.executable, os.path.abspath(__file__), "--math-verify-server", str(_num_runners())]
-    try:
-        _server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
-        _server_owner = os.getpid()
-        line = _read_line(_server.stdout.fileno(), _rbuf, time.monotonic() + STARTUP_TIMEOUT)
-    except OSError as e:
-        line = repr(e).encode()
-    if line != b"ready":
-        _kill_server()
-        _start_failed_at = time.monotonic()
-        print(f"[reward] math-verify server failed to start (got {line!r}); is math-verify "
-              f"installed for {sys.executable}? Non-trivial answers grade as errors.", file=sys.stderr)
-        return False
-    return True
-
-
-def _exchange(pairs, todo, timeout, results):
-    """Send pairs[k] for k in todo, fill results[k]. Returns the indices still unanswered because
-    the server died (to retry once on a fresh server)."""
-    fd = _server.stdout.fileno()
-    sent, inflight = 0, set()
-    deadline = time.monotonic() + timeout + _SERVER_SLACK
-    while sent < len(todo) or inflight:
-        try:
-            while sent < len(todo) and len(inflight) < _MAX_INFLIGHT:
-                k = todo[sent]
-                gold, pred = pairs[k]
-                msg = json.dumps({"id": k, "gold": gold, "pred": pred, "timeout": timeout})
-                _server.stdin.write(msg.encode() + b"\n")
-                inflight.add(k)
-                sent += 1
-            _server.stdin.flush()
-            line = _read_line(fd, _rbuf, deadline)
-        except OSError:   # BrokenPipeError: the server is gone
-            line = b""
-        if line is None:  # no reply at all for timeout + slack: the server itself hangs
-            for k in inflight:
-                results[k] = (False, "timeout")
-            _kill_server()
-            return todo[sent:]
-        if line == b"":
-            _kill_server()
-            return sorted(inflight) + todo[sent:]
-        reply = json.loads(line)
-        results[reply["id"]] = (bool(reply["equal"]), reply["outcome"])
-        inflight.discard(reply["id"])
-        deadline = time.monotonic() + timeout + _SERVER_SLACK  # each runner answers or dies by then
-    return []
-
-
-def _verify_many(pairs, timeout):
-    """[(gold, pred)] -> [(is_equal, outcome)], outcome "ok" | "timeout" | "error". Never raises."""
-    results = [(False, "error")] * len(pairs)
-    todo = list(range(len(pairs)))
-    with _lock:
-        for _attempt in range(2):   # one retry on a fresh server if the server died mid-batch
-            if not todo or not _ensure_server():
-                break
-            todo = _exchange(pairs, todo, timeout, results)
-    return results
-
+# math-verify: the time-bounded pool lives in mathverify_pool.py
 
 def warmup():
-    """Start the math-verify server now (~1-3 s) instead of at the first non-trivial answer."""
-    with _lock:
-        _ensure_server()
+    """Start the math-verify pool now (~1-3 s) instead of at the first non-trivial answer."""
+    mathverify_pool.warmup()
 
 
 def shutdown():
-    """Stop the math-verify server and its runners (also done automatically at exit)."""
-    with _lock:
-        _kill_server(graceful=True)
-
-
-atexit.register(shutdown)
-
-
-def _after_fork_in_child():
-    # A fork()ed child (e.g. a DataLoader worker) inherits our pipes; using them would interleave
-    # with the parent's requests. Forget the server (the parent owns it); start a fresh one if needed.
-    global _lock, _server
-    _lock = threading.Lock()
-    if _server is not None:
-        for f in (_server.stdin, _server.stdout):   # closes only the child's copies of the fds
-            try:
-                f.close()
-            except Exception:
-                pass
-    _server = None
-    _rbuf.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    """Stop the math-verify pool (also done automatically at exit)."""
+    mathverify_pool.shutdown()
 
 
 # -----------------------------------------------------------------------------
@@ -517,7 +372,7 @@ def _grade_many(preds, golds, timeout):
             used_mv[i] = True
         else:
             outcomes[i] = fast[1]
-    for idxs, (equal, status) in zip(slow.values(), _verify_many(list(slow), timeout)):
+    for idxs, (equal, status) in zip(slow.values(), mathverify_pool.verify_many(list(slow), timeout)):
         for i in idxs:
             outcomes[i] = status if status != "ok" else ("correct" if equal else "wrong")
     return outcomes, used_mv
@@ -568,175 +423,3 @@ def score_batch(completions: list[str], answers: list[str], *, format_reward: bo
     for o in outcomes:
         stats[o] += 1
     return rewards, stats
-
-
-# -----------------------------------------------------------------------------
-# math-verify server, child side: `python reward.py --math-verify-server N`. Reads requests on
-# stdin, hands each to one of N forked runners, kills a runner that overruns its timeout.
-
-def _wrap_latex(s):
-    s = s.strip()
-    return s if s.startswith("$") or s.startswith("\\boxed") else "$" + s + "$"
-
-
-def _mv_verify(gold, pred):
-    from math_verify import LatexExtractionConfig, parse, verify
-    cfg = [LatexExtractionConfig()]   # never ExprExtractionConfig: sympy.parse_expr calls eval()
-    g = parse(_wrap_latex(gold), extraction_config=cfg, parsing_timeout=None)
-    p = parse(_wrap_latex(pred), extraction_config=cfg, parsing_timeout=None)
-    if not g or not p:
-        return False, "error"
-    return bool(verify(g, p, timeout_seconds=None)), "ok"
-
-
-# the pairs whose first call is much slower than later ones (lazy sympy imports/caches)
-_WARMUP_PAIRS = [
-    ("\\frac{1}{2}", "0.5"), ("2\\sqrt{2}", "\\sqrt{8}"), ("(x+1)^2", "x^2+2x+1"),
-    ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{bmatrix}1&2\\\\3&4\\end{bmatrix}"),
-    ("\\text{Monday}", "\\text{Tuesday}"),
-]
-
-
-def _die_with_parent():
-    """Linux: have the kernel SIGKILL us when the server dies. A runner stuck inside one huge
-    sympy computation never reads its pipe, so it would not notice the EOF and would run on."""
-    try:
-        import ctypes
-        ppid = os.getppid()
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != ppid:   # the server died before prctl took effect
-            os._exit(0)
-    except Exception:
-        pass
-
-
-def _runner_loop(rfd, wfd):
-    _die_with_parent()
-    try:   # cap memory so 10^{10^{10}} dies with MemoryError instead of swapping the box
-        import resource
-        cap = 4 << 30
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        if soft == resource.RLIM_INFINITY or soft > cap:
-            resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    except Exception:
-        pass
-    buf = bytearray()
-    while True:
-        line = _read_line(rfd, buf, float("inf"))
-        if not line:
-            os._exit(0)   # server gone
-        req = json.loads(line)
-        try:
-            equal, outcome = _mv_verify(req["gold"], req["pred"])
-        except BaseException:   # MemoryError, RecursionError, sympy bugs: all just "error"
-            equal, outcome = False, "error"
-        os.write(wfd, (json.dumps({"id": req["id"], "equal": equal, "outcome": outcome}) + "\n").encode())
-
-
-def _fork_runner(close_in_child):
-    to_r, from_s = os.pipe()    # server -> runner
-    from_r, to_s = os.pipe()    # runner -> server
-    pid = os.fork()
-    if pid == 0:
-        # keep only our own pipe ends: holding the parent's reply pipe or a sibling's request pipe
-        # would keep them from seeing EOF when the server dies, and orphans would live forever
-        for fd in [from_s, from_r, 0, *close_in_child]:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        try:
-            _runner_loop(to_r, to_s)
-        finally:
-            os._exit(0)
-    os.close(to_r)
-    os.close(to_s)
-    return {"pid": pid, "to": from_s, "from": from_r, "buf": bytearray(), "id": None, "deadline": 0.0}
-
-
-def _kill_runner(r):
-    try:
-        os.kill(r["pid"], signal.SIGKILL)
-    except OSError:
-        pass
-    os.waitpid(r["pid"], 0)
-    os.close(r["to"])
-    os.close(r["from"])
-
-
-def _server_main(n_runners):
-    import logging
-    import warnings
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C belongs to the trainer; we die on EOF
-    proto_fd = os.dup(1)
-    os.dup2(2, 1)                                  # stray prints from sympy must not corrupt replies
-    logging.disable(logging.WARNING)               # math_verify warns about disabled timeouts
-    warnings.simplefilter("ignore")                # sympy deprecation noise would flood train logs
-    for gold, pred in _WARMUP_PAIRS:               # import + exercise sympy's lazy paths once, here,
-        _mv_verify(gold, pred)                     # so every freshly forked runner starts warm
-    os.write(proto_fd, b"ready\n")
-
-    def reply(rid, equal, outcome):
-        os.write(proto_fd, (json.dumps({"id": rid, "equal": equal, "outcome": outcome}) + "\n").encode())
-
-    runners = [None] * n_runners
-    queue, inbuf = collections.deque(), bytearray()
-    while True:
-        # hand queued requests to idle runners (forking a fresh one where a slot is empty)
-        for i in range(n_runners):
-            if not queue:
-                break
-            if runners[i] is None:
-                open_fds = [fd for r in runners if r for fd in (r["to"], r["from"])]
-                runners[i] = _fork_runner([proto_fd, *open_fds])
-            r = runners[i]
-            if r["id"] is None:
-                req = queue.popleft()
-                r["id"], r["deadline"] = req["id"], time.monotonic() + float(req["timeout"])
-                try:
-                    os.write(r["to"], json.dumps(req).encode() + b"\n")
-                except OSError:     # runner died while idle (OOM killer?): answer "error"
-                    reply(req["id"], False, "error")
-                    runners[i] = None
-                    _kill_runner(r)
-        busy = {r["from"]: r for r in runners if r and r["id"] is not None}
-        poller = select.poll()
-        poller.register(0, select.POLLIN | select.POLLHUP)
-        for fd in busy:
-            poller.register(fd, select.POLLIN | select.POLLHUP)
-        wait = min((r["deadline"] for r in busy.values()), default=None)
-        wait_ms = None if wait is None else max(0, int((wait - time.monotonic()) * 1000) + 1)
-        for fd, _ in poller.poll(wait_ms):
-            chunk = os.read(fd, 1 << 16)
-            if fd == 0:
-                if not chunk:   # parent gone: nobody to answer, stop everything
-                    for r in runners:
-                        if r:
-                            _kill_runner(r)
-                    return
-                inbuf += chunk
-                while b"\n" in inbuf:
-                    line, _, rest = bytes(inbuf).partition(b"\n")
-                    inbuf[:] = rest
-                    queue.append(json.loads(line))
-                continue
-            r = busy[fd]
-            r["buf"] += chunk
-            if b"\n" in r["buf"]:
-                os.write(proto_fd, bytes(r["buf"]).partition(b"\n")[0] + b"\n")
-                r["buf"].clear()
-                r["id"] = None
-            elif not chunk:     # runner died (e.g. killed by the OS): answer "error", reap it
-                reply(r["id"], False, "error")
-                runners[runners.index(r)] = None
-                _kill_runner(r)
-        now = time.monotonic()
-        for i, r in enumerate(runners):   # overran its timeout: SIGKILL, answer "timeout"
-            if r and r["id"] is not None and now >= r["deadline"]:
-                reply(r["id"], False, "timeout")
-                runners[i] = None
-                _kill_runner(r)
-
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--math-verify-server":
-    _server_main(int(sys.argv[2]))

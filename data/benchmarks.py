@@ -4,7 +4,7 @@
 name ("tiny", "paper"), or a local .jsonl / .json / .parquet file; all are mapped to the same
 normalized rows so that evaluate.py and train.py never look at raw field names.
 
-The paper's six benchmarks (ERPO.md §6) are loaded with `datasets.load_dataset` from these
+The paper's six benchmarks (method.md §6) are loaded with `datasets.load_dataset` from these
 Hugging Face hub datasets (or from a local copy, see `data_dir`):
 
 | name          | hub id                      | config | split | problem    | answer                  | n   |
@@ -20,11 +20,13 @@ Also registered: `amc23` (math-ai/amc23, test, question/answer, 40: AMC 2023 onl
 `olympiadbench-hothan` (Hothan/OlympiadBench, config OE_TO_maths_en_COMP, train,
 question/final_answer, 674: the upstream English text-only open-ended maths split; the 675-row set
 above is the one shipped with the Qwen2.5-Math evaluation suite, which the 675 in the paper matches).
-The AMC set is AMC12 2022 + 2023 (83 problems). Real files have traps (ERPO.md §9); answers are
-normalized by `normalize_answer`: floats 27.0 / "27.0" -> "27", zero-padded "025" -> "25",
-e-notation "4.5e33" -> "4.5 \\times 10^{33}" (math-verify misreads e-notation), list answers
-(OlympiadBench `final_answer`) -> the single element, or ", "-joined when there are several,
-surrounding $...$ removed. Anything else (units, intervals, "58,500") is left to the grader.
+The AMC set is AMC12 2022 + 2023 (83 problems). Real files have traps (method.md §9). This module
+has no answer normaliser of its own: every answer is `reward.gold_answer(raw value)`, the gold
+answer as the grader reads it (floats 27.0 / "27.0" -> "27", zero-padded "025" -> "25",
+e-notation "4.5e33" -> "4.5 \\times 10^{33}", list answers (OlympiadBench `final_answer`) -> the
+single element, or ", "-joined when there are several, surrounding $...$ removed; anything else,
+such as units, intervals or "58,500", is left to the grader). A row without an answer field
+takes the last \\boxed{} of its solution, found by `reward.extract_boxed`, as grading does.
 
 The embedded tiny world (data/tinymath/, made by data/tinymath/prepare.py) is registered too:
 
@@ -43,9 +45,9 @@ Groups: "tiny" = tiny-test + tiny-hard + tiny-ood; "paper" = the six paper bench
 """
 
 import json
-import math
 import os
-import re
+
+from reward import extract_boxed, gold_answer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_DIR = os.path.join(HERE, "tinymath")
@@ -123,60 +125,6 @@ def expand_benchmarks(names):
     return out
 
 
-# ----------------------------------------------------------------------------- normalization
-
-_FLOAT_INT = re.compile(r"^[+-]?\d+\.0*$")  # "27.0", "27."
-_ZERO_PADDED = re.compile(r"^0+\d+$")  # AIME "025"
-_E_NOTATION = re.compile(r"^([+-]?\d+(?:\.\d+)?)[eE]([+-]?\d+)$")  # Minerva "4.5e33"
-
-
-def normalize_answer(value):
-    """Gold answer -> a clean string the grader reads the way a human would.
-
-    27.0 / "27.0" -> "27"; "025" -> "25"; "4.5e33" -> "4.5 \\times 10^{33}"; ["$3$"] -> "3";
-    ["1", "2"] -> "1, 2"; "$x$" -> "x". Everything else is returned stripped, unchanged.
-    """
-    if value is None:
-        return ""
-    if isinstance(value, (list, tuple)):
-        parts = [normalize_answer(v) for v in value]
-        parts = [p for p in parts if p]
-        return ", ".join(parts)
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isfinite(value) and value.is_integer():
-            return str(int(value))
-        return repr(value)
-    text = str(value).strip()
-    if len(text) >= 2 and text.startswith("$") and text.endswith("$"):
-        text = text.strip("$").strip()
-    if _FLOAT_INT.match(text):
-        text = text.split(".")[0]
-        text = text.lstrip("+")
-    if _ZERO_PADDED.match(text):
-        text = text.lstrip("0") or "0"
-    m = _E_NOTATION.match(text)
-    if m:
-        text = f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}"
-    return text
-
-
-def last_boxed(text):
-    """Content of the last \\boxed{...} in `text` (braces matched), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i, depth = start + len("\\boxed{"), 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
 def _first(row, keys):
     for k in keys:
         v = row
@@ -208,13 +156,13 @@ def normalize_row(row, index, source="?"):
     if isinstance(solution, (list, tuple)):
         solution = "\n\n".join(str(s) for s in solution)
     if answer is None and solution:
-        answer = last_boxed(solution)
+        answer = extract_boxed(str(solution))
     if answer is None:
         raise ValueError(f"{source}: row {index} has no answer field (tried {ANSWER_KEYS}) and "
                          f"no \\boxed{{}} in its solution; fields are {sorted(row)}")
     ikey, pid = _first(row, ID_KEYS)
     out = {k: v for k, v in row.items() if k not in (pkey, akey, skey, ikey) and _jsonable(v)}
-    norm = normalize_answer(answer)
+    norm = gold_answer(answer)
     if not isinstance(answer, str) or norm != answer.strip():
         out["answer_raw"] = answer if _jsonable(answer) else str(answer)
     out.update(id=str(pid if pid is not None else index), problem=str(problem).strip(),

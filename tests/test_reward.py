@@ -1,6 +1,8 @@
-"""Tests for reward.py: extraction, normalization, equivalence, benchmark self-consistency,
-adversarial time bounds (also off the main thread), the format reward and score_batch counts."""
+"""Tests for reward.py and mathverify_pool.py: extraction, normalization, equivalence, benchmark
+self-consistency, adversarial time bounds (also off the main thread), the pool's server, its
+outcomes and fork safety, the format reward and score_batch counts."""
 
+import ast
 import json
 import os
 import subprocess
@@ -12,6 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import mathverify_pool  # noqa: E402
 import reward  # noqa: E402
 from reward import extract_boxed, grade, normalize, score, score_batch  # noqa: E402
 
@@ -103,6 +106,22 @@ def test_importing_reward_does_not_import_sympy():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
+def test_pool_is_beneath_reward():
+    # the pool is a mechanism reward.py uses, it knows nothing about grading
+    code = ("import sys, mathverify_pool; "
+            "assert 'reward' not in sys.modules and 'sympy' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+@pytest.mark.parametrize("path", ["reward.py", "mathverify_pool.py"])
+def test_functions_are_short(path):
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read())
+    long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno >= 60]
+    assert not long, long
+
+
 def test_integer_fast_path_is_fast_and_never_starts_math_verify():
     reward.shutdown()
     golds = [str(17 * i + 3) for i in range(256)]
@@ -112,7 +131,7 @@ def test_integer_fast_path_is_fast_and_never_starts_math_verify():
     rewards, stats = score_batch(comps, golds, format_reward=True)
     dt = time.perf_counter() - t
     print(f"\nscore_batch on 256 integer completions: {dt * 1e3:.2f} ms")
-    assert reward._server is None and stats["math_verify"] == 0
+    assert mathverify_pool._server is None and stats["math_verify"] == 0
     assert stats["correct"] == sum(1 for i in range(256) if i % 3) and stats["format_ok"] == 256
     assert dt < 0.25
 
@@ -185,6 +204,45 @@ def test_adversarial_inputs_are_bounded_off_main_thread():
     # and math-verify really answers off the main thread (not a silent 0 from a signal failure)
     value, dt = _run_in_thread(lambda: score(r"\boxed{2\sqrt{2}}", r"\sqrt{8}"))
     assert value == 1.0 and dt < 1.5
+
+
+def test_pool_outcomes_and_server_command():
+    mathverify_pool.warmup()
+    args = mathverify_pool._server.args
+    assert args[1:3] == [os.path.join(ROOT, "mathverify_pool.py"), "--server"]
+    pairs = [(r"\sqrt{8}", r"2\sqrt{2}"), ("2", r"9^{9^{9^{9^{9}}}}"), (r"\sqrt{3}", r"\sqrt{2}"),
+             ("x", ""), (r"(x+1)^2", "x^2+2x+1")]   # "": nothing to parse
+    t = time.perf_counter()
+    got = mathverify_pool.verify_many(pairs, timeout=1.0)
+    dt = time.perf_counter() - t
+    # the power tower costs its 1 s in its own runner; the others are answered meanwhile
+    assert got == [(True, "ok"), (False, "timeout"), (False, "ok"), (False, "error"), (True, "ok")]
+    assert dt < 3.0, dt
+    assert mathverify_pool.verify_many([], timeout=1.0) == []
+
+
+def test_pool_after_fork_child_uses_its_own_server():
+    mathverify_pool.warmup()
+    parent_server = mathverify_pool._server
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # child: must not touch the parent's pipes; gets a server of its own
+        try:
+            fresh = mathverify_pool._server is None
+            res = mathverify_pool.verify_many([(r"\sqrt{8}", r"2\sqrt{2}")], timeout=10.0)
+            mine = mathverify_pool._server is not None and mathverify_pool._server is not parent_server
+            mathverify_pool.shutdown()
+            os.write(wfd, json.dumps([fresh, res, mine]).encode())
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    assert json.loads(out) == [True, [[True, "ok"]], True]
+    # the parent's server survived the child's shutdown and still answers
+    assert mathverify_pool._server is parent_server and parent_server.poll() is None
+    assert mathverify_pool.verify_many([("(x+1)^2", "x^2+2x+1")], timeout=10.0) == [(True, "ok")]
 
 
 def test_concurrent_threads_get_right_answers(patient_timeout):
