@@ -5,6 +5,7 @@ helper here is then a no-op, so the training script reads the same either way. T
 engine is PyTorch's own (DDP, or FSDP2's `fully_shard`); nothing here re-implements one.
 """
 
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -78,6 +79,12 @@ def all_sum(x: torch.Tensor, op=None) -> torch.Tensor:
 
 def all_max(x: torch.Tensor) -> torch.Tensor:
     return all_sum(x, dist.ReduceOp.MAX) if dist.is_initialized() else x
+
+
+def all_finite(values) -> bool:
+    """Every value finite on every rank: the ranks agree before anyone skips a step."""
+    bad = float(not all(math.isfinite(v) for v in values))
+    return all_max(torch.tensor(bad)).item() == 0
 
 
 def all_gather_list(items: list) -> list:

@@ -34,11 +34,8 @@ def heldout_accuracy(model, tokenizer, evalsets: dict[str, PromptSet], spec: rol
         mine, n_mine = _strided_share(len(ps), rank, world)
         local = []
         if mine:
-            ro = rollout.sample(distributed.unwrap(model), [ps.ids[i] for i in mine],
-                                max_new_tokens=spec.max_new_tokens, eos_ids=spec.eos_ids, pad_id=spec.pad_id,
-                                temperature=temperature, top_p=1.0,
-                                seeds=[rollout.row_seed(seed, 99, si, i) for i in mine],
-                                sampler=spec.sampler, batch_size=spec.batch_size)
+            ro = rollout.sample_with(distributed.unwrap(model), [ps.ids[i] for i in mine], spec,
+                                     temperature=temperature, seeds=[rollout.row_seed(seed, 99, si, i) for i in mine])
             scores, _ = reward.score_batch(rollout.decode_responses(tokenizer, ro), [ps.rows[i]["answer"] for i in mine])
             local = [(ps.rows[i].get("level"), s) for i, s in zip(mine, scores)][:n_mine]
         res = distributed.all_gather_list(local)

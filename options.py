@@ -1,13 +1,14 @@
 """Command-line options from one table, plus the loss knobs generated from `losses.Algo`.
 
-An entry script writes each option exactly once, as a row (name, default, help[, choices]); the
-flag is --name-with-dashes, its type comes from the default. Every field of `losses.Algo` becomes a
+An entry script writes each option exactly once, as a row (name, default, help[, choices or a
+range like ">=1" or "(0,1]"]); the flag is --name-with-dashes, its type comes from the default. Every field of `losses.Algo` becomes a
 flag too (--adv, --kl, --weight-clip, ...): unset, it keeps the chosen algorithm's own value. A
 JSON --config file sets defaults (same keys); flags given on the command line override it.
 """
 
 import argparse
 import json
+import re
 from dataclasses import MISSING, dataclass, fields
 
 import losses
@@ -31,9 +32,35 @@ def _add(parser, name, default, help, choices=None):
         parser.add_argument(flag, nargs=2, type=float, metavar=("LO", "HI"), help=help)
     elif isinstance(default, list):
         parser.add_argument(flag, nargs="*", help=help)
+    elif isinstance(choices, str):         # a range such as ">=2", ">0", "(0,1]"
+        kind = type(default)
+        parser.add_argument(flag, type=_in_range(kind, choices), help=f"{help} (default: {default}; {choices})")
     else:
         kind = str if default is None else type(default)
         parser.add_argument(flag, type=kind, choices=choices, help=f"{help} (default: {default})")
+
+
+def _in_range(kind, spec):
+    """An argparse type: parse as `kind`, then check `spec` (">=v", ">v", or an interval "(a,b]"),
+    so an out-of-range value is an argparse error naming the flag."""
+    m = re.fullmatch(r"([\[(])\s*([^,]+),\s*([^\])]+)([\])])", spec)
+
+    def check(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if m:
+            lo, hi = float(m.group(2)), float(m.group(3))
+            ok = (x >= lo if m.group(1) == "[" else x > lo) and (x <= hi if m.group(4) == "]" else x < hi)
+        elif spec.startswith(">="):
+            ok = x >= float(spec[2:])
+        else:
+            ok = x > float(spec[1:])
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be {spec}, got {text}")
+        return x
+    return check
 
 
 def algo_knobs():

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 import distributed
+import faults
 import rollout
 
 
@@ -58,6 +59,7 @@ def build(model, prompt_ids, pad_id, temperature, device, batch=64) -> list[torc
         logp, _ = rollout.token_logprobs(model, ids, mask, temperature)  # (b, P-1)
         P = ids.shape[1]
         out += [(mine[s + i], logp[i, P - len(r):].float().cpu()) for i, r in enumerate(rows)]
+        faults.point("query-cache")
     cache = [None] * len(prompt_ids)
     for i, t in distributed.all_gather_list(out):
         cache[i] = t
@@ -75,6 +77,7 @@ def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, ba
                              "use a fresh --out or delete the cache")
         return QueryCache.from_logp(saved["logp"])
     logp = build(distributed.unwrap(model), prompt_ids, pad_id, temperature, device, batch)
-    if distributed.is_main():
-        torch.save({"meta": meta, "logp": logp}, path)
+    if distributed.is_main():  # written whole, then renamed: a kill never leaves half a cache
+        torch.save({"meta": meta, "logp": logp}, path + ".tmp")
+        os.replace(path + ".tmp", path)
     return QueryCache.from_logp(logp)

@@ -525,6 +525,13 @@ def _check_sample_args(prompts, max_new_tokens, temperature, top_p, seeds, sampl
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
 
 
+def sample_with(model, prompts, spec: SampleSpec, *, temperature, seeds, top_p=1.0) -> Rollout:
+    """`sample` with the decoding settings of a SampleSpec."""
+    return sample(model, prompts, max_new_tokens=spec.max_new_tokens, eos_ids=spec.eos_ids, pad_id=spec.pad_id,
+                  temperature=temperature, top_p=top_p, seeds=seeds, sampler=spec.sampler,
+                  batch_size=spec.batch_size)
+
+
 @torch.no_grad()
 def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_p=1.0,
            seeds=None, sampler="kv", batch_size=None, progress=False, lockstep=None) -> Rollout:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import distributed
+import faults
 
 
 def write_config(out, cfg: dict):
@@ -35,11 +36,12 @@ def write_config(out, cfg: dict):
 class MetricsLog:
     """Append-mode JSONL logger (rank 0 writes; other ranks hold a no-op). On resume, lines after
     the checkpoint's step are dropped (they will be recomputed), everything before is kept; a
-    fresh run moves an older file aside instead of mixing with it."""
+    fresh run moves an older file aside instead of mixing with it. `mirror` ("tensorboard" or
+    "wandb") also sends every numeric value there; metrics.jsonl stays the source of truth."""
 
-    def __init__(self, out, start_step):
+    def __init__(self, out, start_step, mirror="jsonl", config=None):
         self.path = os.path.join(out, "metrics.jsonl")
-        self.f = None
+        self.f, self.mirror = None, None
         if not distributed.is_main():
             return
         if start_step > 0 and os.path.exists(self.path):
@@ -50,11 +52,53 @@ class MetricsLog:
         elif start_step == 0 and os.path.exists(self.path):
             os.replace(self.path, self.path + ".old")
         self.f = open(self.path, "a")
+        if mirror != "jsonl":
+            self.mirror = Mirror(mirror, out, config or {})
 
     def __call__(self, m: dict):
-        if self.f is not None:
-            self.f.write(json.dumps(m) + "\n")
-            self.f.flush()
+        if self.f is None:
+            return
+        line = json.dumps(m) + "\n"
+        faults.point("metrics-write", before=lambda: (self.f.write(line[:len(line) // 2]), self.f.flush()))
+        self.f.write(line)
+        self.f.flush()
+        if self.mirror:
+            self.mirror.log(m)
+
+    def close(self):
+        if self.mirror:
+            self.mirror.close()
+
+
+class Mirror:
+    """TensorBoard (torch.utils.tensorboard) or Weights & Biases, imported only when asked for."""
+
+    def __init__(self, kind, out, config):
+        self.kind = kind
+        try:
+            if kind == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+                self.w = SummaryWriter(log_dir=os.path.join(out, "tensorboard"))
+                self.w.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "))
+            else:
+                import wandb
+                self.w = wandb.init(project=os.environ.get("WANDB_PROJECT", "erpo"), dir=out, config=config,
+                                    name=os.path.basename(os.path.normpath(out)), resume="allow")
+        except ImportError as e:
+            raise SystemExit(f"error: --log {kind} needs the {e.name} package ({e}; pip install {kind})") from None
+
+    def log(self, m):
+        step = m.get("step", 0)
+        scalars = {k: v for k, v in m.items() if k != "step" and isinstance(v, (int, float))}
+        if self.kind == "tensorboard":
+            for k, v in scalars.items():
+                self.w.add_scalar(k, v, step)
+            self.w.flush()
+        else:
+            self.w.log(scalars, step=step)
+
+    def close(self):
+        (self.w.close if self.kind == "tensorboard" else self.w.finish)()
 
 
 def _step_of(line):
@@ -116,8 +160,33 @@ def _write_checkpoint(out, model, model_sd, opt_sd, tokenizer, sched, step):
                 "rng": torch.get_rng_state(), "py_rng": random.getstate()}, os.path.join(tmp, "state.pt"))
     if os.path.exists(final):
         os.replace(final, final + ".old")
+        faults.point("ckpt-rename")  # the window recover_checkpoint() closes
     os.replace(tmp, final)
     shutil.rmtree(final + ".old", ignore_errors=True)
+
+
+def resumable(out) -> bool:
+    """--resume: is there a complete checkpoint to continue from? Recovers one a kill left
+    between the two renames of a save; says so when there is none (the run then starts fresh)."""
+    if distributed.is_main() and recover_checkpoint(out):
+        print(f"--resume: {checkpoint_dir(out)}.old was complete and {checkpoint_dir(out)} missing "
+              "(a save was killed between its two renames): restored it", flush=True)
+    distributed.barrier()
+    if not has_checkpoint(out):
+        distributed.print0(f"--resume: no complete checkpoint in {checkpoint_dir(out)}, starting from scratch")
+        return False
+    return True
+
+
+def recover_checkpoint(out):
+    """A kill between the two renames of a save leaves ckpt.old (complete) and no ckpt: put it
+    back. (ckpt.tmp is never trusted: it may be half-written.) Returns True if it did."""
+    final = checkpoint_dir(out)
+    if not has_checkpoint(out) and os.path.exists(os.path.join(final + ".old", "state.pt")):
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(final + ".old", final)
+        return True
+    return False
 
 
 def export(model, tokenizer, path):
@@ -157,3 +226,36 @@ def drop_partial_line(path):
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The end of a run
+
+
+def summary(out, wall_s, eval_sets=(), template="plain") -> str:
+    """What changed and where things are, from metrics.jsonl (so a resumed run reports the whole
+    run): held-out accuracy first -> last per set, the final KLs and entropy, and what to run next."""
+    rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    evals = [r for r in rows if "eval_acc" in r]
+    last = next((r for r in reversed(rows) if "query_kl" in r or "sft_loss" in r), {})
+    lines = [f"done: {len(rows) and rows[-1].get('step', 0)} steps in {wall_s / 60:.1f} min (this process)"]
+    for name in eval_sets:
+        key = f"eval_acc/{name}"
+        pts = [r for r in evals if key in r]
+        if pts:
+            lines.append(f"  held-out {name:12s} {100 * pts[0][key]:5.1f}% (step {pts[0]['step']}) -> "
+                         f"{100 * pts[-1][key]:5.1f}% (step {pts[-1]['step']})")
+    finals = [f"{k} {last[k]:.4g}" for k in ("query_kl", "policy_kl", "entropy", "sft_loss") if k in last]
+    if finals:
+        lines.append(f"  final (step {last.get('step')}): " + ", ".join(finals))
+    if last.get("skipped_steps"):
+        lines.append(f"  skipped optimizer steps (non-finite loss or gradient): {last['skipped_steps']}")
+    ckpt = checkpoint_dir(out)
+    lines += [f"  run folder {out}/ (metrics.jsonl, config.json)" +
+              (f", checkpoint {ckpt}/" if has_checkpoint(out) else ", no checkpoint (--save-every 0)"),
+              "next:",
+              f"  python analysis.py runs {out} --out {out}/plots        # KL and train vs held-out curves"]
+    if has_checkpoint(out):
+        lines.append(f"  python evaluate.py --model {ckpt} --benchmarks {' '.join(eval_sets) or 'tiny'} "
+                     f"--template {template} --out {out}/eval   # the paper's protocol")
+    return "\n".join(lines)

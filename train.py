@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+import batching
 import distributed
+import faults
 import losses
 import optimizer
 import options
@@ -28,17 +30,18 @@ import rollout
 import run_dir
 import sft
 from distributed import all_max, all_sum, print0
+from data.benchmarks import DataError
 from data.prompts import PromptSet, load_prompt_set, step_indices
 from heldout import heldout_accuracy
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
 
 # ----------------------------------------------------------------------------------------------
-# Options: the embedded tiny world, sized to finish in minutes on 2 CPU cores. The paper's setup is
-# configs/paper_qwen7b.json (--config; flags override it). The loss knobs (--alpha, --beta, --kl,
-# --weights, --adv, --eps-high, ...) are generated from the fields of losses.Algo.
+# Options: the embedded tiny world, sized to finish in minutes on 2 CPU cores; the paper's setup is
+# configs/paper_qwen7b.json (--config; flags override it). Loss knobs (--alpha, --beta, --kl, --weights,
+# --adv, --eps-high, ...) are flags generated from the fields of losses.Algo.
 OPTIONS = [
-    # name                default                              help [, choices]
+    # name                default                              help [, choices or a range]
     ("algo",              "erpo",                              "sft, or a row of losses.ALGOS", ["sft", *losses.ALGOS]),
     ("model",             os.path.join(TINY, "warmstart"),     "HF folder or hub id of the policy (also the reference model)"),
     ("train_data",        os.path.join(TINY, "train.jsonl"),   "training problems: JSONL path or benchmark name"),
@@ -47,42 +50,45 @@ OPTIONS = [
     ("out",               None,                                "run folder (config.json, metrics.jsonl, ckpt/); default runs/<algo>"),
     ("seed",              0,                                   "seed of prompt order and of every sampled row"),
     # rollout: prompts per step, responses per prompt, sampling
-    ("steps",             50,                                  "RL steps (one rollout batch each)"),
-    ("rollout_batch",     32,                                  "prompts sampled per RL step (global, all ranks)"),
-    ("update_batch",      16,                                  "prompts per optimizer step (global); rollout/update = optimizer steps per RL step"),
-    ("group_size",        8,                                   "responses per prompt (G)"),
-    ("temperature",       1.0,                                 "rollout temperature; log-probs are computed on logits/T"),
-    ("top_p",             1.0,                                 "nucleus sampling (1 = off)"),
-    ("max_prompt_len",    128,                                 "longer prompts are dropped from the training set"),
-    ("max_new_tokens",    96,                                  "response length limit"),
+    ("steps",             50,                                  "RL steps (one rollout batch each)", ">=0"),
+    ("rollout_batch",     32,                                  "prompts sampled per RL step (global, all ranks)", ">=1"),
+    ("update_batch",      16,                                  "prompts per optimizer step (global); rollout/update = optimizer steps per RL step", ">=1"),
+    ("group_size",        8,                                   "responses per prompt (G)", ">=2"),
+    ("temperature",       1.0,                                 "rollout temperature; log-probs are computed on logits/T", ">0"),
+    ("top_p",             1.0,                                 "nucleus sampling (1 = off)", "(0,1]"),
+    ("max_prompt_len",    128,                                 "longer prompts are dropped from the training set", ">=1"),
+    ("max_new_tokens",    96,                                  "response length limit", ">=1"),
     ("sampler",           "kv",                                "our KV-cache sampler or HF generate", ["kv", "hf"]),
-    ("gen_batch",         256,                                 "rows per sampler call"),
-    ("max_resample_rounds", 4,                                 "dynamic sampling: extra sampling rounds at most"),
+    ("gen_batch",         256,                                 "rows per sampler call", ">=1"),
+    ("max_resample_rounds", 4,                                 "dynamic sampling: extra sampling rounds at most", ">=0"),
     ("reward",            "acc",                               "binary accuracy, or 0.9*acc + 0.1*format", ["acc", "acc+format"]),
     # optimisation
-    ("lr",                2e-4,                                "AdamW learning rate"),
-    ("weight_decay",      0.01,                                "AdamW weight decay"),
-    ("warmup",            0,                                   "linear warm-up, in optimizer steps"),
-    ("grad_clip",         1.0,                                 "clip the global grad norm (0 = off)"),
-    ("ppo_epochs",        1,                                   "passes over each rollout batch"),
-    ("micro_batch",       64,                                  "sequences per forward/backward on each rank"),
+    ("lr",                2e-4,                                "AdamW learning rate", ">0"),
+    ("weight_decay",      0.01,                                "AdamW weight decay", ">=0"),
+    ("warmup",            0,                                   "linear warm-up, in optimizer steps", ">=0"),
+    ("grad_clip",         1.0,                                 "clip the global grad norm (0 = off)", ">=0"),
+    ("ppo_epochs",        1,                                   "passes over each rollout batch", ">=1"),
+    ("micro_batch",       64,                                  "sequences per forward/backward on each rank", ">=1"),
     ("dtype",             "auto",                              "auto: fp32 weights + bf16 autocast on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16"]),
     ("fsdp",              False,                               "shard the policy with FSDP2 instead of DDP replicas (large models)"),
     ("measure_policy_kl", True,                                "keep a reference model to log Policy-KL even when the loss has none"),
+    ("max_bad_steps",     3,                                   "consecutive non-finite (skipped) optimizer steps that end the run", ">=1"),
+    ("strict_data",       False,                               "training rows without a problem or an answer are an error, not skipped"),
     # evaluation / checkpoints
-    ("eval_every",        10,                                  "held-out evaluation every N steps (0 = never)"),
-    ("eval_temperature",  1.0,                                 "held-out sampling temperature"),
-    ("eval_limit",        200,                                 "problems per held-out set (0 = all)"),
-    ("save_every",        20,                                  "checkpoint every N steps and at the end (0 = never)"),
+    ("eval_every",        10,                                  "held-out evaluation every N steps (0 = never)", ">=0"),
+    ("eval_temperature",  1.0,                                 "held-out sampling temperature", ">=0"),
+    ("eval_limit",        200,                                 "problems per held-out set (0 = all)", ">=0"),
+    ("save_every",        20,                                  "checkpoint every N steps and at the end (0 = never)", ">=0"),
     ("resume",            False,                               "continue the run in --out from its checkpoint"),
     ("export",            None,                                "after training, save the final model + tokenizer to this folder"),
+    ("log",               "jsonl",                             "also mirror metrics.jsonl to TensorBoard or W&B", ["jsonl", "tensorboard", "wandb"]),
     # sft (warm start)
     ("sft_data",          os.path.join(TINY, "sft.jsonl"),     "SFT corpus (problem + solution rows)"),
-    ("sft_steps",         750,                                 "SFT optimizer steps"),
-    ("sft_batch",         64,                                  "SFT sequences per step (global)"),
-    ("sft_lr",            3e-3,                                "SFT learning rate (constant after warm-up)"),
-    ("sft_warmup",        100,                                 "SFT warm-up steps"),
-    ("max_seq_len",       192,                                 "SFT: longer examples are dropped"),
+    ("sft_steps",         750,                                 "SFT optimizer steps", ">=0"),
+    ("sft_batch",         64,                                  "SFT sequences per step (global)", ">=1"),
+    ("sft_lr",            3e-3,                                "SFT learning rate (constant after warm-up)", ">0"),
+    ("sft_warmup",        100,                                 "SFT warm-up steps", ">=0"),
+    ("max_seq_len",       192,                                 "SFT: longer examples are dropped", ">=2"),
 ]
 
 
@@ -100,6 +106,7 @@ class Run:
     data: PromptSet                     # the training problems
     cache: query_cache.QueryCache       # the Query-KL reference (ERPO needs no reference model)
     spec: rollout.SampleSpec
+    bad_streak: int = 0                 # optimizer steps skipped in a row (non-finite loss or gradient)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,23 +126,19 @@ class Collected:
 
 
 def my_prompts(run, step, round_=0):
-    """Training-set indices of this rank's prompts: each update batch is split evenly across
-    ranks, so every optimizer step sees the same global prompts at any world size."""
-    a, (rank, world) = run.args, (run.dist.rank, run.dist.world)
+    """Training-set indices of this rank's prompts of an RL step (a sampling round of it)."""
+    a = run.args
     order = step_indices(len(run.data), step if round_ == 0 else step * 7919 + round_, a.rollout_batch, a.seed + round_)
-    per = a.update_batch // world
-    return [order[u + rank * per + i] for u in range(0, a.rollout_batch, a.update_batch) for i in range(per)]
+    return batching.rank_share(order, run.dist.rank, run.dist.world, a.rollout_batch, a.update_batch)
 
 
 def sample_and_score(run, prompt_idx, step, round_) -> rollout.Graded:
     """G responses per prompt (consecutive rows), graded. DAPO's soft overlong penalty is added to
     the rewards, never to the accuracy."""
     G = run.args.group_size
-    ro = rollout.sample(distributed.unwrap(run.policy), [run.data.ids[i] for i in prompt_idx for _ in range(G)],
-                        max_new_tokens=run.spec.max_new_tokens, eos_ids=run.spec.eos_ids, pad_id=run.spec.pad_id,
-                        temperature=run.args.temperature, top_p=run.args.top_p,
-                        seeds=[rollout.row_seed(run.args.seed, step, round_, i, j) for i in prompt_idx for j in range(G)],
-                        sampler=run.spec.sampler, batch_size=run.spec.batch_size)
+    ro = rollout.sample_with(distributed.unwrap(run.policy), [run.data.ids[i] for i in prompt_idx for _ in range(G)],
+                             run.spec, temperature=run.args.temperature, top_p=run.args.top_p,
+                             seeds=[rollout.row_seed(run.args.seed, step, round_, i, j) for i in prompt_idx for j in range(G)])
     fmt = run.args.reward == "acc+format"
     answers = [run.data.rows[i]["answer"] for i in prompt_idx for _ in range(G)]
     scores, counts = reward.score_batch(rollout.decode_responses(run.tokenizer, ro), answers, format_reward=fmt)
@@ -174,10 +177,6 @@ def collect(run, step) -> Collected:
 # RL, part 2: log-probs, advantages, query weights, PPO updates
 
 
-def microbatches(n, size):
-    return [slice(s, min(n, s + size)) for s in range(0, n, size)]
-
-
 @dataclass
 class OldScores:
     """No-grad forwards over the rollout rows, before any update (B rows)."""
@@ -190,7 +189,7 @@ class OldScores:
 @torch.no_grad()
 def score_old_and_ref(run, packed: rollout.Packed) -> OldScores:
     outs = {"old": [], "prompt": [], "entropy": [], "ref": []}
-    for mb in microbatches(packed.input_ids.shape[0], run.args.micro_batch):
+    for mb in batching.microbatches(packed.input_ids.shape[0], run.args.micro_batch):
         s = rollout.score_tokens(distributed.unwrap(run.policy), packed.rows(mb), run.args.temperature, with_entropy=True)
         outs["old"].append(s.response), outs["prompt"].append(s.prompt), outs["entropy"].append(s.entropy)
         if run.ref is not None:
@@ -236,16 +235,17 @@ def ppo_update(run, b: UpdateBatch, upd_rows):
     """One optimizer step per global update batch (x ppo_epochs), micro-batched with gradient
     accumulation. Every loss term is divided by the GLOBAL count of its update batch (tokens or
     sequences over all micro-batches and ranks), so the gradient equals that of one big batch at
-    any micro-batch size and world size (DDP averages over ranks, hence the `* world`)."""
+    any micro-batch size and world size (DDP averages over ranks, hence the `* world`). A step
+    whose loss or gradient is not finite on any rank is skipped on every rank."""
     a, algo, world = run.args, run.algo, run.dist.world
-    stats, norms = {}, []
+    stats, norms, skipped = {}, [], 0
     for _ in range(a.ppo_epochs):
         for rows in upd_rows:
             num_tokens = all_sum(b.resp_mask[rows].sum().float()).clamp_min(1).item()
             num_seqs = all_sum(b.valid[rows].sum()).item()
             if num_seqs == 0:  # only DAPO filler groups (every rank sees the same count): no step
                 continue
-            mbs = microbatches(rows.stop - rows.start, a.micro_batch)
+            mbs, step_stats = batching.microbatches(rows.stop - rows.start, a.micro_batch), {}
             for k, mb in enumerate(mbs):
                 r = slice(rows.start + mb.start, rows.start + mb.stop)
                 with distributed.grad_sync(run.policy, k == len(mbs) - 1):
@@ -258,13 +258,26 @@ def ppo_update(run, b: UpdateBatch, upd_rows):
                         prompt_logp=s.prompt, prompt_ref_logp=b.qref[r], prompt_mask=b.qmask[r],
                         num_tokens=num_tokens, num_seqs=num_seqs, max_len=a.max_new_tokens)
                     (loss * world).backward()
+                faults.point("mid-step")
                 for key, v in st.items():
-                    stats[key] = stats.get(key, 0.0) + v.item()
-            norms.append(optimizer.clip_grad(run.policy, a.grad_clip))
+                    step_stats[key] = step_stats.get(key, 0.0) + v.item()
+            norm = optimizer.clip_grad(run.policy, a.grad_clip)
+            if not distributed.all_finite([step_stats["loss"], norm]):
+                run.opt.zero_grad(set_to_none=True)                      # the weights stay as they were
+                skipped, run.bad_streak = skipped + 1, run.bad_streak + 1
+                if run.bad_streak >= a.max_bad_steps:
+                    raise SystemExit(f"error: {run.bad_streak} optimizer steps in a row had a non-finite loss or gradient "
+                                     f"(--max-bad-steps); the last good checkpoint: {run_dir.checkpoint_dir(a.out)} (try a lower --lr)")
+                continue
+            run.bad_streak = 0
+            for key, v in step_stats.items():
+                stats[key] = stats.get(key, 0.0) + v
+            norms.append(norm)
             run.opt.step(), run.sched.step(), run.opt.zero_grad(set_to_none=True)
     n_opt = max(1, len(norms))
     out = {k: all_sum(torch.tensor(v)).item() / n_opt for k, v in stats.items()}
     out["grad_norm"] = sum(norms) / n_opt
+    out["skipped_steps"] = skipped
     return out
 
 
@@ -282,7 +295,7 @@ def rl_step(run, step):
     if algo.kl is not None and algo.kl_in == "reward":                   # RLOO: R - beta * sum_t KL_t
         rewards = losses.kl_penalized_rewards(rewards, sc.old, sc.ref, resp_mask, algo.beta, algo.kl)
     adv = losses.group_advantages(rewards, G, algo.adv, algo.adv_eps)    # A
-    upd_rows = microbatches(packed.input_ids.shape[0], run.args.update_batch // run.dist.world * G)
+    upd_rows = batching.microbatches(packed.input_ids.shape[0], run.args.update_batch // run.dist.world * G)
     w = row_weights(run, c.prompt_idx, sc.prompt, qmask, valid, upd_rows)  # w(q)
     batch = UpdateBatch(packed, resp_mask, qmask, valid, sc.old, sc.ref, qref, adv,
                         None if w is None else w.to(dev))
@@ -308,6 +321,7 @@ def step_metrics(run, step, c: Collected, ro, sc: OldScores, qref, qmask, resp_m
          "zero_var_frac": all_sum(torch.tensor(c.info["zero_var_frac"])).item() / run.dist.world,
          **{k: upd[k] for k in ("pg_loss", "clip_frac", "grad_norm", "loss") if k in upd},
          **{f"loss_{k}": upd[k] for k in ("policy_kl", "query_kl") if k in upd},
+         "skipped_steps": upd["skipped_steps"],
          "lr": run.sched.get_last_lr()[0]}
     if sc.ref is not None:  # k3 estimate of KL(pi_theta || pi_ref) on the sampled responses
         kl = losses.policy_kl(sc.old, sc.ref, "k3")
@@ -327,27 +341,6 @@ def step_metrics(run, step, c: Collected, ro, sc: OldScores, qref, qmask, resp_m
 # Set-up and the loop
 
 
-def print_sizes(a, world, n_train):
-    G, W = a.group_size, world
-    print0("\n".join([
-        f"derived sizes (world size {W}):",
-        f"  prompts / RL step          {a.rollout_batch} ({a.rollout_batch // W} per rank)",
-        f"  responses / RL step        {a.rollout_batch * G} ({a.rollout_batch // W * G} per rank, G = {G})",
-        f"  optimizer steps / RL step  {a.rollout_batch // a.update_batch} x {a.ppo_epochs} PPO epoch(s), "
-        f"each on {a.update_batch} prompts = {a.update_batch * G} responses",
-        f"  micro-batches / opt step   {-(-(a.update_batch // W * G) // a.micro_batch)} per rank"
-        f" of <= {a.micro_batch} sequences",
-        f"  RL steps                   {a.steps} ({a.steps * a.rollout_batch / n_train:.2f} epochs of {n_train} prompts)",
-    ]))
-
-
-def check_sizes(a, world):
-    if a.rollout_batch % a.update_batch:
-        raise SystemExit(f"error: --rollout-batch {a.rollout_batch} must be a multiple of --update-batch {a.update_batch}")
-    if a.update_batch % world:
-        raise SystemExit(f"error: --update-batch {a.update_batch} must be divisible by the world size {world}")
-
-
 def load_model(path, d: distributed.Dist, dtype):
     try:
         return rollout.load_policy(path, device=d.device, dtype=dtype)
@@ -355,11 +348,10 @@ def load_model(path, d: distributed.Dist, dtype):
         raise SystemExit(f"error: cannot load model {path!r}: {e}")
 
 
-def setup_rl(a, algo, d, model, tokenizer, state, resuming) -> Run:
-    """Data, the reference model (only if a Policy-KL is used or measured), the Query-KL cache,
-    the wrapped policy and its optimizer (restored from `state` on resume)."""
-    data = load_prompt_set(a.train_data, tokenizer, a.template, a.max_prompt_len, training=True)
-    print_sizes(a, d.world, len(data))
+def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
+    """The reference model (only if a Policy-KL is used or measured), the Query-KL cache, the
+    wrapped policy and its optimizer (restored from `state` on resume)."""
+    print0(batching.describe(a, d.world, len(data)))
     # ERPO with --measure-policy-kl false keeps no reference model: Query-KL reads the cache.
     bf16 = d.device.type == "cuda" and a.dtype == "auto"
     ref = None
@@ -385,7 +377,7 @@ def setup_rl(a, algo, d, model, tokenizer, state, resuming) -> Run:
 
 def train_rl(run, evalsets, log, start, amp):
     a = run.args
-    if start == 0 and a.eval_every:
+    if start == 0 and a.eval_every:                                      # the starting point
         with amp():
             m = {"step": 0, **heldout_accuracy(run.policy, run.tokenizer, evalsets, run.spec, a.eval_temperature, a.seed)}
         log(m)
@@ -416,29 +408,41 @@ def parse_args(argv=None):
     return a, algo
 
 
+def load_data(a, tokenizer):
+    """Held-out sets and (RL) training problems, checked before anything is written to --out."""
+    try:
+        evalsets = {n: load_prompt_set(n, tokenizer, a.template, limit=a.eval_limit or None) for n in a.eval_data}
+        data = None if a.algo == "sft" else load_prompt_set(a.train_data, tokenizer, a.template, a.max_prompt_len,
+                                                            training=True, strict=a.strict_data)
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
+    return evalsets, data
+
+
 def main(argv=None):
-    a, algo = parse_args(argv)
+    t0 = time.time()
+    a, algo = parse_args(argv)                                          # bad options: argparse errors
     d = distributed.setup()
+    batching.check(a, d.world)
     torch.manual_seed(a.seed)
     random.seed(a.seed)
-    resuming = a.resume and run_dir.has_checkpoint(a.out)
-    if a.resume and not resuming:
-        print0(f"--resume: no checkpoint in {run_dir.checkpoint_dir(a.out)}, starting from scratch")
-    run_dir.write_config(a.out, vars(a))
+    resuming = a.resume and run_dir.resumable(a.out)
     dtype, amp = distributed.precision(a.dtype, d.device)
     model, tokenizer = load_model(run_dir.checkpoint_dir(a.out) if resuming else a.model, d, dtype)
     print0(f"model {a.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {d.device}")
+    evalsets, data = load_data(a, tokenizer)                            # bad data: one line, nothing written
+    run_dir.write_config(a.out, vars(a))
     state = run_dir.load_state(a.out) if resuming else None
-    log = run_dir.MetricsLog(a.out, state.step if state else 0)
-    evalsets = {n: load_prompt_set(n, tokenizer, a.template, limit=a.eval_limit or None) for n in a.eval_data}
+    log = run_dir.MetricsLog(a.out, state.step if state else 0, a.log, vars(a))
     if a.algo == "sft":
         sft.run(a, d, model, tokenizer, evalsets, log, amp)
     else:
-        check_sizes(a, d.world)
         print0(f"algo {a.algo}: {options.algo_summary(algo)}")
-        run = setup_rl(a, algo, d, model, tokenizer, state, resuming)
+        run = setup_rl(a, algo, d, model, tokenizer, data, state, resuming)
         train_rl(run, evalsets, log, state.step if state else 0, amp)
         run_dir.export(run.policy, tokenizer, a.export)
+    log.close()
+    print0(run_dir.summary(a.out, time.time() - t0, list(evalsets), a.template))
     distributed.teardown()
 
 

@@ -149,8 +149,8 @@ def normalize_row(row, index, source="?"):
     """
     pkey, problem = _first(row, PROBLEM_KEYS)
     if problem is None:
-        raise ValueError(f"{source}: row {index} has no problem field (tried {PROBLEM_KEYS}); "
-                         f"fields are {sorted(row)}")
+        raise ValueError(f"{source}: no problem field (tried {PROBLEM_KEYS}; the row's fields "
+                         f"are {sorted(row)})")
     akey, answer = _first(row, ANSWER_KEYS)
     skey, solution = _first(row, SOLUTION_KEYS)
     if isinstance(solution, (list, tuple)):
@@ -158,8 +158,8 @@ def normalize_row(row, index, source="?"):
     if answer is None and solution:
         answer = extract_boxed(str(solution))
     if answer is None:
-        raise ValueError(f"{source}: row {index} has no answer field (tried {ANSWER_KEYS}) and "
-                         f"no \\boxed{{}} in its solution; fields are {sorted(row)}")
+        raise ValueError(f"{source}: no answer (tried {ANSWER_KEYS} and a \\boxed{{}} in the "
+                         f"solution; the row's fields are {sorted(row)})")
     ikey, pid = _first(row, ID_KEYS)
     out = {k: v for k, v in row.items() if k not in (pkey, akey, skey, ikey) and _jsonable(v)}
     norm = gold_answer(answer)
@@ -174,27 +174,71 @@ def normalize_row(row, index, source="?"):
 
 # ----------------------------------------------------------------------------- loading
 
+class DataError(ValueError):
+    """Bad input data, with where (file:line) and how to fix it in the message. Entry scripts print
+    it as one line, `error: <file>:<line>: <what is wrong> (<how to fix it>)`, and exit."""
+
+
+def _read_jsonl(path):
+    """-> (rows, line numbers). Read as bytes and decoded line by line, so a bad byte or a bad
+    line is reported with its line number."""
+    rows, lines = [], []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start}; "
+                                "save the file as UTF-8 JSON lines)") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON: {e.msg} at column {e.colno} "
+                                "(each line must be one JSON object)") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__} "
+                                "(each line must be one object like {\"problem\": ..., \"answer\": ...})")
+            rows.append(row)
+            lines.append(n)
+    return rows, lines
+
+
 def read_rows(path):
-    """Raw rows of a local .jsonl / .json / .parquet file."""
+    """Raw rows of a local .jsonl / .json / .parquet file -> (rows, where): where[i] names row i
+    for error messages ("file.jsonl:12", or "file.json: row 3")."""
     if not os.path.isfile(path):
-        raise ValueError(f"benchmark file not found: {path}")
+        raise DataError(f"{path}: file not found (check the path, or use one of the names "
+                        f"{known_names()})")
     ext = path.lower().rsplit(".", 1)[-1]
     if ext == "jsonl":
-        with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if ext == "json":
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        rows, lines = _read_jsonl(path)
+        where = [f"{path}:{n}" for n in lines]
+    elif ext == "json":
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+            raise DataError(f"{path}{line}: not a valid UTF-8 JSON file ({e}; expected a JSON list of rows)") from None
         if isinstance(data, dict):  # {"data": [...]} or {"test": [...]}: take the one list
             lists = [v for v in data.values() if isinstance(v, list)]
             if len(lists) != 1:
-                raise ValueError(f"{path}: expected a JSON list of rows")
+                raise DataError(f"{path}: expected a JSON list of rows (or an object holding one list)")
             data = lists[0]
-        return list(data)
-    if ext == "parquet":
+        rows = list(data)
+        where = [f"{path}: row {i}" for i in range(len(rows))]
+    elif ext == "parquet":
         import datasets
-        return list(datasets.load_dataset("parquet", data_files=path, split="train"))
-    raise ValueError(f"unsupported benchmark file type {path!r} (use .jsonl, .json or .parquet)")
+        rows = list(datasets.load_dataset("parquet", data_files=path, split="train"))
+        where = [f"{path}: row {i}" for i in range(len(rows))]
+    else:
+        raise DataError(f"{path}: unsupported file type (use .jsonl, .json or .parquet)")
+    if not rows:
+        raise DataError(f"{path}: no rows (the file is empty; expected one JSON object per line "
+                        "with a problem and an answer)")
+    return rows, where
 
 
 def load_hub(hub_id, config=None, split="test", data_file=None):
@@ -207,7 +251,7 @@ def load_hub(hub_id, config=None, split="test", data_file=None):
         else:
             ds = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:  # offline, renamed, gated...: say what to do instead
-        raise ValueError(f"could not load {hub_id} (config={config}, split={split}) from the "
+        raise DataError(f"could not load {hub_id} (config={config}, split={split}) from the "
                          f"Hugging Face hub: {type(e).__name__}: {str(e).splitlines()[0][:200]}. "
                          f"Pass a local .jsonl path, or a data_dir (--data-dir, $ERPO_DATA_DIR) "
                          f"holding a copy.") from e
@@ -236,8 +280,8 @@ def load_benchmark(name_or_path, limit=None, data_dir=None, skip_bad=False):
     name_or_path: registered name (case-insensitive), group name, or a local file path.
     limit: keep the first `limit` rows (quick runs). data_dir: folder with local copies of the
     hub benchmarks (e.g. aime2024.jsonl), tried before the hub; default $ERPO_DATA_DIR.
-    Raises ValueError for an unknown name, a missing file, or rows without problem/answer --
-    unless skip_bad, which drops such rows with a printed count (real training sets have a few:
+    Raises DataError (a ValueError whose message names the file and line) for an unknown name, a
+    missing, empty or malformed file, or rows without problem/answer -- unless skip_bad, which drops such rows with a printed count (real training sets have a few:
     2 of the 8,523 MATH L3-5 rows have an empty answer).
     """
     data_dir = data_dir if data_dir is not None else os.environ.get("ERPO_DATA_DIR")
@@ -251,44 +295,60 @@ def load_benchmark(name_or_path, limit=None, data_dir=None, skip_bad=False):
     if key in TINY:
         source = os.path.join(TINY_DIR, TINY[key])
         if not os.path.isfile(source):
-            raise ValueError(f"{key}: {source} is missing (run python -m data.tinymath.prepare)")
-        raw = read_rows(source)
+            raise DataError(f"{source}: missing (run python -m data.tinymath.prepare)")
+        raw, where = read_rows(source)
     elif key in HUB or key in HUB_FILES:
         source = _local_copy(key, data_dir)
         if source:
-            raw = read_rows(source)
-        elif key in HUB:
-            raw, source = load_hub(*HUB[key]), HUB[key][0]
+            raw, where = read_rows(source)
         else:
-            raw, source = load_hub(HUB_FILES[key][0], data_file=HUB_FILES[key][1]), HUB_FILES[key][0]
+            if key in HUB:
+                raw, source = load_hub(*HUB[key]), HUB[key][0]
+            else:
+                raw, source = load_hub(HUB_FILES[key][0], data_file=HUB_FILES[key][1]), HUB_FILES[key][0]
+            where = [f"{source}: row {i}" for i in range(len(raw))]
     elif looks_like_path(name_or_path):
         source = name_or_path
-        raw = read_rows(source)
+        raw, where = read_rows(source)
     else:
-        raise ValueError(f"unknown benchmark {name_or_path!r}: use one of {known_names()} "
-                         f"or a path to a .jsonl/.json/.parquet file")
+        raise DataError(f"unknown benchmark {name_or_path!r} (use one of {known_names()} "
+                        f"or a path to a .jsonl/.json/.parquet file)")
     if limit is not None:
         raw = raw[:limit]
-    rows, bad = [], 0
+    return _dedupe_ids(_normalize_rows(raw, where, source, skip_bad))
+
+
+def _normalize_rows(raw, where, source, skip_bad):
+    """Raw rows -> normalized rows. A row without a problem or an answer is an error naming its
+    file and line, unless skip_bad (training sets), which skips it and names the first few."""
+    rows, bad = [], []
     for i, r in enumerate(raw):
         try:
-            rows.append(normalize_row(r, i, source))
-        except ValueError:
+            rows.append(normalize_row(r, i, where[i]))
+        except ValueError as e:
             if not skip_bad:
-                raise
-            bad += 1
+                raise DataError(str(e)) from None
+            bad.append(where[i])
     if bad:
-        print(f"{source}: skipped {bad} of {len(raw)} rows without a problem or an answer")
+        print(f"{source}: skipped {len(bad)} of {len(raw)} rows without a problem or an answer "
+              f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}; --strict-data makes this an error)")
+    if not rows:
+        raise DataError(f"{source}: none of its {len(raw)} rows has a problem and an answer "
+                        f"(fields tried: {PROBLEM_KEYS} / {ANSWER_KEYS})")
+    return rows
+
+
+def _dedupe_ids(rows):
     ids = [r["id"] for r in rows]
     if len(set(ids)) != len(ids):  # resume and per-problem metrics key on the id: must be unique
         rows = [{**r, "id": str(i), "orig_id": r["id"]} for i, r in enumerate(rows)]
     return rows
 
 
-def load_problems(name_or_path, limit=None, data_dir=None):
+def load_problems(name_or_path, limit=None, data_dir=None, strict=False):
     """Training problems (e.g. "tiny-train" or "math-l3to5"): the rows of load_benchmark, with
-    unusable rows skipped (and counted) rather than fatal."""
-    return load_benchmark(name_or_path, limit=limit, data_dir=data_dir, skip_bad=True)
+    unusable rows skipped (and counted) rather than fatal, unless strict."""
+    return load_benchmark(name_or_path, limit=limit, data_dir=data_dir, skip_bad=not strict)
 
 
 def benchmark_label(name_or_path):

@@ -57,14 +57,18 @@ class PromptSet:
         return len(self.rows)
 
 
-def load_prompt_set(source, tokenizer, template, max_prompt_len=None, limit=None, training=False) -> PromptSet:
+def load_prompt_set(source, tokenizer, template, max_prompt_len=None, limit=None, training=False,
+                    strict=False) -> PromptSet:
     """A benchmark or training set, encoded. Training sets skip (and count) rows without a problem
-    or an answer; prompts longer than max_prompt_len are dropped, with a count."""
-    from data.benchmarks import load_benchmark, load_problems
+    or an answer unless strict; prompts longer than max_prompt_len are dropped, with a count."""
+    from data.benchmarks import DataError, load_benchmark, load_problems
 
-    rows = (load_problems if training else load_benchmark)(source, limit=limit)
+    rows = load_problems(source, limit=limit, strict=strict) if training else load_benchmark(source, limit=limit)
     ids = encode_prompts(tokenizer, rows, template)
     keep = [i for i, x in enumerate(ids) if max_prompt_len is None or len(x) <= max_prompt_len]
+    if not keep:
+        raise DataError(f"{source}: all {len(rows)} prompts are longer than {max_prompt_len} tokens "
+                        "(raise --max-prompt-len)")
     if len(keep) < len(rows):
         print(f"dropped {len(rows) - len(keep)} of {len(rows)} prompts longer than {max_prompt_len} tokens")
     return PromptSet([rows[i] for i in keep], [ids[i] for i in keep])

@@ -1,0 +1,42 @@
+"""The batch geometry of an RL step: how many prompts per step, per rank, per optimizer step, and
+how they split across ranks. Checked and printed at start-up (batch sizes are the most common
+confusion in the big frameworks).
+
+    rollout batch (prompts / RL step) = k optimizer steps x update batch (prompts / optimizer step)
+    each update batch is split evenly across the W ranks; each rank micro-batches its share
+"""
+
+
+def check(a, world):
+    """Sizes that must divide: an argparse-style one-line error otherwise."""
+    if a.rollout_batch % a.update_batch:
+        raise SystemExit(f"error: --rollout-batch {a.rollout_batch} must be a multiple of --update-batch {a.update_batch}")
+    if a.update_batch % world:
+        raise SystemExit(f"error: --update-batch {a.update_batch} must be divisible by the world size {world}")
+
+
+def rank_share(order, rank, world, rollout_batch, update_batch):
+    """The entries of a rollout batch's prompt `order` that this rank samples: each update batch is
+    split evenly across ranks, so every optimizer step sees the same global prompts at any world
+    size (what makes 1-process and 2-process runs comparable)."""
+    per = update_batch // world
+    return [order[u + rank * per + i] for u in range(0, rollout_batch, update_batch) for i in range(per)]
+
+
+def describe(a, world, n_train) -> str:
+    G, W = a.group_size, world
+    return "\n".join([
+        f"derived sizes (world size {W}):",
+        f"  prompts / RL step          {a.rollout_batch} ({a.rollout_batch // W} per rank)",
+        f"  responses / RL step        {a.rollout_batch * G} ({a.rollout_batch // W * G} per rank, G = {G})",
+        f"  optimizer steps / RL step  {a.rollout_batch // a.update_batch} x {a.ppo_epochs} PPO epoch(s), "
+        f"each on {a.update_batch} prompts = {a.update_batch * G} responses",
+        f"  micro-batches / opt step   {-(-(a.update_batch // W * G) // a.micro_batch)} per rank"
+        f" of <= {a.micro_batch} sequences",
+        f"  RL steps                   {a.steps} ({a.steps * a.rollout_batch / n_train:.2f} epochs of {n_train} prompts)",
+    ])
+
+
+def microbatches(n, size) -> list[slice]:
+    """Consecutive slices of at most `size` rows covering range(n)."""
+    return [slice(s, min(n, s + size)) for s in range(0, n, size)]
