@@ -251,3 +251,17 @@ def test_summary_and_tensorboard_mirror(tmp_path, data, capsys):
     got = {(e.step, round(e.value, 5)) for e in acc.Scalars("reward")}
     assert got == {(m["step"], round(m["reward"], 5)) for m in ms if "reward" in m}
     assert [e.step for e in acc.Scalars("eval_acc")] == [m["step"] for m in ms if "eval_acc" in m]
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"", ": no rows"), (b'{"problem": "1+1", "answer": "2"}\n\xff\n', ":2: not UTF-8 text"),
+    (b'{"problem": "1+1", "answer": "2"}\n[1]\n', ":2: expected a JSON object"), (None, ": file not found")])
+def test_bad_benchmark_files_for_evaluate(tmp_path, capsys, content, needle):
+    bench = tmp_path / "bench.jsonl"
+    if content is not None:
+        bench.write_bytes(content)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", WARM, "--benchmarks", str(bench), "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"evaluate.py: error: {bench}{needle}" in err, err
+    assert "Traceback" not in err and not (tmp_path / "e").exists()
