@@ -38,6 +38,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+import distributed
+
 # ----------------------------------------------------------------------------------------------
 # Loading
 
@@ -348,12 +350,6 @@ def _choose(logits, temperature: float, top_p: float, keys, step: int):
 # Sampling
 
 
-def _unwrap(model):
-    # DDP: generate with the inner module -- DDP's forward may broadcast buffers (a collective),
-    # and ranks decode different numbers of steps. FSDP2 modules have no .module: called as-is.
-    return getattr(model, "module", model)
-
-
 def _forward_kwargs(model) -> tuple[str, bool]:
     """(name of the cache kwarg, whether logits_to_keep is supported). transformers 5.24 renamed
     past_key_values -> cache (the old name warns until 5.40)."""
@@ -548,7 +544,9 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
     Returns a Rollout on the model's device.
     """
     _check_sample_args(prompts, max_new_tokens, temperature, top_p, seeds, sampler, batch_size)
-    m = _unwrap(model)
+    # DDP: decode with the inner module -- DDP's forward may broadcast buffers (a collective), and
+    # ranks decode different numbers of steps. FSDP2 modules are the model itself.
+    m = distributed.unwrap(model)
     dev = next(m.parameters()).device
     seeded = seeds is not None
     if seeds is None:
@@ -562,11 +560,7 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
     starts = list(range(0, len(prompts), bs))
     n_chunks = len(starts)
     if lockstep:  # every rank must run as many chunks (forward calls) as the busiest one
-        import torch.distributed as dist
-
-        t = torch.tensor([n_chunks], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n_chunks = int(t.item())
+        n_chunks = int(distributed.all_max(torch.tensor([n_chunks], device=dev)).item())
 
     parts = []
     for c in range(n_chunks):

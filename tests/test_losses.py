@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from losses import (ALGOS, Algo, aggregate, group_advantages, kl_penalized_rewards, make_algo,
+from losses import (AGG_MODES, ALGOS, Algo, aggregate, group_advantages, kl_penalized_rewards, make_algo,
                     nonconstant_groups, overlong_penalty, policy_kl, ppo_loss, query_kl,
                     query_weights, rl_loss)
 
@@ -324,7 +324,7 @@ def _batch(seed=0, B=8, T=9):
     return theta, mask
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", AGG_MODES)
 def test_aggregate_microbatch_invariance(mode):
     theta, mask = _batch()
     f = lambda t: torch.sin(t) * t ** 2                                  # any per-token loss
@@ -389,14 +389,14 @@ def _other_ref(key):
     return _inputs(seed=5)[key]
 
 
-@pytest.mark.parametrize("name", ["erpo", "qkl", "dapo-erpo", "rloo-erpo", "dapo", "drgrpo", "rloo"])
+@pytest.mark.parametrize("name", [n for n, a in ALGOS.items() if not a.has_policy_kl_loss])
 def test_algos_without_policy_kl_term(name):
     base, _ = _grads(name)
     torch.testing.assert_close(_grads(name, ref_logp=_other_ref("ref_logp"))[0], base)
     torch.testing.assert_close(_grads(name, ref_logp=None)[0], base)
 
 
-@pytest.mark.parametrize("name", ["grpo", "grpo-star"])
+@pytest.mark.parametrize("name", [n for n, a in ALGOS.items() if a.has_policy_kl_loss])
 def test_algos_with_policy_kl_term(name):
     base, stats = _grads(name)
     assert (_grads(name, ref_logp=_other_ref("ref_logp"))[0] - base).abs().max() > 1e-6
@@ -406,7 +406,7 @@ def test_algos_with_policy_kl_term(name):
         _grads(name, ref_logp=None)
 
 
-@pytest.mark.parametrize("name", ["erpo", "qkl", "dapo-erpo", "rloo-erpo"])
+@pytest.mark.parametrize("name", [n for n, a in ALGOS.items() if a.alpha > 0])
 def test_algos_with_query_kl_term(name):
     base, _ = _grads(name)
     assert (_grads(name, prompt_ref_logp=_other_ref("prompt_ref_logp"))[0] - base).abs().max() > 1e-6
