@@ -15,8 +15,8 @@ from data.prompts import PromptSet, encode_prompts
 
 
 def _strided_share(n, rank, world):
-    """Problem indices of this rank, padded with repeats so every rank samples the same number of
-    rows (FSDP2 ranks decode in lock-step); -> (indices, how many are real)."""
+    """Problem indices of this rank, padded with repeats to the busiest rank's count; -> (indices,
+    how many are real). (Padding kept so the samples, hence the numbers, do not depend on it.)"""
     mine = list(range(rank, n, world))
     n_mine = len(mine)
     mine += [mine[-1] if mine else 0] * (-(-n // world) - n_mine)
@@ -26,23 +26,26 @@ def _strided_share(n, rank, world):
 @torch.no_grad()
 def heldout_accuracy(model, tokenizer, evalsets: dict[str, PromptSet], spec: rollout.SampleSpec, temperature,
                      seed) -> dict:
-    """-> {"eval_acc": acc on the first set, "eval_acc/<name>": ..., "eval_acc/<name>/L<level>": ...}."""
+    """-> {"eval_acc": acc on the first set, "eval_acc/<name>": ..., "eval_acc/<name>/L<level>": ...}.
+    Every rank must call it (an FSDP2 policy is gathered once for decoding, a collective)."""
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
         if torch.distributed.is_initialized() else (0, 1)
     out = {}
-    for si, (name, ps) in enumerate(evalsets.items()):
-        mine, n_mine = _strided_share(len(ps), rank, world)
-        local = []
-        if mine:
-            ro = rollout.sample_with(distributed.unwrap(model), [ps.ids[i] for i in mine], spec,
-                                     temperature=temperature, seeds=[rollout.row_seed(seed, 99, si, i) for i in mine])
-            scores, _ = reward.score_batch(rollout.decode_responses(tokenizer, ro), [ps.rows[i]["answer"] for i in mine])
-            local = [(ps.rows[i].get("level"), s) for i, s in zip(mine, scores)][:n_mine]
-        res = distributed.all_gather_list(local)
-        out[f"eval_acc/{name}"] = sum(s for _, s in res) / len(res)
-        for lv in sorted({lv for lv, _ in res if lv is not None}):
-            sel = [s for l_, s in res if l_ == lv]
-            out[f"eval_acc/{name}/L{lv}"] = sum(sel) / len(sel)
+    with distributed.gathered(model, spec.weights_dtype) as decoder:
+        for si, (name, ps) in enumerate(evalsets.items()):
+            mine, n_mine = _strided_share(len(ps), rank, world)
+            local = []
+            if mine:
+                ro = rollout.sample_with(decoder, [ps.ids[i] for i in mine], spec, temperature=temperature,
+                                         seeds=[rollout.row_seed(seed, 99, si, i) for i in mine])
+                scores, _ = reward.score_batch(rollout.decode_responses(tokenizer, ro),
+                                               [ps.rows[i]["answer"] for i in mine])
+                local = [(ps.rows[i].get("level"), s) for i, s in zip(mine, scores)][:n_mine]
+            res = distributed.all_gather_list(local)
+            out[f"eval_acc/{name}"] = sum(s for _, s in res) / len(res)
+            for lv in sorted({lv for lv, _ in res if lv is not None}):
+                sel = [s for l_, s in res if l_ == lv]
+                out[f"eval_acc/{name}/L{lv}"] = sum(sel) / len(sel)
     if evalsets:
         out["eval_acc"] = out[f"eval_acc/{next(iter(evalsets))}"]
     return out

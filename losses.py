@@ -301,12 +301,18 @@ class Algo:
     agg: str = _knob("token-mean", "loss aggregation (aggregate())", AGG_MODES)
     dynamic_sampling: bool = _knob(False, "DAPO: drop groups whose accuracies are all equal, resample")
     overlong: bool = _knob(False, "DAPO soft overlong punishment added to the reward")
-    overlong_cache: int = _knob(16, "L_cache of the overlong punishment (L_max = --max-new-tokens)")
+    overlong_cache: float = _knob(0.2, "L_cache of the overlong punishment: tokens, or a fraction of "
+                                  "L_max = --max-new-tokens if < 1 (DAPO: 4,096 of 20,480 = 0.2)")
     doc: str = field(default="", compare=False)  # one line: what it changes relative to GRPO
 
     @property
     def has_policy_kl_loss(self):
         return self.kl is not None and self.kl_in == "loss" and self.beta > 0
+
+    def overlong_cache_len(self, max_len) -> int:
+        """L_cache in tokens: overlong_cache itself, or that fraction of max_len (at least 1)."""
+        c = self.overlong_cache
+        return max(1, min(max_len, round(c * max_len if c < 1 else c)))
 
 
 _DAPO = dict(kl=None, beta=0.0, eps_low=0.2, eps_high=0.28, dual_clip=None,
@@ -347,8 +353,8 @@ def validate_algo(algo):
     lo, hi = algo.weight_clip
     if not 0 <= lo < hi:
         raise ValueError(f"weight_clip must be (lo, hi) with 0 <= lo < hi, got {algo.weight_clip}")
-    if algo.kl_clamp <= 0 or algo.adv_eps < 0 or algo.overlong_cache < 1:
-        raise ValueError(f"need kl_clamp > 0, adv_eps >= 0, overlong_cache >= 1, got {algo.kl_clamp}, "
+    if algo.kl_clamp <= 0 or algo.adv_eps < 0 or algo.overlong_cache <= 0:
+        raise ValueError(f"need kl_clamp > 0, adv_eps >= 0, overlong_cache > 0, got {algo.kl_clamp}, "
                          f"{algo.adv_eps}, {algo.overlong_cache}")
     return algo
 

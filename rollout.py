@@ -109,20 +109,43 @@ def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None):
     return model, tokenizer
 
 
+# Chat-template turn markers: (end of a turn, start of the next). A model that does not stop at the
+# end of its turn writes an invented next turn, and the grader would read that turn's \boxed{}.
+TURN_MARKERS = [("<|im_end|>", "<|im_start|>"), ("<|eot_id|>", "<|start_header_id|>"),
+                ("<end_of_turn>", "<start_of_turn>"), ("<|end|>", "<|user|>")]
+
+
+def _single_token_id(tokenizer, text):
+    """The id of `text` if the tokenizer has it as one token, else None."""
+    ids = tokenizer.convert_tokens_to_ids([text])
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return ids[0] if ids and ids[0] is not None and ids[0] != unk else None
+
+
 def eos_token_ids(model, tokenizer) -> list[int]:
-    """Union of generation_config.eos_token_id (int or list) and tokenizer.eos_token_id.
-    (Qwen2.5 chat models end turns with <|im_end|> but the tokenizer's eos is <|endoftext|>.)"""
+    """Stop ids: generation_config.eos_token_id (int or list), tokenizer.eos_token_id, and the chat
+    template's end-of-turn token. (Qwen2.5 base models' generation config stops on <|endoftext|>;
+    their chat template ends a turn with <|im_end|>.)"""
     ids = []
     gen = getattr(getattr(model, "module", model), "generation_config", None)
-    for e in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    template = getattr(tokenizer, "chat_template", None) or ""
+    turn_end = [_single_token_id(tokenizer, end) for end, _ in TURN_MARKERS if end in template]
+    for e in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None), turn_end):
         if e is None:
             continue
         for i in e if isinstance(e, (list, tuple)) else [e]:
-            if int(i) not in ids:
+            if i is not None and int(i) not in ids:
                 ids.append(int(i))
     if not ids:
         raise ValueError("neither the model's generation_config nor the tokenizer defines an EOS")
     return ids
+
+
+def turn_starts(tokenizer) -> list[str]:
+    """Start-of-turn markers of the tokenizer's chat template: a response that contains one ran on
+    into a turn of its own (counted by train.py as new_turn_frac)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return [start for end, start in TURN_MARKERS if end in template and start in template]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,6 +160,7 @@ class SampleSpec:
     pad_id: int
     sampler: str = "kv"                # "kv" (our KV-cache loop) or "hf" (model.generate)
     batch_size: int | None = None      # rows per sampler call
+    weights_dtype: torch.dtype | None = None  # of the gathered decoding copy of a sharded policy
 
 
 @dataclass
@@ -251,6 +275,16 @@ def decode_responses(tokenizer, ro: Rollout) -> list[str]:
     lens = ro.response_mask.sum(1).tolist()
     return tokenizer.batch_decode([ids[:n] for ids, n in zip(ro.response_ids.tolist(), lens)],
                                   skip_special_tokens=True)
+
+
+def new_turns(tokenizer, ro: Rollout) -> int:
+    """How many responses contain a start-of-turn marker of the chat template (see turn_starts)."""
+    starts = turn_starts(tokenizer)
+    if not starts:
+        return 0
+    lens = ro.response_mask.sum(1).tolist()
+    texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(ro.response_ids.tolist(), lens)])
+    return sum(any(m in t for m in starts) for t in texts)
 
 
 def right_align(seqs: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -132,11 +132,10 @@ def my_prompts(run, step, round_=0):
     return batching.rank_share(order, run.dist.rank, run.dist.world, a.rollout_batch, a.update_batch)
 
 
-def sample_and_score(run, prompt_idx, step, round_) -> rollout.Graded:
-    """G responses per prompt (consecutive rows), graded. DAPO's soft overlong penalty is added to
-    the rewards, never to the accuracy."""
+def sample_and_score(run, decoder, prompt_idx, step, round_) -> rollout.Graded:
+    """G responses per prompt (consecutive rows), graded; DAPO's overlong penalty enters the rewards."""
     G = run.args.group_size
-    ro = rollout.sample_with(distributed.unwrap(run.policy), [run.data.ids[i] for i in prompt_idx for _ in range(G)],
+    ro = rollout.sample_with(decoder, [run.data.ids[i] for i in prompt_idx for _ in range(G)],
                              run.spec, temperature=run.args.temperature, top_p=run.args.top_p,
                              seeds=[rollout.row_seed(run.args.seed, step, round_, i, j) for i in prompt_idx for j in range(G)])
     fmt = run.args.reward == "acc+format"
@@ -145,19 +144,19 @@ def sample_and_score(run, prompt_idx, step, round_) -> rollout.Graded:
     scores = torch.tensor(scores)
     rewards = scores.clone()
     if run.algo.overlong:
-        rewards += losses.overlong_penalty(ro.response_mask.sum(1).float(), run.args.max_new_tokens,
-                                           run.algo.overlong_cache)
-    acc = (scores >= 0.9).float() if fmt else scores
+        L = run.args.max_new_tokens
+        rewards += losses.overlong_penalty(ro.response_mask.sum(1).float(), L, run.algo.overlong_cache_len(L))
+    acc, counts["new_turn"] = (scores >= 0.9).float() if fmt else scores, rollout.new_turns(run.tokenizer, ro)
     return rollout.Graded(ro, rewards, acc, prompt_idx, counts, keep=losses.nonconstant_groups(acc, G))
 
 
-def collect(run, step) -> Collected:
+def collect(run, decoder, step) -> Collected:
     """Sample and grade this rank's prompts. DAPO's dynamic sampling then drops groups whose
     accuracies are all equal and samples more prompts (at most --max-resample-rounds extra rounds)
     until this rank's share is full; unfilled slots become zero-weight filler groups, so every rank
     still runs the same number of micro-batches (DDP and FSDP2 need that)."""
     G, mine = run.args.group_size, my_prompts(run, step)
-    first = sample_and_score(run, mine, step, 0)
+    first = sample_and_score(run, decoder, mine, step, 0)
     info = {"zero_var_frac": 1 - first.keep.float().mean().item(), "resample_rounds": 0, **first.counts}
     if not run.algo.dynamic_sampling:
         return Collected(first.ro, first.rewards, torch.ones(len(mine) * G), mine, first.rewards, first.acc, info)
@@ -165,7 +164,7 @@ def collect(run, step) -> Collected:
     for r in range(1, run.args.max_resample_rounds + 1):
         if all_sum(torch.tensor(float(have < len(mine)))).item() == 0:  # every rank full (they
             break                                                      # sample together: FSDP2)
-        rounds.append(sample_and_score(run, my_prompts(run, step, r), step, r))
+        rounds.append(sample_and_score(run, decoder, my_prompts(run, step, r), step, r))
         have += int(rounds[-1].keep.sum())
         info["resample_rounds"] = r
     kept = rollout.fill_groups(rounds, len(mine), G, run.tokenizer.pad_token_id)
@@ -284,7 +283,8 @@ def ppo_update(run, b: UpdateBatch, upd_rows):
 def rl_step(run, step):
     """Everything of one RL step; returns its metrics (reduced over ranks)."""
     t0, G, algo, dev = time.time(), run.args.group_size, run.algo, run.dist.device
-    c = collect(run, step)                                               # rollouts + rewards
+    with distributed.gathered(run.policy, run.spec.weights_dtype) as decoder:  # FSDP2: gathered once
+        c = collect(run, decoder, step)                                  # rollouts + rewards
     ro, valid = c.ro.to(dev), c.valid.to(dev)
     packed = ro.packed()
     resp_mask = ro.response_mask.float() * valid[:, None]
@@ -318,6 +318,7 @@ def step_metrics(run, step, c: Collected, ro, sc: OldScores, qref, qmask, resp_m
          "entropy": all_sum((sc.entropy * ro.response_mask).sum()).item() / tok,
          "response_len": tok / all_sum(torch.tensor(float(ro.response_mask.shape[0]))).item(),
          "truncated_frac": all_sum((~ro.finished).float().sum()).item() / n_rows,
+         "new_turn_frac": all_sum(torch.tensor(float(c.info["new_turn"]))).item() / n_rows,
          "zero_var_frac": all_sum(torch.tensor(c.info["zero_var_frac"])).item() / run.dist.world,
          **{k: upd[k] for k in ("pg_loss", "clip_frac", "grad_norm", "loss") if k in upd},
          **{f"loss_{k}": upd[k] for k in ("policy_kl", "query_kl") if k in upd},
@@ -353,11 +354,10 @@ def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
     wrapped policy and its optimizer (restored from `state` on resume)."""
     print0(batching.describe(a, d.world, len(data)))
     # ERPO with --measure-policy-kl false keeps no reference model: Query-KL reads the cache.
-    bf16 = d.device.type == "cuda" and a.dtype == "auto"
+    bf16, dtype = d.device.type == "cuda" and a.dtype == "auto", distributed.precision(a.dtype, d.device)[0]
     ref = None
     if algo.kl is not None or a.measure_policy_kl:
-        ref = load_model(a.model, d, torch.bfloat16 if bf16 else distributed.precision(a.dtype, d.device)[0])[0]
-        ref.eval().requires_grad_(False)
+        ref = load_model(a.model, d, torch.bfloat16 if bf16 else dtype)[0].eval().requires_grad_(False)
     meta = query_cache.cache_meta(a.model, a.train_data, a.template, a.temperature, data.ids)
     with distributed.precision(a.dtype, d.device)[1]():
         cache = query_cache.load_or_build(os.path.join(a.out, "query_cache.pt"), meta, model, data.ids,
@@ -371,7 +371,7 @@ def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
         run_dir.restore_rng(state)
         print0(f"resumed from {run_dir.checkpoint_dir(a.out)} at step {state.step}")
     spec = rollout.SampleSpec(a.max_new_tokens, rollout.eos_token_ids(model, tokenizer), tokenizer.pad_token_id,
-                              a.sampler, a.gen_batch)
+                              a.sampler, a.gen_batch, torch.bfloat16 if bf16 else None)
     return Run(a, algo, d, policy, ref, tokenizer, opt, sched, data, cache, spec)
 
 

@@ -1,0 +1,138 @@
+"""Paper-scale rollouts, checked in miniature: stop ids from the chat template, the DAPO overlong
+default, and (under torchrun, 2 CPU processes) rollouts of an FSDP2-sharded policy decoded from
+weights gathered once, not re-gathered per token."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import losses
+import rollout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
+
+
+@pytest.fixture(scope="module")
+def base_like(tmp_path_factory):
+    """The warm start, configured like a Qwen2.5 *base* model: its generation config and tokenizer
+    stop on <|endoftext|> only, while its chat template ends a turn with <|im_end|>."""
+    d = tmp_path_factory.mktemp("baselike") / "model"
+    shutil.copytree(WARM, d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    gen["eos_token_id"] = 0
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    tok = json.loads((d / "tokenizer_config.json").read_text())
+    tok["eos_token"] = "<|endoftext|>"
+    (d / "tokenizer_config.json").write_text(json.dumps(tok))
+    return str(d)
+
+
+def test_chat_templated_model_stops_at_the_end_of_turn_token(base_like):
+    model, tok = rollout.load_policy(base_like)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token_id == 0 and model.generation_config.eos_token_id == 0
+    eos = rollout.eos_token_ids(model, tok)
+    assert im_end in eos and 0 in eos
+    prompts = [tok(f"<|im_start|>user\nMia has {n} apples. Mia gives 5 apples to Tom. How many apples does Mia "
+                   f"have now?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+               for n in (23, 41, 17, 30)]
+    ro = rollout.sample(model, prompts, max_new_tokens=96, eos_ids=eos, pad_id=0, temperature=0)
+    lens = ro.response_mask.sum(1)
+    assert ro.finished.all()
+    for i in range(len(prompts)):
+        resp = ro.response_ids[i, :lens[i]].tolist()
+        assert resp[-1] == im_end and im_end not in resp[:-1]
+    # The same model stopping on <|endoftext|> alone runs past the end of its turn.
+    ro2 = rollout.sample(model, prompts, max_new_tokens=96, eos_ids=[0], pad_id=0, temperature=0)
+    assert any(im_end in r[:n].tolist()[:-1] or not f for r, n, f in
+               zip(ro2.response_ids, ro2.response_mask.sum(1), ro2.finished))
+    assert rollout.turn_starts(tok) == ["<|im_start|>"]
+
+
+def test_new_turns_counts_responses_that_start_a_turn(base_like):
+    model, tok = rollout.load_policy(base_like)
+    texts = ["<think> 1 </think> \\boxed{1}", "\\boxed{2}<|im_start|>user\nmore", "no marker"]
+    ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    R = max(map(len, ids))
+    ro = rollout.Rollout(prompt_ids=torch.ones(3, 1, dtype=torch.long), prompt_mask=torch.ones(3, 1, dtype=torch.long),
+                         response_ids=torch.tensor([x + [0] * (R - len(x)) for x in ids]),
+                         response_mask=torch.tensor([[1] * len(x) + [0] * (R - len(x)) for x in ids]),
+                         logprobs=torch.zeros(3, R), finished=torch.ones(3, dtype=torch.bool))
+    assert rollout.new_turns(tok, ro) == 1
+
+
+def test_overlong_cache_defaults_to_dapos_fraction_of_the_length():
+    dapo = losses.ALGOS["dapo"]
+    assert dapo.overlong_cache == 0.2                                     # DAPO: 4,096 of 20,480
+    assert dapo.overlong_cache_len(3072) == 614 and dapo.overlong_cache_len(96) == 19
+    assert losses.make_algo("dapo", overlong_cache=16).overlong_cache_len(3072) == 16
+    L = torch.tensor([3072 - 614, 3072 - 307, 3072, 3073])
+    pen = losses.overlong_penalty(L, 3072, dapo.overlong_cache_len(3072))
+    assert pen.tolist() == pytest.approx([0.0, -0.5, -1.0, -1.0], abs=1e-3)  # a ramp, not a cliff
+    with open(os.path.join(ROOT, "configs", "paper_qwen7b.json")) as f:
+        assert json.load(f)["overlong_cache"] == 0.2
+
+
+WORKER = r'''
+import json, sys
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+sys.path.insert(0, sys.argv[1])
+import distributed, rollout
+
+NEVER = 5  # "#": a token the tiny model never writes, so every row decodes the full length
+COMMS = ("all_gather", "allgather", "all_reduce", "allreduce", "broadcast", "reduce_scatter", "record_param_comms")
+model, tok = rollout.load_policy(sys.argv[2])
+policy = distributed.wrap_model(model, torch.device("cpu"), fsdp=True)
+prompts, seeds = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+out = {}
+for path in ("gathered", "sharded"):
+    for n in (8, 32):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            if path == "gathered":
+                with distributed.gathered(policy) as dec:
+                    ro = rollout.sample(dec, prompts, max_new_tokens=n, eos_ids=[NEVER], pad_id=0, seeds=seeds)
+            else:  # decoding through the sharded model itself: the per-token all-gathers
+                ro = rollout.sample(policy, prompts, max_new_tokens=n, eos_ids=[NEVER], pad_id=0, seeds=seeds)
+        comms = sum(any(c in e.name.lower() for c in COMMS) for e in prof.events())
+        out[f"{path}/{n}"] = {"comms": comms, "tokens": ro.response_ids.tolist(), "width": ro.response_ids.shape[1]}
+json.dump(out, open(f"{sys.argv[5]}/rank{dist.get_rank()}.json", "w"))
+dist.destroy_process_group()
+'''
+
+
+def test_sharded_rollout_gathers_once(tmp_path):
+    """FSDP2 on 2 CPU processes (gloo): the collectives of one rollout do not grow with the number
+    of decoded tokens (the weights are gathered once), and the sampled tokens equal a 1-process
+    run's. Decoding through the sharded model itself, the count grows: the counter can fail."""
+    model, tok = rollout.load_policy(WARM)
+    from data.prompts import build_prompt
+    prompts = [tok(build_prompt(tok, f"Mia has {n} apples. Mia gives 5 apples to Tom. How many apples does Mia "
+                                     f"have now?", "plain"), add_special_tokens=False).input_ids for n in (23, 41, 7)]
+    seeds, NEVER = [11, 12, 13], 5
+    (tmp_path / "worker.py").write_text(WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-port",
+           str(29600 + os.getpid() % 1000), str(tmp_path / "worker.py"), ROOT, WARM, json.dumps(prompts),
+           json.dumps(seeds), str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert res["gathered/8"]["width"] == 8 and res["gathered/32"]["width"] == 32      # really decoded 8 / 32
+        assert res["gathered/8"]["comms"] == res["gathered/32"]["comms"] > 0
+        assert res["sharded/32"]["comms"] > res["sharded/8"]["comms"] + 20                  # per-token gathers
+        for n in (8, 32):
+            one = rollout.sample(model, prompts, max_new_tokens=n, eos_ids=[NEVER], pad_id=0, seeds=seeds)
+            assert res[f"gathered/{n}"]["tokens"] == one.response_ids.tolist()
+            assert res[f"sharded/{n}"]["tokens"] == one.response_ids.tolist()
