@@ -25,11 +25,14 @@ class Dist:
         return self.rank == 0
 
 
-def setup() -> Dist:
-    """Join the process group torchrun describes: gloo on CPU, nccl on GPU."""
+def setup(device="auto") -> Dist:
+    """Join the process group torchrun describes: gloo on CPU, nccl on GPU ("auto": CUDA when
+    available, one GPU per local rank)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if torch.cuda.is_available():
+    if device not in ("auto", "cuda") and not str(device).startswith("cuda"):
+        device = torch.device(device)
+    elif torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)

@@ -21,6 +21,7 @@ resumed or re-run evaluation draws the same samples, and all models see the same
 """
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from collections import Counter, defaultdict
 
 from tqdm import tqdm
 
+import distributed
 import heldout
 import plots
 import reward
@@ -322,28 +324,65 @@ def check_config(out_dir, args):
 
 
 
-def run_sweep(args, benches):
-    """The main evaluation: sample/grade what is missing, then summary.json, results.md, png."""
-    path = os.path.join(args.out, SAMPLES_FILE)
+def merge_shards(out_dir):
+    """Append the per-rank files of a torchrun sweep (samples.rank<r>.jsonl) to samples.jsonl,
+    skipping records already there, then delete them. Idempotent: a kill halfway leaves nothing
+    that a rerun would count twice (records are keyed; read_jsonl skips a half-written line)."""
+    path = os.path.join(out_dir, SAMPLES_FILE)
+    shards = sorted(glob.glob(os.path.join(out_dir, "samples.rank*.jsonl")))
+    if not shards:
+        return
     run_dir.drop_partial_line(path)
     done = {record_key(r) for r in run_dir.read_jsonl(path)}
-    keys = model_keys(args)
     with open(path, "a") as f:
+        for shard in shards:
+            for r in run_dir.read_jsonl(shard):
+                if record_key(r) not in done:
+                    f.write(json.dumps(r) + "\n")
+                    done.add(record_key(r))
+        f.flush()
+        os.fsync(f.fileno())
+    for shard in shards:
+        os.remove(shard)
+
+
+def run_sweep(args, benches, d: distributed.Dist):
+    """The main evaluation: sample/grade what is missing, then summary.json, results.md, png.
+    Under torchrun each rank takes every world-th problem of each benchmark and appends to its
+    own samples.rank<r>.jsonl; rank 0 merges them into samples.jsonl. Per-sample seeds make the
+    records the same as one process's."""
+    path = os.path.join(args.out, SAMPLES_FILE)
+    if d.main:
+        merge_shards(args.out)            # left by a killed multi-process run
+        run_dir.drop_partial_line(path)
+    distributed.barrier()
+    done = {record_key(r) for r in run_dir.read_jsonl(path)}
+    keys = model_keys(args)
+    mine = os.path.join(args.out, f"samples.rank{d.rank}.jsonl") if d.world > 1 else path
+    share = {b: rows[d.rank::d.world] for b, rows in benches.items()}
+    with open(mine, "a") as f:
         for model_path, key in zip(args.model, keys):
-            todo = sum(len(v) for b, rows in benches.items() for t in args.temperatures
+            todo = sum(len(v) for b, rows in share.items() for t in args.temperatures
                        for v in missing_samples(rows, done, key, b, t, args.n).values())
             if todo == 0:
-                print(f"{key}: all samples already in {path}")
+                distributed.print0(f"{key}: all samples already in {path}")
                 continue
-            print(f"{key}: {todo} samples to generate")
-            model, tokenizer = rollout.load_policy(model_path, device=args.device, dtype=args.dtype)
-            evaluate_model(model.eval(), tokenizer, key, benches, args.temperatures, args.n, f, done,
+            print(f"{key}: {todo} samples to generate" + (f" on rank {d.rank}" if d.world > 1 else ""))
+            model, tokenizer = rollout.load_policy(model_path, device=d.device, dtype=args.dtype)
+            evaluate_model(model.eval(), tokenizer, key, share, args.temperatures, args.n, f, done,
                            template=args.template, max_new_tokens=args.max_new_tokens,
                            top_p=args.top_p, batch_size=args.batch_size, seed=args.seed,
                            sampler=args.sampler, timeout=args.grade_timeout,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress and d.main)
             del model
-    summary = summarize(run_dir.read_jsonl(path), ks=args.k, n=args.n, models=keys,
+    distributed.barrier()
+    return write_results(args, benches) if d.main else None
+
+
+def write_results(args, benches):
+    merge_shards(args.out)
+    path = os.path.join(args.out, SAMPLES_FILE)
+    summary = summarize(run_dir.read_jsonl(path), ks=args.k, n=args.n, models=model_keys(args),
                         benchmarks=list(benches), temperatures=args.temperatures)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -383,7 +422,8 @@ def build_parser():
     add("--data-dir", default=None, help="local copies of the hub benchmarks (aime2024.jsonl, math500.jsonl, ...); default $ERPO_DATA_DIR")
     add("--limit", type=int, default=None, help="first N problems of each benchmark")
     add("--temperatures", nargs="+", type=float, default=DEFAULT_TEMPERATURES)
-    add("--n", type=int, default=32, help="samples per problem and temperature")
+    add("--n", "--num-samples", dest="n", type=int, default=32,
+        help="samples per problem and temperature (under torchrun write --num-samples: torchrun takes --n as its own)")
     add("--k", nargs="+", type=int, default=None, help="pass@k values (default: 1, powers of 2 up to n, and n)")
     add("--top-p", type=float, default=1.0)
     add("--max-new-tokens", type=int, default=None, help="default 3072 for --template paper, 256 for plain (the tiny world)")
@@ -438,14 +478,21 @@ def load_benchmarks(names, limit, data_dir) -> dict:
 
 
 def main(argv=None):
+    """One process, or `torchrun --nproc_per_node=N evaluate.py ...` (the problems split across
+    ranks, one merged samples.jsonl and summary)."""
     args = parse_args(argv)
     benches = load_benchmarks(args.benchmarks, args.limit, args.data_dir)
+    d = distributed.setup(args.device)
     os.makedirs(args.out, exist_ok=True)
-    try:
-        check_config(args.out, args)
-    except ValueError as e:
-        fail(e)
-    return run_sweep(args, benches)
+    if d.main:
+        try:
+            check_config(args.out, args)
+        except ValueError as e:
+            fail(e)
+    distributed.barrier()
+    summary = run_sweep(args, benches, d)
+    distributed.teardown()
+    return summary
 
 
 if __name__ == "__main__":

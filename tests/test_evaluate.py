@@ -218,3 +218,29 @@ def test_cli_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         E.main(["--model", str(tmp_path), "--benchmarks", "nope", "--out", str(tmp_path / "o")])
     assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_torchrun_two_processes_give_the_one_process_sweep(tmp_path):
+    """`torchrun --nproc_per_node=2 evaluate.py` splits the problems (3 + 2 here) and merges them
+    into the samples.jsonl and summary.json of one process; a rerun resumes with nothing to do."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    warm = os.path.join(root, "data", "tinymath", "warmstart")
+    args = ["evaluate.py", "--model", warm, "--labels", "warm", "--benchmarks", "tiny-test", "--limit", "5",
+            "--temperatures", "0.7", "1.0", "--num-samples", "2", "--max-new-tokens", "24", "--batch-size", "4",
+            "--no-progress"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-port",
+                str(29400 + os.getpid() % 1000)]
+    for cmd, out in (([sys.executable], "one"), (torchrun, "two"), (torchrun, "two")):
+        r = subprocess.run(cmd + args + ["--out", str(tmp_path / out)], cwd=root, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "all samples already" in r.stdout                                  # the rerun resumed
+    assert not list((tmp_path / "two").glob("samples.rank*"))                # merged and removed
+    recs = {o: {E.record_key(x): x["completion"] for x in read_jsonl(tmp_path / o / "samples.jsonl")}
+            for o in ("one", "two")}
+    assert len(recs["one"]) == 20 and recs["one"] == recs["two"]
+    summaries = [json.loads((tmp_path / o / "summary.json").read_text()) for o in ("one", "two")]
+    assert summaries[0] == summaries[1]
