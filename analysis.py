@@ -92,10 +92,10 @@ def nll_pairs(model, tokenizer, key, bench, rows, args):
         chunk = rows[s:s + bs]
         samples, ro = heldout.generate_samples(
             model, tokenizer, chunk, args.temperature, {p["id"]: [0] for p in chunk}, benchmark=bench,
-            template=args.template, max_new_tokens=args.max_new_tokens, batch_size=bs, seed=args.seed,
-            sampler=args.sampler)
+            template=args.template, max_new_tokens=args.max_new_tokens, top_p=args.top_p, batch_size=bs,
+            seed=args.seed, sampler=args.sampler)
         q, r, nq, nr = query_response_nll(model, ro)
-        correct, _ = heldout.grade([x["completion"] for x in samples], [p["answer"] for p in chunk])
+        correct, _ = heldout.grade([x["completion"] for x in samples], [p["answer"] for p in chunk], args.grade_timeout)
         for p, qi, ri, a, b, c in zip(chunk, q, r, nq, nr, correct):
             out.append({"model": key, "benchmark": bench, "id": p["id"], "query_nll": qi, "response_nll": ri,
                         "query_tokens": a, "response_tokens": b, "correct": bool(c)})
@@ -145,7 +145,9 @@ def parse_args(argv=None):
     n.add_argument("--data-dir", default=None)
     n.add_argument("--limit", type=int, default=None)
     n.add_argument("--temperature", type=float, default=1.0)
-    n.add_argument("--max-new-tokens", type=int, default=256)
+    n.add_argument("--max-new-tokens", type=int, default=None, help="default 3072 for --template paper, 256 for plain")
+    n.add_argument("--top-p", type=float, default=1.0)
+    n.add_argument("--grade-timeout", type=float, default=1.0, help="seconds per graded answer")
     n.add_argument("--template", choices=sorted(TEMPLATES), default="plain")
     n.add_argument("--batch-size", type=int, default=64)
     n.add_argument("--sampler", choices=["kv", "hf"], default="kv")
@@ -154,7 +156,10 @@ def parse_args(argv=None):
     n.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     n.add_argument("--out", default="results/nll")
     n.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.cmd == "nll" and args.max_new_tokens is None:  # as evaluate.py
+        args.max_new_tokens = 3072 if args.template == "paper" else 256
+    return args
 
 
 def main(argv=None):

@@ -6,6 +6,8 @@ confusion in the big frameworks).
     each update batch is split evenly across the W ranks; each rank micro-batches its share
 """
 
+from errors import DataError
+
 
 def check(a, world):
     """Sizes that must divide: an argparse-style one-line error otherwise."""
@@ -13,6 +15,15 @@ def check(a, world):
         raise SystemExit(f"error: --rollout-batch {a.rollout_batch} must be a multiple of --update-batch {a.update_batch}")
     if a.update_batch % world:
         raise SystemExit(f"error: --update-batch {a.update_batch} must be divisible by the world size {world}")
+
+
+def check_data(n, a):
+    """At least one batch of usable examples (a DataError naming the file otherwise)."""
+    sft = a.algo == "sft"
+    need = a.sft_batch if sft else a.rollout_batch
+    if n < need:
+        raise DataError(f"{a.sft_data if sft else a.train_data}: {n} usable examples, fewer than one batch "
+                        f"({'--sft-batch' if sft else '--rollout-batch'} {need}; lower it or add data)")
 
 
 def rank_share(order, rank, world, rollout_batch, update_batch):

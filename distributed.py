@@ -51,6 +51,21 @@ def teardown():
         dist.destroy_process_group()
 
 
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of this process: (0, 1) without torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def strided_share(n) -> tuple[list[int], int]:
+    """Indices range(n) of this rank (rank, rank + W, ...), padded with repeats to the busiest
+    rank's count, so every rank makes the same number of forwards (FSDP2 forwards are
+    collectives); -> (indices, how many are real)."""
+    rank, world = rank_world()
+    mine = list(range(rank, n, world))
+    n_mine = len(mine)
+    return mine + [mine[-1] if mine else 0] * (-(-n // world) - n_mine), n_mine
+
+
 def is_main() -> bool:
     """Rank 0 (or the only process): the one that prints and writes files."""
     return not dist.is_initialized() or dist.get_rank() == 0

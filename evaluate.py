@@ -47,7 +47,10 @@ BUCKETS = {"all": (0.0, math.inf), "<=1.0": (0.0, 1.0), "1.2-1.5": (1.2, 1.5)}
 AVG = "Avg."
 SAMPLES_FILE = "samples.jsonl"
 # Settings that change what a sample is: a resumed run must use the same ones.
-GENERATION_KEYS = ["template", "max_new_tokens", "top_p", "seed", "sampler"]
+GENERATION_KEYS = ["template", "max_new_tokens", "top_p", "seed", "sampler", "seed_scheme"]
+# How per-sample seeds are made; a folder sampled under another scheme (before: SHA-256 keys) must
+# not be resumed with new samples mixed in.
+SEED_SCHEME = "rollout.row_seed"
 
 # ----------------------------------------------------------------------------- metrics (pure)
 
@@ -66,7 +69,6 @@ def pass_at_k(n, c, k):
     for i in range(n - c + 1, n + 1):
         fail *= 1.0 - k / i
     return 1.0 - fail
-
 
 
 def majority_correct(extracted, correct):
@@ -115,8 +117,6 @@ def _mean_dicts(ds):
     for d in ds:
         keys += [k for k in d if k not in keys]
     return {k: _mean([d.get(k) for d in ds]) for k in keys}
-
-
 
 
 def _group_records(records, n, models, benchmarks, temperatures):
@@ -211,7 +211,6 @@ def _md_table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
-
 
 
 def write_table(summary, path=None):
@@ -310,7 +309,7 @@ def evaluate_model(model, tokenizer, model_key, benches, temperatures, n, out_fi
 def check_config(out_dir, args):
     """Refuse to resume into a folder sampled with different generation settings."""
     path = os.path.join(out_dir, "config.json")
-    now = {k: getattr(args, k) for k in GENERATION_KEYS}
+    now = {k: SEED_SCHEME if k == "seed_scheme" else getattr(args, k) for k in GENERATION_KEYS}
     if os.path.isfile(path):
         with open(path) as f:
             before = json.load(f)
@@ -320,8 +319,6 @@ def check_config(out_dir, args):
                              f"(old, new): {diff}; use another --out")
     with open(path, "w") as f:
         json.dump(now, f, indent=1)
-
-
 
 
 def merge_shards(out_dir):

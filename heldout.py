@@ -14,26 +14,15 @@ import rollout
 from data.prompts import PromptSet, encode_prompts
 
 
-def _strided_share(n, rank, world):
-    """Problem indices of this rank, padded with repeats to the busiest rank's count; -> (indices,
-    how many are real). (Padding kept so the samples, hence the numbers, do not depend on it.)"""
-    mine = list(range(rank, n, world))
-    n_mine = len(mine)
-    mine += [mine[-1] if mine else 0] * (-(-n // world) - n_mine)
-    return mine, n_mine
-
-
 @torch.no_grad()
 def heldout_accuracy(model, tokenizer, evalsets: dict[str, PromptSet], spec: rollout.SampleSpec, temperature,
                      seed) -> dict:
     """-> {"eval_acc": acc on the first set, "eval_acc/<name>": ..., "eval_acc/<name>/L<level>": ...}.
     Every rank must call it (an FSDP2 policy is gathered once for decoding, a collective)."""
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
-        if torch.distributed.is_initialized() else (0, 1)
     out = {}
     with distributed.gathered(model, spec.weights_dtype) as decoder:
         for si, (name, ps) in enumerate(evalsets.items()):
-            mine, n_mine = _strided_share(len(ps), rank, world)
+            mine, n_mine = distributed.strided_share(len(ps))
             local = []
             if mine:
                 ro = rollout.sample_with(decoder, [ps.ids[i] for i in mine], spec, temperature=temperature,

@@ -30,7 +30,6 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 WEIGHT_KINDS = ("none", "paper", "code")
 KL_PLACEMENTS = ("loss", "reward")
 K3_CLAMP = 10.0  # EasyR1 "low_var_kl" and the released ERPO code clamp per-token k3 to [-10, 10]
-# The fixed monitors train.py logs for every algorithm (paper Fig. 1, Table 3): k3, this clamp.
 
 
 # -----------------------------------------------------------------------------
@@ -392,7 +391,7 @@ def unused_fields(algo):
     the Query-KL estimator when alpha = 0, the clip range of weights that are not clipped, ..."""
     policy_kl = algo.kl is not None and algo.beta > 0
     query_kl = algo.alpha > 0
-    k3 = (policy_kl and algo.kl == "k3") or (query_kl and algo.qkl_estimator == "k3")
+    k3 = (policy_kl and algo.kl_in == "loss" and algo.kl == "k3") or (query_kl and algo.qkl_estimator == "k3")
     unused = {"kl": algo.beta == 0, "kl_in": not policy_kl, "beta": algo.kl is None,
               "kl_clamp": not k3, "qkl_estimator": not query_kl,
               "weight_clip": algo.weights != "paper", "adv_eps": algo.adv != "grpo",

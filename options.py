@@ -22,10 +22,11 @@ def parse_bool(s):
     raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
 
 
-def _add(parser, name, default, help, choices=None):
+def _add(parser, name, default, help, choices=None, show_default=True):
     """One flag. Every flag's argparse default is None, so "given on the command line" is
     `value is not None`; the table default is applied after the config file."""
     flag = "--" + name.replace("_", "-")
+    shown = f"default: {default}; " if show_default else ""
     if isinstance(default, bool):          # --fsdp, --fsdp true, --fsdp false
         parser.add_argument(flag, nargs="?", const=True, type=parse_bool, help=help + " (true/false)")
     elif isinstance(default, (list, tuple)) and len(default) == 2 and all(isinstance(x, float) for x in default):
@@ -34,10 +35,10 @@ def _add(parser, name, default, help, choices=None):
         parser.add_argument(flag, nargs="*", help=help)
     elif isinstance(choices, str):         # a range such as ">=2", ">0", "(0,1]"
         kind = type(default)
-        parser.add_argument(flag, type=_in_range(kind, choices), help=f"{help} (default: {default}; {choices})")
+        parser.add_argument(flag, type=_in_range(kind, choices), help=f"{help} ({shown}{choices})")
     else:
         kind = str if default is None else type(default)
-        parser.add_argument(flag, type=kind, choices=choices, help=f"{help} (default: {default})")
+        parser.add_argument(flag, type=kind, choices=choices, help=f"{help} ({shown.rstrip('; ')})" if shown else help)
 
 
 def _in_range(kind, spec):
@@ -73,7 +74,7 @@ def algo_knobs():
         if f.name == "kl":
             choices = (*choices, "none")
         default = f.default if f.default is not MISSING else None
-        out.append((f.name, default, f.metadata["help"] + " [default: the algorithm's own]", choices))
+        out.append((f.name, default, f.metadata["help"] + " [default: the algorithm's own]", choices, False))
     return out
 
 
@@ -86,6 +87,25 @@ def build_parser(table, description):
     for row in algo_knobs():
         _add(g, *row)
     return p
+
+
+def _check_config_value(parser, path, key, value):
+    """A config-file value goes through the same type, range and choice checks as its flag."""
+    action = next(a for a in parser._actions if a.dest == key)
+    try:
+        if value is None or action.type is None:
+            ok = action.choices is None or value in action.choices
+        elif isinstance(value, list) and action.nargs not in (None, "?"):
+            value = [action.type(str(v)) for v in value]
+            ok = action.nargs in ("*", "+") or len(value) == action.nargs
+        else:
+            value = action.type(str(value))
+            ok = action.choices is None or value in action.choices
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        parser.error(f"{path}: {key}: {e}")
+    if not ok:
+        parser.error(f"{path}: {key}: invalid value {value!r} (choose from {action.choices or action.nargs})")
+    return value
 
 
 def _read_config(path, known, parser):
@@ -101,7 +121,7 @@ def _read_config(path, known, parser):
     unknown = sorted(set(cfg) - known)
     if unknown:
         parser.error(f"{path}: unknown keys {unknown}")
-    return cfg
+    return {k: _check_config_value(parser, path, k, v) for k, v in cfg.items()}
 
 
 @dataclass
@@ -131,17 +151,26 @@ def parse(argv, table, description) -> Parsed:
 def make_algo(parsed: Parsed):
     """losses.make_algo(args.algo, knobs...), where a knob given on the command line that cannot act
     on the chosen algorithm is an error (a config file may set defaults for unused parts)."""
-    args = parsed.args
+    args, knobs = parsed.args, {k for k, *_ in algo_knobs()}
+    if args.algo not in losses.ALGOS:  # e.g. sft: no loss knob can act on it
+        if parsed.cli & knobs:
+            parsed.error(f"{_flags(parsed.cli & knobs)} cannot act on --algo {args.algo}")
+        return None
     try:
-        algo = losses.make_algo(args.algo, **{k: getattr(args, k) for k, *_ in algo_knobs()})
+        algo = losses.make_algo(args.algo, **{k: getattr(args, k) for k in knobs})
     except ValueError as e:
         parsed.error(str(e))
+    if "max_resample_rounds" in parsed.cli and not algo.dynamic_sampling:  # an option that acts via a knob
+        parsed.error("--max-resample-rounds cannot act without dynamic sampling (--algo dapo, or --dynamic-sampling)")
     inert = sorted(parsed.cli & losses.unused_fields(algo))
     if inert:
-        flags = ", ".join("--" + k.replace("_", "-") for k in inert)
-        parsed.error(f"{flags} cannot act on --algo {args.algo} as configured ({algo_summary(algo)}); "
+        parsed.error(f"{_flags(inert)} cannot act on --algo {args.algo} as configured ({algo_summary(algo)}); "
                      "e.g. a Policy-KL estimator needs --beta > 0, a Query-KL estimator --alpha > 0")
     return algo
+
+
+def _flags(names):
+    return ", ".join("--" + k.replace("_", "-") for k in sorted(names))
 
 
 def algo_summary(algo):

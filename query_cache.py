@@ -47,13 +47,10 @@ def cache_meta(model_path, data_path, template, temperature, prompt_ids) -> dict
 def build(model, prompt_ids, pad_id, temperature, device, batch=64) -> list[torch.Tensor]:
     """-> list over prompts of 1-D float32 tensors: log p_ref(x_t | x_<t) for t = 2..T. Each rank
     scores a strided share, then the shares are gathered."""
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) \
-        if torch.distributed.is_initialized() else (0, 1)
-    mine = list(range(rank, len(prompt_ids), world))
-    # Same number of forwards on every rank (FSDP2 gathers weights collectively): pad with repeats.
-    mine += mine[-1:] * (-(-len(prompt_ids) // world) - len(mine))
+    mine, _ = distributed.strided_share(len(prompt_ids))  # repeats only overwrite a cache entry alike
     out = []
-    for s in tqdm(range(0, len(mine), batch), desc="query-KL reference cache", disable=rank != 0, leave=False):
+    for s in tqdm(range(0, len(mine), batch), desc="query-KL reference cache", disable=not distributed.is_main(),
+                  leave=False):
         rows = [prompt_ids[i] for i in mine[s:s + batch]]
         ids, mask = rollout.left_pad(rows, pad_id, device)
         logp, _ = rollout.token_logprobs(model, ids, mask, temperature)  # (b, P-1)

@@ -10,6 +10,7 @@ A checkpoint is written to ckpt.tmp and renamed into place, so a run killed mid-
 previous one; `--resume` continues from ckpt/ and drops the metrics lines after its step.
 """
 
+import glob
 import json
 import os
 import random
@@ -44,6 +45,9 @@ class MetricsLog:
         self.f, self.mirror = None, None
         if not distributed.is_main():
             return
+        if mirror != "jsonl":  # first, so a missing package fails before anything is moved
+            self.mirror = Mirror(mirror, out, config or {}, start_step)
+        os.makedirs(out, exist_ok=True)
         if start_step > 0 and os.path.exists(self.path):
             with open(self.path) as f:
                 keep = [ln for ln in f if _step_of(ln) is not None and _step_of(ln) <= start_step]
@@ -52,8 +56,6 @@ class MetricsLog:
         elif start_step == 0 and os.path.exists(self.path):
             os.replace(self.path, self.path + ".old")
         self.f = open(self.path, "a")
-        if mirror != "jsonl":
-            self.mirror = Mirror(mirror, out, config or {})
 
     def __call__(self, m: dict):
         if self.f is None:
@@ -66,26 +68,34 @@ class MetricsLog:
             self.mirror.log(m)
 
     def close(self):
+        if self.f is not None:
+            self.f.close()
         if self.mirror:
             self.mirror.close()
 
 
 class Mirror:
-    """TensorBoard (torch.utils.tensorboard) or Weights & Biases, imported only when asked for."""
+    """TensorBoard (torch.utils.tensorboard) or Weights & Biases, imported only when asked for.
+    On resume, TensorBoard drops the killed run's events after the checkpoint (purge_step) and W&B
+    continues the same run (its id is kept in the run folder); a fresh run starts clean."""
 
-    def __init__(self, kind, out, config):
+    def __init__(self, kind, out, config, start_step):
         self.kind = kind
         try:
             if kind == "tensorboard":
                 from torch.utils.tensorboard import SummaryWriter
-                self.w = SummaryWriter(log_dir=os.path.join(out, "tensorboard"))
+                logdir = os.path.join(out, "tensorboard")
+                if start_step == 0:
+                    shutil.rmtree(logdir, ignore_errors=True)
+                self.w = SummaryWriter(log_dir=logdir, purge_step=start_step + 1 if start_step else None)
                 self.w.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "))
             else:
                 import wandb
                 self.w = wandb.init(project=os.environ.get("WANDB_PROJECT", "erpo"), dir=out, config=config,
-                                    name=os.path.basename(os.path.normpath(out)), resume="allow")
+                                    name=os.path.basename(os.path.normpath(out)), id=_wandb_id(out, start_step),
+                                    resume="allow")
         except ImportError as e:
-            raise SystemExit(f"error: --log {kind} needs the {e.name} package ({e}; pip install {kind})") from None
+            raise SystemExit(f"error: --log {kind} needs the {e.name} package (pip install {kind})") from None
 
     def log(self, m):
         step = m.get("step", 0)
@@ -99,6 +109,16 @@ class Mirror:
 
     def close(self):
         (self.w.close if self.kind == "tensorboard" else self.w.finish)()
+
+
+def _wandb_id(out, start_step):
+    """A new W&B run id for a fresh run, the saved one on resume."""
+    path = os.path.join(out, "wandb_id.txt")
+    if start_step == 0 or not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(os.urandom(6).hex())
+    with open(path) as f:
+        return f.read().strip()
 
 
 def _step_of(line):
@@ -136,9 +156,13 @@ def load_state(out) -> TrainState:
     return TrainState(step=s["step"], opt=s["opt"], sched=s["sched"], rng=s["rng"], py_rng=s["py_rng"])
 
 
-def restore_rng(state: TrainState):
+def restore(state: TrainState, model, opt, sched, out):
+    """Optimizer (its shards under FSDP2), scheduler and RNG state of a checkpoint."""
+    distributed.load_optimizer_state(model, opt, state.opt)
+    sched.load_state_dict(state.sched)
     torch.set_rng_state(state.rng)
     random.setstate(state.py_rng)
+    distributed.print0(f"resumed from {checkpoint_dir(out)} at step {state.step}")
 
 
 def save_checkpoint(out, model, tokenizer, opt, sched, step):
@@ -248,11 +272,13 @@ def summary(out, wall_s, eval_sets=(), template="plain") -> str:
     finals = [f"{k} {last[k]:.4g}" for k in ("query_kl", "policy_kl", "entropy", "sft_loss") if k in last]
     if finals:
         lines.append(f"  final (step {last.get('step')}): " + ", ".join(finals))
-    if last.get("skipped_steps"):
-        lines.append(f"  skipped optimizer steps (non-finite loss or gradient): {last['skipped_steps']}")
-    ckpt = checkpoint_dir(out)
-    lines += [f"  run folder {out}/ (metrics.jsonl, config.json)" +
-              (f", checkpoint {ckpt}/" if has_checkpoint(out) else ", no checkpoint (--save-every 0)"),
+    skipped = sum(r.get("skipped_steps", 0) for r in rows)
+    if skipped:
+        lines.append(f"  skipped optimizer steps (non-finite loss or gradient): {skipped}")
+    ckpt, saved = checkpoint_dir(out), sorted(glob.glob(os.path.join(out, "sft-*")))
+    where = f", checkpoint {ckpt}/" if has_checkpoint(out) else \
+        (f", SFT exports {saved[0]} ... {saved[-1]}" if saved else ", no checkpoint (--save-every 0)")
+    lines += [f"  run folder {out}/ (metrics.jsonl, config.json){where}",
               "next:",
               f"  python analysis.py runs {out} --out {out}/plots        # KL and train vs held-out curves"]
     if has_checkpoint(out):

@@ -17,14 +17,14 @@ import optimizer
 import rollout
 import run_dir
 from heldout import heldout_accuracy
-from data.benchmarks import load_benchmark
+from data.benchmarks import DataError, load_benchmark
 from data.prompts import build_prompt, step_indices
 
 
 def load_sequences(path, tokenizer, template, max_seq_len) -> list[list[int]]:
     """prompt + solution + EOS token ids of every row of an SFT file; longer ones are dropped."""
     if path.endswith(".jsonl") and not os.path.exists(path):
-        raise SystemExit(f"error: {path} not found; run `python -m data.tinymath.prepare` first")
+        raise DataError(f"{path}: not found (run `python -m data.tinymath.prepare` to make the tiny world's)")
     rows = load_benchmark(path)
     eos = tokenizer.eos_token
     seqs = [tokenizer(build_prompt(tokenizer, r["problem"], template) + r["solution"] + eos,
@@ -45,8 +45,7 @@ def sft_loss(model, batch, pad_id, n_tok_global, device):
 def train_sft(model, tokenizer, seqs, *, steps, batch, micro_batch, lr, warmup, weight_decay, grad_clip,
               seed, device, log, save_every=0, on_checkpoint=None):
     """`steps` AdamW steps of `batch` sequences (split across ranks, micro-batched)."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank, world = distributed.rank_world()
     if batch % world:
         raise SystemExit(f"error: --sft-batch {batch} must be divisible by the world size {world}")
     opt = optimizer.adamw(model, lr, weight_decay, betas=(0.9, 0.95))
@@ -76,7 +75,7 @@ def train_sft(model, tokenizer, seqs, *, steps, batch, micro_batch, lr, warmup, 
     return model
 
 
-def run(a, d, model, tokenizer, evalsets, log, amp):
+def run(a, d, model, tokenizer, seqs, evalsets, log, amp):
     """--algo sft: the warm start, with held-out accuracy and an HF folder at each --save-every."""
     model = distributed.wrap_model(model, d.device, a.fsdp, bf16=d.device.type == "cuda" and a.dtype == "auto")
     spec = rollout.SampleSpec(a.max_new_tokens, rollout.eos_token_ids(model, tokenizer), tokenizer.pad_token_id,
@@ -85,7 +84,6 @@ def run(a, d, model, tokenizer, evalsets, log, amp):
     def on_checkpoint(step):
         run_dir.export(model, tokenizer, os.path.join(a.out, f"sft-{step:05d}"))
         return heldout_accuracy(model, tokenizer, evalsets, spec, a.eval_temperature, a.seed)
-    seqs = load_sequences(a.sft_data, tokenizer, a.template, a.max_seq_len)
     with amp():
         train_sft(model, tokenizer, seqs, steps=a.sft_steps, batch=a.sft_batch, micro_batch=a.micro_batch,
                   lr=a.sft_lr, warmup=a.sft_warmup, weight_decay=a.weight_decay, grad_clip=a.grad_clip,

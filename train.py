@@ -29,9 +29,9 @@ import reward
 import rollout
 import run_dir
 import sft
-from distributed import all_max, all_sum, print0
-from data.benchmarks import DataError
 from data.prompts import PromptSet, load_prompt_set, step_indices
+from distributed import all_max, all_sum, print0
+from errors import DataError
 from heldout import heldout_accuracy
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
@@ -275,7 +275,7 @@ def ppo_update(run, b: UpdateBatch, upd_rows):
             run.opt.step(), run.sched.step(), run.opt.zero_grad(set_to_none=True)
     n_opt = max(1, len(norms))
     out = {k: all_sum(torch.tensor(v)).item() / n_opt for k, v in stats.items()}
-    out["grad_norm"] = sum(norms) / n_opt
+    out["grad_norm"] = sum(norms) / n_opt if norms else None  # None: every optimizer step was skipped
     out["skipped_steps"] = skipped
     return out
 
@@ -345,8 +345,8 @@ def step_metrics(run, step, c: Collected, ro, sc: OldScores, qref, qmask, resp_m
 def load_model(path, d: distributed.Dist, dtype):
     try:
         return rollout.load_policy(path, device=d.device, dtype=dtype)
-    except OSError as e:
-        raise SystemExit(f"error: cannot load model {path!r}: {e}")
+    except (OSError, ValueError) as e:  # a missing folder, a folder without a usable config.json
+        raise SystemExit(f"error: cannot load model {path!r}: {str(e).splitlines()[0]}") from None
 
 
 def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
@@ -366,10 +366,7 @@ def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
     opt = optimizer.adamw(policy, a.lr, a.weight_decay)
     sched = optimizer.warmup_then_constant(opt, a.warmup)
     if state:
-        distributed.load_optimizer_state(policy, opt, state.opt)
-        sched.load_state_dict(state.sched)
-        run_dir.restore_rng(state)
-        print0(f"resumed from {run_dir.checkpoint_dir(a.out)} at step {state.step}")
+        run_dir.restore(state, policy, opt, sched, a.out)
     spec = rollout.SampleSpec(a.max_new_tokens, rollout.eos_token_ids(model, tokenizer), tokenizer.pad_token_id,
                               a.sampler, a.gen_batch, torch.bfloat16 if bf16 else None)
     return Run(a, algo, d, policy, ref, tokenizer, opt, sched, data, cache, spec)
@@ -404,16 +401,17 @@ def parse_args(argv=None):
     if a.algo == "sft" and "model" not in parsed.cli | parsed.config_keys:
         a.model = os.path.join(TINY, "base")  # the warm start trains the untrained base model
     a.out = a.out or os.path.join("runs", a.algo)
-    algo = None if a.algo == "sft" else options.make_algo(parsed)
-    return a, algo
+    return a, options.make_algo(parsed)                                 # None for sft
 
 
 def load_data(a, tokenizer):
-    """Held-out sets and (RL) training problems, checked before anything is written to --out."""
+    """Held-out sets and the training problems (SFT: sequences), checked before anything is
+    written to --out: a bad input ends here with one line."""
     try:
         evalsets = {n: load_prompt_set(n, tokenizer, a.template, limit=a.eval_limit or None) for n in a.eval_data}
-        data = None if a.algo == "sft" else load_prompt_set(a.train_data, tokenizer, a.template, a.max_prompt_len,
-                                                            training=True, strict=a.strict_data)
+        data = sft.load_sequences(a.sft_data, tokenizer, a.template, a.max_seq_len) if a.algo == "sft" else \
+            load_prompt_set(a.train_data, tokenizer, a.template, a.max_prompt_len, training=True, strict=a.strict_data)
+        batching.check_data(len(data), a)
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
     return evalsets, data
@@ -423,25 +421,27 @@ def main(argv=None):
     t0 = time.time()
     a, algo = parse_args(argv)                                          # bad options: argparse errors
     d = distributed.setup()
-    batching.check(a, d.world)
-    torch.manual_seed(a.seed)
-    random.seed(a.seed)
+    if algo:
+        batching.check(a, d.world)
+    torch.manual_seed(a.seed), random.seed(a.seed)
     resuming = a.resume and run_dir.resumable(a.out)
     dtype, amp = distributed.precision(a.dtype, d.device)
     model, tokenizer = load_model(run_dir.checkpoint_dir(a.out) if resuming else a.model, d, dtype)
     print0(f"model {a.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {d.device}")
     evalsets, data = load_data(a, tokenizer)                            # bad data: one line, nothing written
-    run_dir.write_config(a.out, vars(a))
     state = run_dir.load_state(a.out) if resuming else None
-    log = run_dir.MetricsLog(a.out, state.step if state else 0, a.log, vars(a))
-    if a.algo == "sft":
-        sft.run(a, d, model, tokenizer, evalsets, log, amp)
-    else:
-        print0(f"algo {a.algo}: {options.algo_summary(algo)}")
-        run = setup_rl(a, algo, d, model, tokenizer, data, state, resuming)
-        train_rl(run, evalsets, log, state.step if state else 0, amp)
-        run_dir.export(run.policy, tokenizer, a.export)
-    log.close()
+    log = run_dir.MetricsLog(a.out, state.step if state else 0, a.log, vars(a))  # --log's package: checked first
+    run_dir.write_config(a.out, vars(a))
+    try:
+        if a.algo == "sft":
+            sft.run(a, d, model, tokenizer, data, evalsets, log, amp)
+        else:
+            print0(f"algo {a.algo}: {options.algo_summary(algo)}")
+            run = setup_rl(a, algo, d, model, tokenizer, data, state, resuming)
+            train_rl(run, evalsets, log, state.step if state else 0, amp)
+            run_dir.export(run.policy, tokenizer, a.export)
+    finally:
+        log.close()
     print0(run_dir.summary(a.out, time.time() - t0, list(evalsets), a.template))
     distributed.teardown()
 

@@ -47,6 +47,7 @@ Groups: "tiny" = tiny-test + tiny-hard + tiny-ood; "paper" = the six paper bench
 import json
 import os
 
+from errors import DataError
 from reward import extract_boxed, gold_answer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -173,11 +174,6 @@ def normalize_row(row, index, source="?"):
 
 
 # ----------------------------------------------------------------------------- loading
-
-class DataError(ValueError):
-    """Bad input data, with where (file:line) and how to fix it in the message. Entry scripts print
-    it as one line, `error: <file>:<line>: <what is wrong> (<how to fix it>)`, and exit."""
-
 
 def _read_jsonl(path):
     """-> (rows, line numbers). Read as bytes and decoded line by line, so a bad byte or a bad

@@ -52,6 +52,20 @@ def test_no_module_imports_an_entry_script():
     assert not bad, f"modules importing an entry script: {bad}"
 
 
+# The floor (plumbing, losses) imports nothing above it; the task layer imports no entry script.
+FLOOR = {"losses", "distributed", "run_dir", "optimizer", "options", "batching", "faults", "plots",
+         "mathverify_pool", "errors"}
+
+
+def test_imports_point_down_the_layers():
+    graph = project_graph()
+    assert FLOOR <= set(graph), FLOOR - set(graph)
+    up = {m: deps - FLOOR for m, deps in graph.items() if m in FLOOR and deps - FLOOR}
+    assert not up, f"floor modules importing the task layer or an entry script: {up}"
+    layers = {m: 0 if m in FLOOR else 2 if m in ENTRY else 1 for m in graph}
+    assert all(layers[d] <= layers[m] for m, deps in graph.items() for d in deps)
+
+
 def test_no_import_cycles():
     graph, state, stack = project_graph(), {}, []
 

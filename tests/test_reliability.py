@@ -95,9 +95,12 @@ def test_rows_without_answer_are_skipped_and_named_unless_strict(tmp_path, capsy
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--alpha", "-1"], "alpha"), (["--group-size", "1"], "--group-size: must be >=2"),
+    (["--alpha", "-1"], "alpha must be >= 0"), (["--group-size", "1"], "--group-size: must be >=2"),
     (["--top-p", "1.5"], "--top-p: must be (0,1]"), (["--lr", "0"], "--lr: must be >0"),
-    (["--algo", "erpo", "--kl", "k2"], "--kl cannot act on --algo erpo")])
+    (["--algo", "erpo", "--kl", "k2"], "--kl cannot act on --algo erpo"),
+    (["--algo", "sft", "--alpha", "0.5"], "--alpha cannot act on --algo sft"),
+    (["--algo", "rloo", "--kl-clamp", "5"], "--kl-clamp cannot act on --algo rloo"),
+    (["--algo", "grpo", "--max-resample-rounds", "2"], "--max-resample-rounds cannot act")])
 def test_option_values_out_of_range_are_argparse_errors(tmp_path, capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
         train.main(["--out", str(tmp_path / "o"), *argv])
@@ -112,16 +115,38 @@ def test_malformed_config_and_benchmark_files(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train.main(["--config", str(cfg), "--out", str(tmp_path / "o")])
     assert e.value.code == 2 and f"{cfg}:2: not valid JSON" in capsys.readouterr().err
+    for bad, needle in (({"group_size": 1}, "group_size: must be >=2"), ({"top_p": 2.0}, "top_p: must be (0,1]"),
+                        ({"sampler": "beam"}, "sampler: invalid value 'beam'"), ({"steps": "x"}, "steps: expected int")):
+        cfg.write_text(json.dumps(bad))     # a config file gets the same checks as the flags
+        with pytest.raises(SystemExit) as e:
+            train.main(["--config", str(cfg), "--out", str(tmp_path / "o")])
+        assert e.value.code == 2 and needle in capsys.readouterr().err, bad
+    assert not (tmp_path / "o").exists()
     bench = tmp_path / "bench.jsonl"
     bench.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         evaluate.main(["--model", WARM, "--benchmarks", str(bench), "--out", str(tmp_path / "e")])
     err = capsys.readouterr().err
-    assert f"{bench}:2: no answer" in err and "Traceback" not in err     # a benchmark row is never skipped
+    assert e.value.code == 2 and f"{bench}:2: no answer" in err and "Traceback" not in err  # never skipped
     bench.write_text('{"problem": "1+1", "answer": "2"}\nnot json\n')
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         evaluate.main(["--model", WARM, "--benchmarks", str(bench), "--out", str(tmp_path / "e")])
-    assert f"{bench}:2: not valid JSON" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{bench}:2: not valid JSON" in err and "Traceback" not in err
+
+
+def test_too_little_data_and_a_bad_model_folder(tmp_path, capsys, data):
+    d, lines = data
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(lines[:5]))
+    assert f"error: {few}: 5 usable examples, fewer than one batch (--rollout-batch 32" in \
+        bad_run(tmp_path, capsys, "--train-data", str(few))
+    empty_model = tmp_path / "model"
+    empty_model.mkdir()
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", str(empty_model), "--out", str(out)])
+    assert str(e.value.code).startswith(f"error: cannot load model '{empty_model}'") and not out.exists()
 
 
 def test_bad_input_from_the_command_line_prints_no_traceback(tmp_path, data):
@@ -220,6 +245,8 @@ def test_a_non_finite_step_is_skipped_and_counted(tmp_path, monkeypatch, data, k
     ms = {m["step"]: m for m in metrics(tmp_path / "run")}
     assert [ms[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 0, 0]
     assert all(torch.isfinite(torch.tensor(m["grad_norm"])) for m in ms.values())
+    opt = torch.load(tmp_path / "run" / "ckpt" / "state.pt", weights_only=False)["opt"]
+    assert {int(s["step"]) for s in opt["state"].values()} == {7}     # 8 optimizer steps, 1 never applied
 
 
 def test_max_bad_steps_in_a_row_end_the_run_with_the_checkpoint_intact(tmp_path, monkeypatch, data, capsys):
