@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 import distributed
 
@@ -159,8 +160,34 @@ class SampleSpec:
     eos_ids: list
     pad_id: int
     sampler: str = "kv"                # "kv" (our KV-cache loop) or "hf" (model.generate)
-    batch_size: int | None = None      # rows per sampler call
+    batch_size: int | None = None      # rows per sampler call, at most
     weights_dtype: torch.dtype | None = None  # of the gathered decoding copy of a sharded policy
+    kv_budget: int = 0                 # KV-cache positions per sampler call (rows x (prompt + new)); 0 = no cap
+
+    @classmethod
+    def make(cls, model, tokenizer, max_new_tokens, sampler, batch_size, kv_budget, bf16):
+        """The spec of a training run: stop ids from the model and tokenizer; on CUDA a kv_budget
+        of 0 means a share of the free GPU memory (kv_budget_from_memory), on CPU no cap."""
+        if kv_budget == 0 and next(model.parameters()).is_cuda:
+            kv_budget = kv_budget_from_memory(model.config, torch.bfloat16 if bf16 else next(model.parameters()).dtype)
+        return cls(max_new_tokens, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, sampler, batch_size,
+                   torch.bfloat16 if bf16 else None, kv_budget)
+
+    def rows_per_call(self, longest_prompt) -> int | None:
+        """Rows decoded at once: batch_size, capped so rows x (prompt + new tokens) <= kv_budget."""
+        if not self.kv_budget:
+            return self.batch_size
+        fit = max(1, self.kv_budget // (longest_prompt + self.max_new_tokens))
+        return min(fit, self.batch_size) if self.batch_size else fit
+
+
+def kv_budget_from_memory(config, dtype, fraction=0.4) -> int:
+    """KV-cache positions that fit in `fraction` of the free GPU memory: each position holds K and V
+    of every layer, num_key_value_heads x head_dim values each."""
+    free, _ = torch.cuda.mem_get_info()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
+    return int(fraction * free // per_position)
 
 
 @dataclass
@@ -426,18 +453,64 @@ def left_pad(prompts, pad_id, device):
     return ids.to(device), mask.to(device)
 
 
+def kv_cache(config, capacity):
+    """A KV cache of `capacity` positions per row, preallocated at the first write and then written
+    in place: transformers' DynamicCache grows by concatenation, copying the whole cache at every
+    generated token. Models with sliding-window or other non-full-attention layers get a
+    DynamicCache."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    if any(t != "full_attention" for t in types):
+        return DynamicCache(config=config)
+    return Cache(layers=[PreallocatedLayer(capacity) for _ in types])
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One layer's K and V in (B, heads, capacity, head_dim) buffers written in place; `keys` and
+    `values` are views of the filled part. Row compaction (batch_select_indices) copies only the
+    kept rows."""
+
+    def __init__(self, capacity):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def lazy_initialization(self, key_states, value_states):
+        B, H, _, D = key_states.shape
+        self.device = key_states.device
+        self.k_buf = key_states.new_empty(B, H, self.capacity, D)
+        self.v_buf = value_states.new_empty(B, H, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache full: {end} positions > capacity {self.capacity}")
+        self.k_buf[:, :, self.length:end] = key_states
+        self.v_buf[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = self.k_buf[:, :, :end], self.v_buf[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self):
+        return self.length
+
+    def batch_select_indices(self, indices):
+        if self.is_initialized:
+            self.k_buf, self.v_buf = self.k_buf[indices], self.v_buf[indices]
+            self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
+
+
 def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature, top_p,
                lockstep, progress):
     """Our KV-cache decoding loop for one left-padded chunk. Finished rows are dropped from the
     batch (and cache) once they are a quarter of it, so long tails decode at small batch."""
-    from transformers import DynamicCache
-
     dev = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, dev)
     B = ids.shape[0]
     cache_kw, has_keep = _forward_kwargs(model)
     keep = {"logits_to_keep": 1} if has_keep else {}
-    cache = DynamicCache(config=model.config)
+    cache = kv_cache(model.config, capacity=ids.shape[1] + max_new_tokens)
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # (B, P) explicit positions: left pads shift nothing
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                 **{cache_kw: cache}, **keep)
@@ -559,7 +632,7 @@ def sample_with(model, prompts, spec: SampleSpec, *, temperature, seeds, top_p=1
     """`sample` with the decoding settings of a SampleSpec."""
     return sample(model, prompts, max_new_tokens=spec.max_new_tokens, eos_ids=spec.eos_ids, pad_id=spec.pad_id,
                   temperature=temperature, top_p=top_p, seeds=seeds, sampler=spec.sampler,
-                  batch_size=spec.batch_size)
+                  batch_size=spec.rows_per_call(max(map(len, prompts))))
 
 
 @torch.no_grad()

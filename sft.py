@@ -77,9 +77,9 @@ def train_sft(model, tokenizer, seqs, *, steps, batch, micro_batch, lr, warmup, 
 
 def run(a, d, model, tokenizer, seqs, evalsets, log, amp):
     """--algo sft: the warm start, with held-out accuracy and an HF folder at each --save-every."""
-    model = distributed.wrap_model(model, d.device, a.fsdp, bf16=d.device.type == "cuda" and a.dtype == "auto")
-    spec = rollout.SampleSpec(a.max_new_tokens, rollout.eos_token_ids(model, tokenizer), tokenizer.pad_token_id,
-                              a.sampler, a.gen_batch)
+    bf16 = d.device.type == "cuda" and a.dtype == "auto"
+    spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget, bf16)
+    model = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16)
 
     def on_checkpoint(step):
         run_dir.export(model, tokenizer, os.path.join(a.out, f"sft-{step:05d}"))

@@ -59,7 +59,8 @@ OPTIONS = [
     ("max_prompt_len",    128,                                 "longer prompts are dropped from the training set", ">=1"),
     ("max_new_tokens",    96,                                  "response length limit", ">=1"),
     ("sampler",           "kv",                                "our KV-cache sampler or HF generate", ["kv", "hf"]),
-    ("gen_batch",         256,                                 "rows per sampler call", ">=1"),
+    ("gen_batch",         256,                                 "rows per sampler call, at most", ">=1"),
+    ("kv_budget",         0,                                   "KV-cache positions per sampler call (0: 40% of free GPU memory; CPU: no cap)", ">=0"),
     ("max_resample_rounds", 4,                                 "dynamic sampling: extra sampling rounds at most", ">=0"),
     ("reward",            "acc",                               "binary accuracy, or 0.9*acc + 0.1*format", ["acc", "acc+format"]),
     # optimisation
@@ -367,8 +368,7 @@ def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
     sched = optimizer.warmup_then_constant(opt, a.warmup)
     if state:
         run_dir.restore(state, policy, opt, sched, a.out)
-    spec = rollout.SampleSpec(a.max_new_tokens, rollout.eos_token_ids(model, tokenizer), tokenizer.pad_token_id,
-                              a.sampler, a.gen_batch, torch.bfloat16 if bf16 else None)
+    spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget, bf16)
     return Run(a, algo, d, policy, ref, tokenizer, opt, sched, data, cache, spec)
 
 
