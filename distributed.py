@@ -118,10 +118,19 @@ def all_gather_list(items: list) -> list:
 # Wrapping the policy
 
 
-def wrap_model(model, device, fsdp=False, bf16=False):
+def wrap_model(model, device, fsdp=False, bf16=False, grad_ckpt=False, trainable=True):
     """DDP (a full replica per rank), or FSDP2 (`fully_shard` each decoder layer, then the root:
-    parameters, gradients and Adam state sharded across ranks, what 7B/32B models need)."""
-    if not dist.is_initialized():
+    parameters, gradients and Adam state sharded across ranks, what 7B/32B models need).
+    grad_ckpt: activation checkpointing of every decoder layer (recompute in backward instead of
+    storing each layer's activations), applied before sharding. A model that is not trained (the
+    reference) is sharded like the policy under FSDP2 and left as it is otherwise (no DDP)."""
+    if grad_ckpt:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing, checkpoint_wrapper)
+        layers = set(model.model.layers)
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                       check_fn=lambda m: m in layers)
+    if not dist.is_initialized() or (not trainable and not fsdp):
         return model
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -136,6 +145,18 @@ def wrap_model(model, device, fsdp=False, bf16=False):
 def unwrap(model):
     """The module inside a DDP wrapper (FSDP2 modules are the model itself)."""
     return getattr(model, "module", model)
+
+
+def reshard(model):
+    """After forwards outside training (no grad), put every FSDP2 module back to sharded. FSDP2
+    keeps the root's parameters unsharded after a forward; with no backward to reshard them, the
+    next optimizer step would update the shards and leave those gathered copies stale (seen on 2
+    CPU processes: a different update from step 1's second optimizer step on). No-op otherwise."""
+    if is_fsdp(model):
+        from torch.distributed.fsdp import FSDPModule
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 def is_fsdp(model) -> bool:

@@ -57,6 +57,7 @@ def build(model, prompt_ids, pad_id, temperature, device, batch=64) -> list[torc
         P = ids.shape[1]
         out += [(mine[s + i], logp[i, P - len(r):].float().cpu()) for i, r in enumerate(rows)]
         faults.point("query-cache")
+    distributed.reshard(model)  # the cache is built through the training wrapper (FSDP2): see reshard
     cache = [None] * len(prompt_ids)
     for i, t in distributed.all_gather_list(out):
         cache[i] = t

@@ -71,7 +71,8 @@ OPTIONS = [
     ("ppo_epochs",        1,                                   "passes over each rollout batch", ">=1"),
     ("micro_batch",       64,                                  "sequences per forward/backward on each rank", ">=1"),
     ("dtype",             "auto",                              "auto: fp32 weights + bf16 autocast on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16"]),
-    ("fsdp",              False,                               "shard the policy with FSDP2 instead of DDP replicas (large models)"),
+    ("fsdp",              False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
+    ("grad_ckpt",         False,                               "activation checkpointing of every decoder layer (long sequences)"),
     ("measure_policy_kl", True,                                "keep a reference model to log Policy-KL even when the loss has none"),
     ("max_bad_steps",     3,                                   "consecutive non-finite (skipped) optimizer steps that end the run", ">=1"),
     ("strict_data",       False,                               "training rows without a problem or an answer are an error, not skipped"),
@@ -323,8 +324,7 @@ def step_metrics(run, step, c: Collected, ro, sc: OldScores, qref, qmask, resp_m
          "zero_var_frac": all_sum(torch.tensor(c.info["zero_var_frac"])).item() / run.dist.world,
          **{k: upd[k] for k in ("pg_loss", "clip_frac", "grad_norm", "loss") if k in upd},
          **{f"loss_{k}": upd[k] for k in ("policy_kl", "query_kl") if k in upd},
-         "skipped_steps": upd["skipped_steps"],
-         "lr": run.sched.get_last_lr()[0]}
+         "skipped_steps": upd["skipped_steps"], "lr": run.sched.get_last_lr()[0]}
     if sc.ref is not None:  # k3 estimate of KL(pi_theta || pi_ref) on the sampled responses
         kl = losses.policy_kl(sc.old, sc.ref, "k3")
         m["policy_kl"] = all_sum((kl * resp_mask).sum()).item() / max(1.0, all_sum(resp_mask.sum()).item())
@@ -351,19 +351,19 @@ def load_model(path, d: distributed.Dist, dtype):
 
 
 def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
-    """The reference model (only if a Policy-KL is used or measured), the Query-KL cache, the
-    wrapped policy and its optimizer (restored from `state` on resume)."""
+    """The reference (if a Policy-KL is used or measured), the wrapped policy, its Query-KL cache, the optimizer."""
     print0(batching.describe(a, d.world, len(data)))
     # ERPO with --measure-policy-kl false keeps no reference model: Query-KL reads the cache.
     bf16, dtype = d.device.type == "cuda" and a.dtype == "auto", distributed.precision(a.dtype, d.device)[0]
     ref = None
-    if algo.kl is not None or a.measure_policy_kl:
+    if algo.kl is not None or a.measure_policy_kl:  # sharded like the policy under FSDP2
         ref = load_model(a.model, d, torch.bfloat16 if bf16 else dtype)[0].eval().requires_grad_(False)
+        ref = distributed.wrap_model(ref, d.device, a.fsdp, bf16=bf16, trainable=False)
+    policy = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16, grad_ckpt=a.grad_ckpt)
     meta = query_cache.cache_meta(a.model, a.train_data, a.template, a.temperature, data.ids)
-    with distributed.precision(a.dtype, d.device)[1]():
-        cache = query_cache.load_or_build(os.path.join(a.out, "query_cache.pt"), meta, model, data.ids,
+    with distributed.precision(a.dtype, d.device)[1]():  # the training forward: wrapper, dtype, autocast
+        cache = query_cache.load_or_build(os.path.join(a.out, "query_cache.pt"), meta, policy, data.ids,
                                           tokenizer.pad_token_id, a.temperature, d.device, a.micro_batch, resuming)
-    policy = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16)
     opt = optimizer.adamw(policy, a.lr, a.weight_decay)
     sched = optimizer.warmup_then_constant(opt, a.warmup)
     if state:

@@ -193,3 +193,30 @@ def test_kv_budget_caps_the_rows_decoded_at_once_and_changes_no_sample():
     assert calls == [3, 3, 3, 3]
     W = min(a.response_ids.shape[1], b.response_ids.shape[1])
     assert torch.equal(a.response_ids[:, :W], b.response_ids[:, :W]) and torch.equal(a.response_mask.sum(1), b.response_mask.sum(1))
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    """--grad-ckpt recomputes each decoder layer in backward: same loss and gradients (float32,
+    1e-6), same KV-cache sampling, and a checkpoint saved from it loads as a plain model."""
+    import distributed
+    torch.manual_seed(0)
+    plain, tok = rollout.load_policy(WARM)
+    ckpt, _ = rollout.load_policy(WARM)
+    ckpt = distributed.wrap_model(ckpt, torch.device("cpu"), grad_ckpt=True)
+    assert "CheckpointWrapper" in type(ckpt.model.layers[0]).__name__
+    ids = torch.randint(3, 600, (4, 40))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0                                                        # a left-padded row
+    grads = []
+    for m in (plain, ckpt):
+        logp, _ = rollout.token_logprobs(m, ids, mask, temperature=0.8)
+        (logp * mask[:, 1:]).sum().backward()
+        grads.append({n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in m.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-6, atol=1e-6)
+    prompts = [tok(f"Mia has {n} apples.", add_special_tokens=False).input_ids for n in (3, 14, 27)]
+    a = rollout.sample(plain, prompts, max_new_tokens=12, eos_ids=[2], pad_id=0, seeds=[1, 2, 3])
+    b = rollout.sample(ckpt, prompts, max_new_tokens=12, eos_ids=[2], pad_id=0, seeds=[1, 2, 3])
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert set(ckpt.state_dict()) == set(plain.state_dict())              # saved without the wrapper's prefix
