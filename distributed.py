@@ -167,27 +167,33 @@ def is_fsdp(model) -> bool:
 def gathered(model, dtype=None):
     """A model to decode with. Under FSDP2, whose forward all-gathers every layer's parameters,
     decoding through the sharded model would re-gather the whole model once per generated token:
-    instead the full weights are gathered ONCE into a plain copy on every rank (optionally in
-    `dtype`, e.g. bf16 on GPU), each rank decodes its own rows with no collective per token, and
-    the copy is freed on exit. Otherwise the (DDP-unwrapped) model itself, no copy."""
+    instead the weights are gathered ONCE, tensor by tensor, into a plain copy on every rank (in
+    `dtype`, e.g. bf16 on GPU; at most one full float32 tensor in flight), each rank decodes its own
+    rows with no collective per token, and the copy is freed on exit. Otherwise the (DDP-unwrapped)
+    model itself, no copy."""
     if not is_fsdp(model):
         yield unwrap(model)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FSDPModule
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # a collective
-    cls = next(b for b in type(model).__bases__ if not issubclass(b, FSDPModule))          # e.g. Qwen2ForCausalLM
-    device = next(iter(state.values())).device
-    with torch.device(device):
-        copy = cls(model.config)
-    copy.load_state_dict(state)
-    del state
+    cls = next(b for b in type(model).__bases__ if not issubclass(b, FSDPModule))  # e.g. Qwen2ForCausalLM
+    shards = model.state_dict()                                 # DTensor shards: nothing gathered yet
+    device = next(iter(shards.values())).device
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype or default)              # allocate the copy in its final dtype
+        with torch.device(device):
+            copy = cls(model.config)
+    finally:
+        torch.set_default_dtype(default)
+    target = copy.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, t in shards.items():                          # same order on every rank: collectives
+            target[name].copy_(t.full_tensor() if hasattr(t, "full_tensor") else t)
     copy.generation_config = model.generation_config
-    copy = copy.to(dtype) if dtype is not None else copy
     try:
         yield copy.eval().requires_grad_(False)
     finally:
-        del copy
+        del copy, target
 
 
 @contextmanager

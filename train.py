@@ -20,8 +20,10 @@ from tqdm import tqdm
 
 import batching
 import distributed
+import errors
 import faults
 import losses
+import memory_plan
 import optimizer
 import options
 import query_cache
@@ -31,7 +33,6 @@ import run_dir
 import sft
 from data.prompts import PromptSet, load_prompt_set, step_indices
 from distributed import all_max, all_sum, print0
-from errors import DataError
 from heldout import heldout_accuracy
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
@@ -73,6 +74,8 @@ OPTIONS = [
     ("dtype",             "auto",                              "auto: fp32 weights + bf16 autocast on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16"]),
     ("fsdp",              False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
     ("grad_ckpt",         False,                               "activation checkpointing of every decoder layer (long sequences)"),
+    ("dry_run",           False,                               "print the per-GPU memory plan (memory_plan.py) and exit; no weights loaded"),
+    ("plan_gpus",         8,                                   "GPUs the --dry-run plan assumes", ">=1"),
     ("measure_policy_kl", True,                                "keep a reference model to log Policy-KL even when the loss has none"),
     ("max_bad_steps",     3,                                   "consecutive non-finite (skipped) optimizer steps that end the run", ">=1"),
     ("strict_data",       False,                               "training rows without a problem or an answer are an error, not skipped"),
@@ -299,8 +302,7 @@ def rl_step(run, step):
     adv = losses.group_advantages(rewards, G, algo.adv, algo.adv_eps)    # A
     upd_rows = batching.microbatches(packed.input_ids.shape[0], run.args.update_batch // run.dist.world * G)
     w = row_weights(run, c.prompt_idx, sc.prompt, qmask, valid, upd_rows)  # w(q)
-    batch = UpdateBatch(packed, resp_mask, qmask, valid, sc.old, sc.ref, qref, adv,
-                        None if w is None else w.to(dev))
+    batch = UpdateBatch(packed, resp_mask, qmask, valid, sc.old, sc.ref, qref, adv, None if w is None else w.to(dev))
     upd = ppo_update(run, batch, upd_rows)
     m = step_metrics(run, step, c, ro, sc, qref, qmask, resp_mask, w, upd)
     m["step_time"] = time.time() - t0
@@ -344,10 +346,8 @@ def step_metrics(run, step, c: Collected, ro, sc: OldScores, qref, qmask, resp_m
 
 
 def load_model(path, d: distributed.Dist, dtype):
-    try:
+    with errors.one_line((OSError, ValueError), f"cannot load model {path!r}"):  # no folder, no usable config
         return rollout.load_policy(path, device=d.device, dtype=dtype)
-    except (OSError, ValueError) as e:  # a missing folder, a folder without a usable config.json
-        raise SystemExit(f"error: cannot load model {path!r}: {str(e).splitlines()[0]}") from None
 
 
 def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
@@ -407,19 +407,19 @@ def parse_args(argv=None):
 def load_data(a, tokenizer):
     """Held-out sets and the training problems (SFT: sequences), checked before anything is
     written to --out: a bad input ends here with one line."""
-    try:
+    with errors.one_line():
         evalsets = {n: load_prompt_set(n, tokenizer, a.template, limit=a.eval_limit or None) for n in a.eval_data}
         data = sft.load_sequences(a.sft_data, tokenizer, a.template, a.max_seq_len) if a.algo == "sft" else \
             load_prompt_set(a.train_data, tokenizer, a.template, a.max_prompt_len, training=True, strict=a.strict_data)
         batching.check_data(len(data), a)
-    except DataError as e:
-        raise SystemExit(f"error: {e}") from None
     return evalsets, data
 
 
 def main(argv=None):
     t0 = time.time()
     a, algo = parse_args(argv)                                          # bad options: argparse errors
+    if a.dry_run:
+        return print(memory_plan.report(a, a.plan_gpus, needs_ref=bool(algo) and (algo.kl is not None or a.measure_policy_kl)))
     d = distributed.setup()
     if algo:
         batching.check(a, d.world)

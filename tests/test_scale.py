@@ -220,3 +220,50 @@ def test_activation_checkpointing_gives_the_same_gradients():
     b = rollout.sample(ckpt, prompts, max_new_tokens=12, eos_ids=[2], pad_id=0, seeds=[1, 2, 3])
     assert torch.equal(a.response_ids, b.response_ids)
     assert set(ckpt.state_dict()) == set(plain.state_dict())              # saved without the wrapper's prefix
+
+
+def test_memory_plan_terms_match_real_tensor_bytes():
+    """--dry-run's terms against the bytes of real tensors of a ~100M-parameter random Qwen2 on
+    CPU (float32): parameters, gradients, Adam state and one KV-cache chunk, within 15%."""
+    from argparse import Namespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import memory_plan
+    cfg = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+               num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False)
+    arch = memory_plan.Arch.from_config(cfg)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**cfg))
+    n = sum(p.numel() for p in model.parameters())
+    assert 80e6 < n < 120e6 and arch.params() == n
+    a = Namespace(fsdp=False, grad_ckpt=False, max_prompt_len=24, max_new_tokens=8, micro_batch=2, rollout_batch=2,
+                  group_size=2, gen_batch=4, kv_budget=0)
+    plan = {t.name: t.bytes for t in memory_plan.terms(arch, a, 1, needs_ref=False, kv_rows=4, compute_bytes=4)}
+    ids = torch.randint(0, 32000, (2, 16))
+    logp, _ = rollout.token_logprobs(model, ids, torch.ones_like(ids))
+    logp.sum().backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt.step()
+    real = {"parameters": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "gradients": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()),
+            "Adam state": sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                              if t.dim() > 0)}
+    prompts = torch.randint(0, 32000, (4, 24))
+    cache = rollout.kv_cache(model.config, capacity=24 + 8)
+    with torch.no_grad():
+        model(input_ids=prompts, use_cache=True, **{rollout._forward_kwargs(model)[0]: cache})
+    real["KV cache chunk"] = sum(layer.k_buf.numel() * 4 + layer.v_buf.numel() * 4 for layer in cache.layers)
+    for name, b in real.items():
+        assert abs(plan[name] - b) <= 0.15 * b, (name, plan[name], b)
+    assert memory_plan.arch_for("Qwen/Qwen2.5-Math-7B").params() == pytest.approx(7.62e9, rel=0.01)
+    assert memory_plan.arch_for("Qwen/Qwen2.5-32B").params() == pytest.approx(32.5e9, rel=0.02)
+
+
+def test_dry_run_prints_the_paper_plan(capsys):
+    import train
+    train.main(["--config", os.path.join(ROOT, "configs", "paper_qwen7b.json"), "--dry-run"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    fields = dict(kv.split("=") for kv in last.split()[1:])
+    assert last.startswith("plan: ") and fields["gpus"] == "8"
+    assert float(fields["peak_gib_per_gpu"]) <= 72 and int(fields["decode_rows"]) >= 128
