@@ -123,7 +123,10 @@ def wrap_model(model, device, fsdp=False, bf16=False, grad_ckpt=False, trainable
     parameters, gradients and Adam state sharded across ranks, what 7B/32B models need).
     grad_ckpt: activation checkpointing of every decoder layer (recompute in backward instead of
     storing each layer's activations), applied before sharding. A model that is not trained (the
-    reference) is sharded like the policy under FSDP2 and left as it is otherwise (no DDP)."""
+    reference) is sharded like the policy under FSDP2 and left as it is otherwise (no DDP). A model
+    sharded already (rollout.load_policy(shard=...)) is returned as it is."""
+    if is_fsdp(model):
+        return model
     if grad_ckpt:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             apply_activation_checkpointing, checkpoint_wrapper)
@@ -140,6 +143,19 @@ def wrap_model(model, device, fsdp=False, bf16=False, grad_ckpt=False, trainable
         return fully_shard(model, **kw)
     from torch.nn.parallel import DistributedDataParallel as DDP
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def sharder(fsdp, device, bf16, grad_ckpt=False, trainable=True):
+    """wrap_model as a function for rollout.load_policy(shard=...), which then builds the model on
+    the meta device and loads only this rank's shards; None (a plain load) without FSDP2."""
+    if not (fsdp and dist.is_initialized()):
+        return None
+    return lambda model: wrap_model(model, device, True, bf16, grad_ckpt, trainable)
+
+
+def uses_bf16(dtype_name, device) -> bool:
+    """--dtype auto on CUDA: float32 master weights, bf16 compute (see precision)."""
+    return dtype_name == "auto" and device.type == "cuda"
 
 
 def unwrap(model):

@@ -76,7 +76,7 @@ def _load_tokenizer(path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None):
+def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None, shard=None):
     """Load (model, tokenizer) from a HF folder (or hub id on machines that have the hub).
 
     device: a torch device, or "auto" (CUDA when available).
@@ -84,6 +84,9 @@ def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None):
     attn_implementation: "flash_attention_2" when CUDA is available and flash_attn imports, else
     "sdpa", unless given. The tokenizer gets a pad token (eos if missing) and left padding, which
     is what batched decoding needs.
+    shard: a function that shards a model in place (FSDP2's fully_shard, distributed.wrap_model);
+    then the model is built on the meta device, sharded, and each rank reads only its shard of each
+    tensor from the safetensors files: no rank ever holds the whole model.
     """
     from transformers import AutoModelForCausalLM
 
@@ -98,9 +101,10 @@ def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None):
         dtype = getattr(torch, dtype)
     if attn_implementation is None:
         attn_implementation = _default_attn_implementation() if device.type == "cuda" else "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation
-    ).to(device)
+    if shard is not None:
+        model = _load_sharded(path, device, dtype, attn_implementation, shard)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation).to(device)
     tokenizer = _load_tokenizer(path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -108,6 +112,47 @@ def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model, tokenizer
+
+
+def _load_sharded(path, device, dtype, attn_implementation, shard):
+    """Meta-device model -> shard() -> materialise each rank's shards -> fill them tensor by tensor
+    from the (memory-mapped) safetensors files, each rank keeping only its slice."""
+    import glob
+
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if not os.path.isdir(path):  # a hub id, on machines that have the hub
+        from huggingface_hub import snapshot_download
+        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    model = shard(model)
+    model.to_empty(device=device)
+    for parent in list(model.modules()):  # non-persistent buffers (RoPE inv_freq) were never materialised
+        for name, child in list(parent.named_children()):
+            if type(child).__name__.endswith("RotaryEmbedding"):
+                setattr(parent, name, type(child)(config=child.config).to(device))
+    params = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    p = params.get(name)  # (absent: e.g. the lm_head of a tied model)
+                    if p is None:
+                        continue
+                    full = f.get_tensor(name).to(device=device, dtype=p.dtype)
+                    if isinstance(p, DTensor):  # every rank has the file: no communication
+                        full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                        p = p.to_local()
+                    p.copy_(full)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass
+    return model
 
 
 # Chat-template turn markers: (end of a turn, start of the next). A model that does not stop at the

@@ -156,8 +156,10 @@ def load_state(out) -> TrainState:
     return TrainState(step=s["step"], opt=s["opt"], sched=s["sched"], rng=s["rng"], py_rng=s["py_rng"])
 
 
-def restore(state: TrainState, model, opt, sched, out):
-    """Optimizer (its shards under FSDP2), scheduler and RNG state of a checkpoint."""
+def restore(state: TrainState | None, model, opt, sched, out):
+    """Optimizer (its shards under FSDP2), scheduler and RNG state of a checkpoint (None: nothing)."""
+    if state is None:
+        return
     distributed.load_optimizer_state(model, opt, state.opt)
     sched.load_state_dict(state.sched)
     torch.set_rng_state(state.rng)

@@ -77,7 +77,7 @@ def train_sft(model, tokenizer, seqs, *, steps, batch, micro_batch, lr, warmup, 
 
 def run(a, d, model, tokenizer, seqs, evalsets, log, amp):
     """--algo sft: the warm start, with held-out accuracy and an HF folder at each --save-every."""
-    bf16 = d.device.type == "cuda" and a.dtype == "auto"
+    bf16 = distributed.uses_bf16(a.dtype, d.device)
     spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget, bf16)
     model = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16)
 

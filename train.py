@@ -345,20 +345,20 @@ def step_metrics(run, step, c: Collected, ro, sc: OldScores, qref, qmask, resp_m
 # Set-up and the loop
 
 
-def load_model(path, d: distributed.Dist, dtype):
+def load_model(path, d: distributed.Dist, dtype, shard=None):
     with errors.one_line((OSError, ValueError), f"cannot load model {path!r}"):  # no folder, no usable config
-        return rollout.load_policy(path, device=d.device, dtype=dtype)
+        return rollout.load_policy(path, device=d.device, dtype=dtype, shard=shard)  # shard: FSDP2, meta-device load
 
 
 def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
     """The reference (if a Policy-KL is used or measured), the wrapped policy, its Query-KL cache, the optimizer."""
     print0(batching.describe(a, d.world, len(data)))
     # ERPO with --measure-policy-kl false keeps no reference model: Query-KL reads the cache.
-    bf16, dtype = d.device.type == "cuda" and a.dtype == "auto", distributed.precision(a.dtype, d.device)[0]
+    bf16, dtype = distributed.uses_bf16(a.dtype, d.device), distributed.precision(a.dtype, d.device)[0]
     ref = None
     if algo.kl is not None or a.measure_policy_kl:  # sharded like the policy under FSDP2
-        ref = load_model(a.model, d, torch.bfloat16 if bf16 else dtype)[0].eval().requires_grad_(False)
-        ref = distributed.wrap_model(ref, d.device, a.fsdp, bf16=bf16, trainable=False)
+        shard = distributed.sharder(a.fsdp, d.device, bf16, trainable=False)
+        ref = load_model(a.model, d, torch.bfloat16 if bf16 else dtype, shard)[0].eval().requires_grad_(False)
     policy = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16, grad_ckpt=a.grad_ckpt)
     meta = query_cache.cache_meta(a.model, a.train_data, a.template, a.temperature, data.ids)
     with distributed.precision(a.dtype, d.device)[1]():  # the training forward: wrapper, dtype, autocast
@@ -366,8 +366,7 @@ def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
                                           tokenizer.pad_token_id, a.temperature, d.device, a.micro_batch, resuming)
     opt = optimizer.adamw(policy, a.lr, a.weight_decay)
     sched = optimizer.warmup_then_constant(opt, a.warmup)
-    if state:
-        run_dir.restore(state, policy, opt, sched, a.out)
+    run_dir.restore(state, policy, opt, sched, a.out)                    # on --resume (state is None otherwise)
     spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget, bf16)
     return Run(a, algo, d, policy, ref, tokenizer, opt, sched, data, cache, spec)
 
@@ -426,7 +425,8 @@ def main(argv=None):
     torch.manual_seed(a.seed), random.seed(a.seed)
     resuming = a.resume and run_dir.resumable(a.out)
     dtype, amp = distributed.precision(a.dtype, d.device)
-    model, tokenizer = load_model(run_dir.checkpoint_dir(a.out) if resuming else a.model, d, dtype)
+    shard = distributed.sharder(a.fsdp, d.device, distributed.uses_bf16(a.dtype, d.device), a.grad_ckpt)
+    model, tokenizer = load_model(run_dir.checkpoint_dir(a.out) if resuming else a.model, d, dtype, shard)
     print0(f"model {a.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {d.device}")
     evalsets, data = load_data(a, tokenizer)                            # bad data: one line, nothing written
     state = run_dir.load_state(a.out) if resuming else None

@@ -267,3 +267,50 @@ def test_dry_run_prints_the_paper_plan(capsys):
     fields = dict(kv.split("=") for kv in last.split()[1:])
     assert last.startswith("plan: ") and fields["gpus"] == "8"
     assert float(fields["peak_gib_per_gpu"]) <= 72 and int(fields["decode_rows"]) >= 128
+
+
+LOAD_WORKER = r'''
+import json, sys
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+sys.path.insert(0, sys.argv[1])
+import distributed, rollout
+
+shard = lambda m: distributed.wrap_model(m, torch.device("cpu"), fsdp=True, grad_ckpt=sys.argv[4] == "ckpt")
+model, tok = rollout.load_policy(sys.argv[2], shard=shard)
+ids = torch.tensor(json.loads(sys.argv[3]))
+sharded = all(hasattr(p, "to_local") for p in model.parameters())     # (before a forward unshards the root)
+local = sum(p.to_local().numel() for p in model.parameters())
+with torch.no_grad():
+    logits = model(input_ids=ids).logits
+json.dump({"logits": logits.tolist(), "eos": model.generation_config.eos_token_id, "local": local,
+           "sharded": sharded},
+          open(f"{sys.argv[5]}/rank{dist.get_rank()}.json", "w"))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("ckpt", ["plain", "ckpt"])
+def test_sharded_loading_gives_the_single_process_logits(tmp_path, ckpt):
+    """FSDP2 on 2 CPU processes: built on the meta device, sharded, each rank reads only its slice
+    of every tensor; the logits equal a plain single-process load's."""
+    model, tok = rollout.load_policy(WARM)
+    ids = [tok("Mia has 23 apples. Mia gives 5 apples to Tom.", add_special_tokens=False).input_ids[:10],
+           tok("Leo owns 36 buttons. How many buttons?", add_special_tokens=False).input_ids[:10]]
+    (tmp_path / "w.py").write_text(LOAD_WORKER)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-port",
+                        str(29700 + os.getpid() % 1000), str(tmp_path / "w.py"), ROOT, WARM, json.dumps(ids), ckpt,
+                        str(tmp_path)], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor(ids)).logits
+    n = sum(p.numel() for p in model.parameters())
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        torch.testing.assert_close(torch.tensor(res["logits"]), want, rtol=1e-5, atol=1e-5)
+        assert res["sharded"] and res["local"] < 0.6 * n                  # about half of the model per rank
+        assert res["eos"] == model.generation_config.eos_token_id
