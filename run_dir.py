@@ -156,21 +156,56 @@ def load_state(out) -> TrainState:
     return TrainState(step=s["step"], opt=s["opt"], sched=s["sched"], rng=s["rng"], py_rng=s["py_rng"])
 
 
+def is_sharded(out) -> bool:
+    """A checkpoint saved by an FSDP2 run: torch.distributed.checkpoint shards, no HF weights."""
+    return os.path.isdir(os.path.join(checkpoint_dir(out), "dcp"))
+
+
+def model_source(out, resuming, model_path):
+    """Where the weights to start from are: the HF checkpoint, or (sharded checkpoints, restored
+    afterwards by `restore`) the initial model, which gives the architecture."""
+    return checkpoint_dir(out) if resuming and not is_sharded(out) else model_path
+
+
 def restore(state: TrainState | None, model, opt, sched, out):
-    """Optimizer (its shards under FSDP2), scheduler and RNG state of a checkpoint (None: nothing)."""
+    """Optimizer (its shards under FSDP2), scheduler and RNG state of a checkpoint (None: nothing);
+    for a sharded checkpoint also the weights, resharded to this run's world size."""
     if state is None:
         return
-    distributed.load_optimizer_state(model, opt, state.opt)
+    if is_sharded(out):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        msd, osd = get_state_dict(model, opt)  # this run's layout; DCP reshards the saved one into it
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(checkpoint_dir(out), "dcp"))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    else:
+        distributed.load_optimizer_state(model, opt, state.opt)
     sched.load_state_dict(state.sched)
     torch.set_rng_state(state.rng)
     random.setstate(state.py_rng)
     distributed.print0(f"resumed from {checkpoint_dir(out)} at step {state.step}")
 
 
-def save_checkpoint(out, model, tokenizer, opt, sched, step):
-    """HF folder (save_pretrained, safetensors) + optimizer/scheduler/step/RNG state. Every rank
-    joins (gathering the full state is a collective under FSDP2); rank 0 writes."""
-    model_sd, opt_sd = distributed.full_state(model, opt)
+def save_checkpoint(out, model, tokenizer, opt, sched, step, final=False):
+    """Under FSDP2: each rank writes its own shards (torch.distributed.checkpoint), nothing is
+    gathered, and the final save also exports a HF folder to <out>/hf; otherwise a HF folder
+    (save_pretrained) with the optimizer state. Both with the scheduler/step/RNG state, written to
+    ckpt.tmp and renamed into place."""
+    if final and distributed.is_fsdp(model):
+        export(model, tokenizer, os.path.join(out, "hf"))
+    tmp = os.path.join(out, "ckpt.tmp")
+    if distributed.is_main():
+        for leftover in (tmp, checkpoint_dir(out) + ".old"):  # from a run killed mid-save
+            shutil.rmtree(leftover, ignore_errors=True)
+    distributed.barrier()
+    if distributed.is_fsdp(model):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp"))
+        model_sd = opt_sd = None
+    else:
+        model_sd, opt_sd = distributed.full_state(model, opt)
     if distributed.is_main():
         _write_checkpoint(out, model, model_sd, opt_sd, tokenizer, sched, step)
     distributed.barrier()
@@ -178,9 +213,8 @@ def save_checkpoint(out, model, tokenizer, opt, sched, step):
 
 def _write_checkpoint(out, model, model_sd, opt_sd, tokenizer, sched, step):
     tmp, final = os.path.join(out, "ckpt.tmp"), checkpoint_dir(out)
-    for leftover in (tmp, final + ".old"):  # from a run killed mid-save
-        shutil.rmtree(leftover, ignore_errors=True)
-    distributed.unwrap(model).save_pretrained(tmp, state_dict=model_sd)
+    if model_sd is not None:
+        distributed.unwrap(model).save_pretrained(tmp, state_dict=model_sd)
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, "opt": opt_sd, "sched": sched.state_dict(),
                 "rng": torch.get_rng_state(), "py_rng": random.getstate()}, os.path.join(tmp, "state.pt"))
@@ -284,6 +318,7 @@ def summary(out, wall_s, eval_sets=(), template="plain") -> str:
               "next:",
               f"  python analysis.py runs {out} --out {out}/plots        # KL and train vs held-out curves"]
     if has_checkpoint(out):
+        ckpt = os.path.join(out, "hf") if is_sharded(out) else ckpt  # sharded: the final HF export
         lines.append(f"  python evaluate.py --model {ckpt} --benchmarks {' '.join(eval_sets) or 'tiny'} "
                      f"--template {template} --out {out}/eval   # the paper's protocol")
     return "\n".join(lines)

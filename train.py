@@ -389,7 +389,7 @@ def train_rl(run, evalsets, log, start, amp):
         log(m)
         bar.set_postfix({k: f"{m[k]:.3f}" for k in ("train_acc", "eval_acc", "query_kl", "policy_kl", "entropy") if k in m})
         if a.save_every and ((step + 1) % a.save_every == 0 or last):
-            run_dir.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step + 1)
+            run_dir.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step + 1, final=last)
 
 
 def parse_args(argv=None):
@@ -426,7 +426,7 @@ def main(argv=None):
     resuming = a.resume and run_dir.resumable(a.out)
     dtype, amp = distributed.precision(a.dtype, d.device)
     shard = distributed.sharder(a.fsdp, d.device, distributed.uses_bf16(a.dtype, d.device), a.grad_ckpt)
-    model, tokenizer = load_model(run_dir.checkpoint_dir(a.out) if resuming else a.model, d, dtype, shard)
+    model, tokenizer = load_model(run_dir.model_source(a.out, resuming, a.model), d, dtype, shard)
     print0(f"model {a.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {d.device}")
     evalsets, data = load_data(a, tokenizer)                            # bad data: one line, nothing written
     state = run_dir.load_state(a.out) if resuming else None

@@ -314,3 +314,37 @@ def test_sharded_loading_gives_the_single_process_logits(tmp_path, ckpt):
         torch.testing.assert_close(torch.tensor(res["logits"]), want, rtol=1e-5, atol=1e-5)
         assert res["sharded"] and res["local"] < 0.6 * n                  # about half of the model per rank
         assert res["eos"] == model.generation_config.eos_token_id
+
+
+def test_sharded_checkpoint_resumes_at_world_size_1_and_2(tmp_path):
+    """An FSDP2 run saves torch.distributed.checkpoint shards (no gather to rank 0); killed after
+    step 2, it resumes at world size 2 and at world size 1 to the uninterrupted run's metrics."""
+    with open(os.path.join(ROOT, "data", "tinymath", "train.jsonl")) as f:
+        (tmp_path / "train.jsonl").write_text("".join(next(f) for _ in range(64)))
+
+    def run(nproc, out, steps, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master-port",
+               str(29300 + nproc + os.getpid() % 1000), os.path.join(ROOT, "train.py"), "--model", WARM,
+               "--train-data", str(tmp_path / "train.jsonl"), "--out", str(out), "--steps", str(steps),
+               "--algo", "grpo", "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4",
+               "--micro-batch", "8", "--max-new-tokens", "32", "--eval-every", "0", "--save-every", "2",
+               "--fsdp", "true", "--lr", "1e-3", *extra]
+        r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        with open(out / "metrics.jsonl") as f:
+            return [json.loads(line) for line in f], r.stdout
+
+    full, _ = run(2, tmp_path / "full", 4)
+    exported, _ = rollout.load_policy(str(tmp_path / "full" / "hf"))          # the final save's HF export
+    assert exported.num_parameters() == rollout.load_policy(WARM)[0].num_parameters()
+    run(2, tmp_path / "cut2", 2)
+    assert (tmp_path / "cut2" / "ckpt" / "dcp").is_dir() and not list((tmp_path / "cut2" / "ckpt").glob("*.safetensors"))
+    shutil.copytree(tmp_path / "cut2", tmp_path / "cut1")
+    for nproc, name in ((2, "cut2"), (1, "cut1")):
+        resumed, out = run(nproc, tmp_path / name, 4, "--resume")
+        assert f"resumed from {tmp_path / name}/ckpt at step 2" in out
+        assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+        for a, b in zip(full, resumed):
+            for k in ("reward", "train_acc", "query_kl", "policy_kl", "grad_norm", "pg_loss", "entropy"):
+                assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-5), (nproc, a["step"], k)
