@@ -129,6 +129,7 @@ def test_sharded_rollout_gathers_once(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        print(f"rank {rank} comm events:", {k: v["comms"] for k, v in res.items()})  # pytest -s shows them
         assert res["gathered/8"]["width"] == 8 and res["gathered/32"]["width"] == 32      # really decoded 8 / 32
         assert res["gathered/8"]["comms"] == res["gathered/32"]["comms"] > 0
         assert res["sharded/32"]["comms"] > res["sharded/8"]["comms"] + 20                  # per-token gathers
