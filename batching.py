@@ -51,3 +51,25 @@ def describe(a, world, n_train) -> str:
 def microbatches(n, size) -> list[slice]:
     """Consecutive slices of at most `size` rows covering range(n)."""
     return [slice(s, min(n, s + size)) for s in range(0, n, size)]
+
+
+def microbatch_plan(lengths: list[int], size: int, max_tokens: int = 0, count: int = 0) -> list[list[int]]:
+    """Rows (indices into `lengths`, their token counts) grouped into micro-batches, longest first,
+    so each micro-batch pads only to its own longest row: at most `size` rows and, if max_tokens,
+    at most max_tokens padded tokens (rows x longest) each; a row longer than that goes alone.
+    With count > the number of groups, the largest are halved until there are `count` (under FSDP2
+    every rank must run as many forwards: pass the most any rank needs)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep row order
+    plan, cur = [], []
+    for i in order:
+        if cur and (len(cur) == size or (max_tokens and (len(cur) + 1) * lengths[cur[0]] > max_tokens)):
+            plan.append(cur)
+            cur = []
+        cur.append(i)
+    plan += [cur] if cur else []
+    while len(plan) < count:
+        j = max(range(len(plan)), key=lambda k: len(plan[k]))
+        if len(plan[j]) < 2:
+            raise ValueError(f"cannot split {len(lengths)} rows into {count} micro-batches")
+        plan[j:j + 1] = [plan[j][:len(plan[j]) // 2], plan[j][len(plan[j]) // 2:]]
+    return plan

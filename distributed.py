@@ -95,6 +95,13 @@ def all_sum(x: torch.Tensor, op=None) -> torch.Tensor:
     return y.to(x.device)
 
 
+def all_sums(values: dict) -> dict[str, float]:
+    """{name: a number, or a tensor (summed first)} -> {name: its sum over ranks}: one collective
+    for all of them, in float64."""
+    t = torch.tensor([float(v.sum()) if torch.is_tensor(v) else float(v) for v in values.values()], dtype=torch.float64)
+    return dict(zip(values, all_sum(t).tolist()))
+
+
 def all_max(x: torch.Tensor) -> torch.Tensor:
     return all_sum(x, dist.ReduceOp.MAX) if dist.is_initialized() else x
 

@@ -278,6 +278,18 @@ class Packed:
     def rows(self, sl) -> "Packed":
         return Packed(self.input_ids[sl], self.attention_mask[sl], self.prompt_tok_mask[sl], self.P)
 
+    def trimmed(self, idx) -> tuple["Packed", slice, slice]:
+        """Rows idx without the columns that are padding in all of them (a shorter forward), and
+        which columns of the full-width (B, P-1) prompt and (B, R) response score arrays the
+        trimmed rows' scores cover. Positions come from the attention mask, so a row's scores do
+        not depend on how much padding surrounds it."""
+        mask = self.attention_mask[idx]
+        p = max(1, int(mask[:, :self.P].sum(1).max()))                 # longest prompt
+        r = max(1, int(mask[:, self.P:].sum(1).max()))                 # longest response (>= 1)
+        cols = slice(self.P - p, self.P + r)
+        return (Packed(self.input_ids[idx][:, cols], mask[:, cols], self.prompt_tok_mask[idx][:, self.P - p:self.P - 1], p),
+                slice(self.P - p, self.P - 1), slice(0, r))
+
 
 @dataclass
 class TokenScores:

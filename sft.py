@@ -20,6 +20,16 @@ from heldout import heldout_accuracy
 from data.benchmarks import DataError, load_benchmark
 from data.prompts import build_prompt, step_indices
 
+TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
+OPTIONS = [  # train.py's options table ends with these (same columns)
+    ("sft_data",          os.path.join(TINY, "sft.jsonl"),     "SFT corpus (problem + solution rows)"),
+    ("sft_steps",         750,                                 "SFT optimizer steps", ">=0"),
+    ("sft_batch",         64,                                  "SFT sequences per step (global)", ">=1"),
+    ("sft_lr",            3e-3,                                "SFT learning rate (constant after warm-up)", ">0"),
+    ("sft_warmup",        100,                                 "SFT warm-up steps", ">=0"),
+    ("max_seq_len",       192,                                 "SFT: longer examples are dropped", ">=2"),
+]
+
 
 def load_sequences(path, tokenizer, template, max_seq_len) -> list[list[int]]:
     """prompt + solution + EOS token ids of every row of an SFT file; longer ones are dropped."""

@@ -24,6 +24,7 @@ import errors
 import faults
 import losses
 import memory_plan
+import metrics
 import optimizer
 import options
 import query_cache
@@ -31,6 +32,7 @@ import reward
 import rollout
 import run_dir
 import sft
+import timer
 from data.prompts import PromptSet, load_prompt_set, step_indices
 from distributed import all_max, all_sum, print0
 from heldout import heldout_accuracy
@@ -71,6 +73,7 @@ OPTIONS = [
     ("grad_clip",         1.0,                                 "clip the global grad norm (0 = off)", ">=0"),
     ("ppo_epochs",        1,                                   "passes over each rollout batch", ">=1"),
     ("micro_batch",       64,                                  "sequences per forward/backward on each rank", ">=1"),
+    ("micro_tokens",      0,                                   "also at most this many padded tokens per micro-batch (0 = no cap)", ">=0"),
     ("dtype",             "auto",                              "auto: fp32 weights + bf16 autocast on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16"]),
     ("fsdp",              False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
     ("grad_ckpt",         False,                               "activation checkpointing of every decoder layer (long sequences)"),
@@ -87,14 +90,7 @@ OPTIONS = [
     ("resume",            False,                               "continue the run in --out from its checkpoint"),
     ("export",            None,                                "after training, save the final model + tokenizer to this folder"),
     ("log",               "jsonl",                             "also mirror metrics.jsonl to TensorBoard or W&B", ["jsonl", "tensorboard", "wandb"]),
-    # sft (warm start)
-    ("sft_data",          os.path.join(TINY, "sft.jsonl"),     "SFT corpus (problem + solution rows)"),
-    ("sft_steps",         750,                                 "SFT optimizer steps", ">=0"),
-    ("sft_batch",         64,                                  "SFT sequences per step (global)", ">=1"),
-    ("sft_lr",            3e-3,                                "SFT learning rate (constant after warm-up)", ">0"),
-    ("sft_warmup",        100,                                 "SFT warm-up steps", ">=0"),
-    ("max_seq_len",       192,                                 "SFT: longer examples are dropped", ">=2"),
-]
+] + sft.OPTIONS  # --sft-data, --sft-steps, ...: the warm start's own options, in sft.py
 
 
 @dataclass
@@ -111,6 +107,7 @@ class Run:
     data: PromptSet                     # the training problems
     cache: query_cache.QueryCache       # the Query-KL reference (ERPO needs no reference model)
     spec: rollout.SampleSpec
+    timer: timer.Phases                 # seconds per phase of a step (time_gen, time_update, ...)
     bad_streak: int = 0                 # optimizer steps skipped in a row (non-finite loss or gradient)
 
 
@@ -139,13 +136,14 @@ def my_prompts(run, step, round_=0):
 
 def sample_and_score(run, decoder, prompt_idx, step, round_) -> rollout.Graded:
     """G responses per prompt (consecutive rows), graded; DAPO's overlong penalty enters the rewards."""
-    G = run.args.group_size
-    ro = rollout.sample_with(decoder, [run.data.ids[i] for i in prompt_idx for _ in range(G)],
-                             run.spec, temperature=run.args.temperature, top_p=run.args.top_p,
-                             seeds=[rollout.row_seed(run.args.seed, step, round_, i, j) for i in prompt_idx for j in range(G)])
-    fmt = run.args.reward == "acc+format"
-    answers = [run.data.rows[i]["answer"] for i in prompt_idx for _ in range(G)]
-    scores, counts = reward.score_batch(rollout.decode_responses(run.tokenizer, ro), answers, format_reward=fmt)
+    G, fmt = run.args.group_size, run.args.reward == "acc+format"
+    with run.timer("gen"):
+        ro = rollout.sample_with(decoder, [run.data.ids[i] for i in prompt_idx for _ in range(G)],
+                                 run.spec, temperature=run.args.temperature, top_p=run.args.top_p,
+                                 seeds=[rollout.row_seed(run.args.seed, step, round_, i, j) for i in prompt_idx for j in range(G)])
+    with run.timer("reward"):
+        answers = [run.data.rows[i]["answer"] for i in prompt_idx for _ in range(G)]
+        scores, counts = reward.score_batch(rollout.decode_responses(run.tokenizer, ro), answers, format_reward=fmt)
     scores = torch.tensor(scores)
     rewards = scores.clone()
     if run.algo.overlong:
@@ -183,22 +181,50 @@ def collect(run, decoder, step) -> Collected:
 
 @dataclass
 class OldScores:
-    """No-grad forwards over the rollout rows, before any update (B rows)."""
+    """The rollout policy's log-probs over the rollout rows (B rows), before any update."""
     old: torch.Tensor                   # (B, R) response log-probs of the rollout policy (PPO's pi_old)
     prompt: torch.Tensor                # (B, P-1) its prompt log-probs (Query-KL monitor, code weights)
     entropy: torch.Tensor               # (B, R)
     ref: torch.Tensor | None            # (B, R) reference response log-probs, if a reference is loaded
+    fresh: slice                        # rows whose old/prompt/entropy the first update forward fills in
+
+
+def on_policy_rows(run, upd_rows) -> slice:
+    """Rows that need no old-policy forward of their own: the first optimizer step's, in the first
+    PPO epoch. Their update forward runs on the rollout's weights, so it IS pi_old (ratio exactly
+    1) and yields the monitors too. Not where something needs them before the update: RLOO's
+    KL-penalised rewards, the code weights."""
+    algo = run.algo
+    return slice(0, 0) if (algo.kl is not None and algo.kl_in == "reward") or algo.weights == "code" else upd_rows[0]
+
+
+def microbatches(run, packed: rollout.Packed, rows: slice) -> list[torch.Tensor]:
+    """Rows as micro-batches (index tensors), longest first: <= --micro-batch rows and <=
+    --micro-tokens padded tokens each, and as many on every rank (FSDP2 gathers per forward)."""
+    a, lens = run.args, packed.attention_mask[rows].sum(1).tolist()
+    k = int(all_max(torch.tensor(len(batching.microbatch_plan(lens, a.micro_batch, a.micro_tokens)))))
+    return [torch.tensor(p) + rows.start for p in batching.microbatch_plan(lens, a.micro_batch, a.micro_tokens, k)]
 
 
 @torch.no_grad()
-def score_old_and_ref(run, packed: rollout.Packed) -> OldScores:
-    outs = {"old": [], "prompt": [], "entropy": [], "ref": []}
-    for mb in batching.microbatches(packed.input_ids.shape[0], run.args.micro_batch):
-        s = rollout.score_tokens(distributed.unwrap(run.policy), packed.rows(mb), run.args.temperature, with_entropy=True)
-        outs["old"].append(s.response), outs["prompt"].append(s.prompt), outs["entropy"].append(s.entropy)
-        if run.ref is not None:
-            outs["ref"].append(rollout.score_tokens(run.ref, packed.rows(mb), run.args.temperature).response)
-    return OldScores(**{k: (torch.cat(v) if v else None) for k, v in outs.items()})
+def score_old(run, packed: rollout.Packed, sc: OldScores, rows: slice):
+    for mb in microbatches(run, packed, rows):
+        pk, pc, rc = packed.trimmed(mb)                                # no all-padding columns
+        s = rollout.score_tokens(distributed.unwrap(run.policy), pk, run.args.temperature, with_entropy=True)
+        sc.old[mb, rc], sc.prompt[mb, pc], sc.entropy[mb, rc] = s.response, s.prompt, s.entropy
+
+
+@torch.no_grad()
+def score_old_and_ref(run, packed: rollout.Packed, fresh: slice) -> OldScores:
+    """No-grad forwards: the policy over the rows after `fresh`, the reference over all rows."""
+    B, P, R = packed.input_ids.shape[0], packed.P, packed.input_ids.shape[1] - packed.P
+    z = lambda n: torch.zeros(B, n, device=packed.input_ids.device)  # noqa: E731
+    sc = OldScores(z(R), z(P - 1), z(R), None if run.ref is None else z(R), fresh)
+    score_old(run, packed, sc, slice(fresh.stop, B))
+    for mb in microbatches(run, packed, slice(0, B)) if run.ref is not None else []:
+        pk, _, rc = packed.trimmed(mb)
+        sc.ref[mb, rc] = rollout.score_tokens(run.ref, pk, run.args.temperature).response
+    return sc
 
 
 def row_weights(run, prompt_idx, prompt_logp, qmask, valid, upd_rows):
@@ -228,8 +254,7 @@ class UpdateBatch:
     resp_mask: torch.Tensor             # (B, R) response tokens of valid rows
     qmask: torch.Tensor                 # (B, P-1) prompt tokens of valid rows
     valid: torch.Tensor                 # (B,)
-    old: torch.Tensor                   # (B, R)
-    ref: torch.Tensor | None            # (B, R)
+    sc: OldScores                       # old, ref (B, R); the update fills in rows sc.fresh
     qref: torch.Tensor                  # (B, P-1) cached reference prompt log-probs
     adv: torch.Tensor                   # (B,)
     weights: torch.Tensor | None        # (B,) query weights
@@ -243,23 +268,27 @@ def ppo_update(run, b: UpdateBatch, upd_rows):
     whose loss or gradient is not finite on any rank is skipped on every rank."""
     a, algo, world = run.args, run.algo, run.dist.world
     stats, norms, skipped = {}, [], 0
-    for _ in range(a.ppo_epochs):
-        for rows in upd_rows:
+    for epoch in range(a.ppo_epochs):
+        for u, rows in enumerate(upd_rows):
             num_tokens = all_sum(b.resp_mask[rows].sum().float()).clamp_min(1).item()
             num_seqs = all_sum(b.valid[rows].sum()).item()
+            fresh = epoch == u == 0 and b.sc.fresh.stop > 0              # this forward is pi_old's too
             if num_seqs == 0:  # only DAPO filler groups (every rank sees the same count): no step
+                score_old(run, b.packed, b.sc, b.sc.fresh) if fresh else None
                 continue
-            mbs, step_stats = batching.microbatches(rows.stop - rows.start, a.micro_batch), {}
-            for k, mb in enumerate(mbs):
-                r = slice(rows.start + mb.start, rows.start + mb.stop)
+            mbs, step_stats = microbatches(run, b.packed, rows), {}
+            for k, r in enumerate(mbs):                                  # r: row indices, pc/rc: columns
+                pk, pc, rc = b.packed.trimmed(r)
                 with distributed.grad_sync(run.policy, k == len(mbs) - 1):
-                    s = rollout.score_tokens(run.policy, b.packed.rows(r), a.temperature)
+                    s = rollout.score_tokens(run.policy, pk, a.temperature, with_entropy=fresh)
+                    if fresh:
+                        b.sc.old[r, rc], b.sc.prompt[r, pc], b.sc.entropy[r, rc] = s.response.detach(), s.prompt.detach(), s.entropy
                     loss, st = losses.rl_loss(                           # PG(A*w) [+ b*PolicyKL] [+ a*QueryKL]
-                        algo, logp=s.response, old_logp=b.old[r],
-                        ref_logp=b.ref[r] if algo.has_policy_kl_loss else None,
-                        resp_mask=b.resp_mask[r], advantages=b.adv[r],
+                        algo, logp=s.response, old_logp=b.sc.old[r, rc],
+                        ref_logp=b.sc.ref[r, rc] if algo.has_policy_kl_loss else None,
+                        resp_mask=b.resp_mask[r, rc], advantages=b.adv[r],
                         weights=None if b.weights is None else b.weights[r],
-                        prompt_logp=s.prompt, prompt_ref_logp=b.qref[r], prompt_mask=b.qmask[r],
+                        prompt_logp=s.prompt, prompt_ref_logp=b.qref[r, pc], prompt_mask=b.qmask[r, pc],
                         num_tokens=num_tokens, num_seqs=num_seqs, max_len=a.max_new_tokens)
                     (loss * world).backward()
                 faults.point("mid-step")
@@ -279,7 +308,7 @@ def ppo_update(run, b: UpdateBatch, upd_rows):
             norms.append(norm)
             run.opt.step(), run.sched.step(), run.opt.zero_grad(set_to_none=True)
     n_opt = max(1, len(norms))
-    out = {k: all_sum(torch.tensor(v)).item() / n_opt for k, v in stats.items()}
+    out = {k: v / n_opt for k, v in distributed.all_sums(stats).items()}
     out["grad_norm"] = sum(norms) / n_opt if norms else None  # None: every optimizer step was skipped
     out["skipped_steps"] = skipped
     return out
@@ -294,50 +323,23 @@ def rl_step(run, step):
     packed = ro.packed()
     resp_mask = ro.response_mask.float() * valid[:, None]
     qmask = packed.prompt_tok_mask.float() * valid[:, None]
-    sc = score_old_and_ref(run, packed)
+    upd_rows = batching.microbatches(packed.input_ids.shape[0], run.args.update_batch // run.dist.world * G)
+    with run.timer("score"):
+        sc = score_old_and_ref(run, packed, on_policy_rows(run, upd_rows))
     qref = run.cache.ref_logp(c.prompt_idx, G, packed.P - 1).to(dev)
     rewards = c.rewards.to(dev)
     if algo.kl is not None and algo.kl_in == "reward":                   # RLOO: R - beta * sum_t KL_t
         rewards = losses.kl_penalized_rewards(rewards, sc.old, sc.ref, resp_mask, algo.beta, algo.kl)
     adv = losses.group_advantages(rewards, G, algo.adv, algo.adv_eps)    # A
-    upd_rows = batching.microbatches(packed.input_ids.shape[0], run.args.update_batch // run.dist.world * G)
     w = row_weights(run, c.prompt_idx, sc.prompt, qmask, valid, upd_rows)  # w(q)
-    batch = UpdateBatch(packed, resp_mask, qmask, valid, sc.old, sc.ref, qref, adv, None if w is None else w.to(dev))
-    upd = ppo_update(run, batch, upd_rows)
-    m = step_metrics(run, step, c, ro, sc, qref, qmask, resp_mask, w, upd)
-    m["step_time"] = time.time() - t0
-    return m
-
-
-def step_metrics(run, step, c: Collected, ro, sc: OldScores, qref, qmask, resp_mask, w, upd):
-    """Measured on the rollout (pre-update) policy for every algorithm (paper Fig. 1, Table 3):
-    fixed k3 monitors of Query-KL and Policy-KL; the loss's own KL terms are logged beside them."""
-    n_rows = all_sum(torch.tensor(float(len(c.first_rewards)))).item()
-    tok = all_sum(ro.response_mask.float().sum()).item()
-    m = {"step": step + 1,
-         "reward": all_sum(c.first_rewards.sum()).item() / n_rows,
-         "train_acc": all_sum(c.first_acc.sum()).item() / n_rows,
-         "query_kl": all_sum(losses.query_kl(sc.prompt, qref, qmask).sum()).item()
-                     / all_sum(c.valid.sum()).clamp_min(1).item(),
-         "entropy": all_sum((sc.entropy * ro.response_mask).sum()).item() / tok,
-         "response_len": tok / all_sum(torch.tensor(float(ro.response_mask.shape[0]))).item(),
-         "truncated_frac": all_sum((~ro.finished).float().sum()).item() / n_rows,
-         "new_turn_frac": all_sum(torch.tensor(float(c.info["new_turn"]))).item() / n_rows,
-         "zero_var_frac": all_sum(torch.tensor(c.info["zero_var_frac"])).item() / run.dist.world,
-         **{k: upd[k] for k in ("pg_loss", "clip_frac", "grad_norm", "loss") if k in upd},
-         **{f"loss_{k}": upd[k] for k in ("policy_kl", "query_kl") if k in upd},
-         "skipped_steps": upd["skipped_steps"], "lr": run.sched.get_last_lr()[0]}
-    if sc.ref is not None:  # k3 estimate of KL(pi_theta || pi_ref) on the sampled responses
-        kl = losses.policy_kl(sc.old, sc.ref, "k3")
-        m["policy_kl"] = all_sum((kl * resp_mask).sum()).item() / max(1.0, all_sum(resp_mask.sum()).item())
-    if w is not None:
-        m.update(weight_mean=all_sum(w.sum()).item() / n_rows,
-                 weight_min=-all_max(-w.min()).item(), weight_max=all_max(w.max()).item())
-    for k in ("timeout", "error", "no_answer"):
-        m[f"reward_{k}"] = all_sum(torch.tensor(float(c.info.get(k, 0)))).item()
-    if run.algo.dynamic_sampling:
-        m["resample_rounds"] = all_max(torch.tensor(float(c.info["resample_rounds"]))).item()
-        m["kept_groups"] = all_sum(torch.tensor(float(c.info["kept_groups"]))).item()
+    batch = UpdateBatch(packed, resp_mask, qmask, valid, sc, qref, adv, None if w is None else w.to(dev))
+    with run.timer("update"):
+        upd = ppo_update(run, batch, upd_rows)
+    m = metrics.rl_step(step, c, ro, sc, qref, qmask, resp_mask, w, upd, world=run.dist.world,
+                        lr=run.sched.get_last_lr()[0], dynamic_sampling=run.algo.dynamic_sampling)
+    sec = run.timer.seconds                                              # tokens/s on this rank's clock
+    m.update(step_time=time.time() - t0, gen_tok_per_s=m["response_tokens"] / sec["gen"],
+             update_tok_per_s=all_sum(packed.attention_mask.sum().float()).item() * run.args.ppo_epochs / sec["update"])
     return m
 
 
@@ -368,7 +370,7 @@ def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
     sched = optimizer.warmup_then_constant(opt, a.warmup)
     run_dir.restore(state, policy, opt, sched, a.out)                    # on --resume (state is None otherwise)
     spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget, bf16)
-    return Run(a, algo, d, policy, ref, tokenizer, opt, sched, data, cache, spec)
+    return Run(a, algo, d, policy, ref, tokenizer, opt, sched, data, cache, spec, timer.Phases(d.device))
 
 
 def train_rl(run, evalsets, log, start, amp):
@@ -384,10 +386,11 @@ def train_rl(run, evalsets, log, start, amp):
             m = rl_step(run, step)
         last = step + 1 == a.steps
         if a.eval_every and ((step + 1) % a.eval_every == 0 or last):
-            with amp():
+            with amp(), run.timer("eval"):
                 m.update(heldout_accuracy(run.policy, run.tokenizer, evalsets, run.spec, a.eval_temperature, a.seed))
-        log(m)
-        bar.set_postfix({k: f"{m[k]:.3f}" for k in ("train_acc", "eval_acc", "query_kl", "policy_kl", "entropy") if k in m})
+        log({**m, **run.timer.metrics()})                                  # + time_gen, time_reward, time_score, ...
+        bar.set_postfix({k: f"{m[k]:.3f}" for k in ("train_acc", "eval_acc", "query_kl", "policy_kl", "entropy") if k in m}
+                        | {"s/step": f"{m['step_time']:.1f}"})
         if a.save_every and ((step + 1) % a.save_every == 0 or last):
             run_dir.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step + 1, final=last)
 

@@ -1,0 +1,213 @@
+"""Side-by-side benchmark of one RL step: our train.py against TRL's GRPOTrainer, and our
+algorithms against each other. Ratios from one invocation on one machine, never absolute times.
+
+    python bench/bench_rl.py --vs trl        # ours (grpo) vs TRL 1.16 GRPOTrainer (pip install -r requirements-bench.txt)
+    python bench/bench_rl.py                 # grpo vs erpo vs erpo --measure-policy-kl false
+
+The pinned work (both sides): the embedded warm start (data/tinymath/warmstart), its training set
+and prompt template ("plain"), 32 prompts x 8 responses per step, up to 96 new tokens, T = 1,
+top-p 1, beta = 0.01 (Policy-KL k3 in the loss), one optimizer step per rollout (update batch =
+rollout batch, micro-batches of 64 sequences), AdamW lr 2e-4, float32 on CPU, torch's default
+threads, the same reward (reward.score_batch and its grading process). TRL: per_device_train_batch_size
+64 x gradient_accumulation_steps 4 = 256 completions per optimizer step, num_generations 8,
+loss_type "grpo", gradient checkpointing off (TRL's default is on; we run without).
+
+Each run is a subprocess; the parent samples the memory of its whole process tree (the grader's
+worker included) every 50 ms: the peak of the summed RSS (what `top` shows; shared pages count
+once per process) and of the summed PSS (shared pages split between the processes that map them:
+the memory the tree really holds). Step time: ours is train.py's `step_time` (one RL step:
+sampling, grading, log-probs, update); TRL's is the time between consecutive optimizer steps
+(on_step_end), which spans the same work. The median over steps 2..N is printed (step 1 warms up).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS, G, NEW, LR, BETA, MICRO = 32, 8, 96, 2e-4, 0.01, 64
+OURS = ["--rollout-batch", str(PROMPTS), "--update-batch", str(PROMPTS), "--group-size", str(G),
+        "--max-new-tokens", str(NEW), "--micro-batch", str(MICRO), "--lr", str(LR), "--temperature", "1.0",
+        "--eval-every", "0", "--save-every", "0", "--log", "jsonl"]
+VARIANTS = {  # name -> extra train.py flags
+    "grpo": ["--algo", "grpo", "--beta", str(BETA)],
+    "erpo": ["--algo", "erpo"],
+    "erpo, no reference": ["--algo", "erpo", "--measure-policy-kl", "false"],
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory of a process tree, sampled from /proc
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _tree(pid):
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += _children(p)
+    return out
+
+
+def _rss_pss_kib(pid):
+    """(RSS, PSS) of one process in KiB, or (0, 0) if it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line and not line[0].isdigit())
+        return int(fields["Rss"].split()[0]), int(fields["Pss"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+class TreeMemory(threading.Thread):
+    """Peak summed RSS and PSS (GiB) of a process and its descendants, sampled every 50 ms."""
+
+    def __init__(self, pid):
+        super().__init__(daemon=True)
+        self.pid, self.peak_rss, self.peak_pss, self.procs, self.stop = pid, 0, 0, 1, False
+
+    def run(self):
+        while not self.stop:
+            pids = _tree(self.pid)
+            rss, pss = map(sum, zip(*[_rss_pss_kib(p) for p in pids]))
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self.procs = max(self.procs, len(pids))
+            time.sleep(0.05)
+
+
+def run_measured(cmd, env=None):
+    """Run cmd; return (returncode, peak RSS GiB, peak PSS GiB, most processes seen at once)."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    mem = TreeMemory(p.pid)
+    mem.start()
+    _, err = p.communicate()
+    mem.stop = True
+    mem.join()
+    if p.returncode:
+        sys.exit(f"error: {' '.join(cmd[:4])} ... failed (exit {p.returncode}):\n{err[-3000:]}")
+    return mem.peak_rss / 2**20, mem.peak_pss / 2**20, mem.procs
+
+
+# ----------------------------------------------------------------------------------------------
+# The two sides
+
+
+def ours(flags, steps, out):
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *OURS, *flags, "--steps", str(steps), "--out", out]
+    rss, pss, procs = run_measured(cmd)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    phases = {k: statistics.median(m[k] for m in lines[1:]) for k in lines[-1] if k.startswith("time_")}
+    return dict(step_s=[m["step_time"] for m in lines], rss=rss, pss=pss, procs=procs, phases=phases)
+
+
+def trl(steps, out):
+    cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", "--steps", str(steps), "--out", out]
+    rss, pss, procs = run_measured(cmd)
+    with open(os.path.join(out, "trl_steps.json")) as f:
+        return dict(step_s=json.load(f), rss=rss, pss=pss, procs=procs, phases={})
+
+
+def trl_worker(steps, out):
+    """Runs in the subprocess: TRL's GRPOTrainer on the pinned work; writes its step times."""
+    sys.path.insert(0, ROOT)
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import reward
+    import rollout
+    from data.prompts import build_prompt
+
+    model, tok = rollout.load_policy(os.path.join(ROOT, "data", "tinymath", "warmstart"), dtype=torch.float32)
+    with open(os.path.join(ROOT, "data", "tinymath", "train.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    data = Dataset.from_list([{"prompt": build_prompt(tok, r["problem"], "plain"), "answer": r["answer"]} for r in rows])
+
+    def accuracy(prompts, completions, answer, **_):   # the same grader as train.py
+        return reward.score_batch(list(completions), list(answer))[0]
+
+    ends = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            ends.append(time.perf_counter())
+
+    cfg = GRPOConfig(output_dir=out, use_cpu=True, bf16=False, learning_rate=LR, beta=BETA, loss_type="grpo",
+                     per_device_train_batch_size=MICRO, gradient_accumulation_steps=PROMPTS * G // MICRO,
+                     num_generations=G, max_completion_length=NEW, temperature=1.0, top_p=1.0,
+                     gradient_checkpointing=False, max_steps=steps, logging_steps=1, save_strategy="no",
+                     report_to=[], seed=0, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01)
+    trainer = GRPOTrainer(model=model, reward_funcs=accuracy, args=cfg, train_dataset=data,
+                          processing_class=tok, callbacks=[Clock()])
+    start = time.perf_counter()
+    trainer.train()
+    with open(os.path.join(out, "trl_steps.json"), "w") as f:
+        json.dump([b - a for a, b in zip([start] + ends[:-1], ends)], f)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def median_after_first(xs):
+    return statistics.median(xs[1:]) if len(xs) > 1 else xs[0]
+
+
+def report(results, base):
+    b = results[base]
+    print(f"{'':22s} {'median step':>12s} {'vs ' + base:>10s} {'peak RSS':>9s} {'peak PSS':>9s} {'procs':>5s}")
+    for name, r in results.items():
+        t = median_after_first(r["step_s"])
+        print(f"{name:22s} {t:10.2f} s {median_after_first(b['step_s']) / t:9.2f}x "
+              f"{r['rss']:7.2f} G {r['pss']:7.2f} G {r['procs']:5d}")
+    for name, r in results.items():
+        if r["phases"]:
+            print(f"{name:22s} " + "  ".join(f"{k[5:]} {v:.2f}s" for k, v in r["phases"].items()))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vs", choices=["trl"], help="compare our GRPO step with TRL's GRPOTrainer")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.trl_worker:
+        return trl_worker(args.steps, args.out)
+    tmp = args.out or tempfile.mkdtemp(prefix="bench_rl_")
+    results = {}
+    if args.vs == "trl":
+        try:
+            import trl as _  # noqa: F401
+        except ImportError:
+            sys.exit("error: TRL is not installed (pip install -r requirements-bench.txt)")
+        for name, fn in [("ours (grpo)", lambda o: ours(VARIANTS["grpo"], args.steps, o)),
+                         ("TRL GRPOTrainer", lambda o: trl(args.steps, o))]:
+            print(f"running {name} ...", flush=True)
+            results[name] = fn(os.path.join(tmp, name.split()[0].lower()))
+        report(results, "TRL GRPOTrainer")
+    else:
+        for name, flags in VARIANTS.items():
+            print(f"running {name} ...", flush=True)
+            results[name] = ours(flags, args.steps, os.path.join(tmp, name.replace(", ", "_").replace(" ", "_")))
+        report(results, "grpo")
+    print(f"runs in {tmp}")
+
+
+if __name__ == "__main__":
+    main()
