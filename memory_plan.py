@@ -80,7 +80,7 @@ def terms(arch: Arch, a, gpus: int, needs_ref: bool, kv_rows: int, master_bytes=
     them; DDP keeps full replicas)."""
     P, shard = arch.params(), (gpus if a.fsdp else 1)
     seq = a.max_prompt_len + a.max_new_tokens
-    micro_tokens = a.micro_batch * seq
+    micro_tokens = micro_batch_tokens(a)
     layers_kept = 1 if a.grad_ckpt else arch.layers
     act = micro_tokens * (arch.activation_bytes_per_token_layer(compute_bytes) * layers_kept +
                           (arch.layers * arch.hidden * compute_bytes if a.grad_ckpt else 0))
@@ -95,11 +95,19 @@ def terms(arch: Arch, a, gpus: int, needs_ref: bool, kv_rows: int, master_bytes=
              "the gathered bf16 policy, one per GPU while sampling" if a.fsdp else "DDP decodes its replica"),
         Term("KV cache chunk", kv_rows * seq * arch.kv_bytes_per_position(compute_bytes), "rollout",
              f"{kv_rows} rows x {seq} positions"),
-        Term("activations", act, "update", f"micro-batch {a.micro_batch} x {seq} tokens, "
+        Term("activations", act, "update", f"micro-batch of {micro_tokens} tokens (at most), "
              + ("checkpointed layer inputs + one layer" if a.grad_ckpt else "every layer")),
         Term("logits", micro_tokens * arch.vocab * compute_bytes + 3 * 4 * chunk, "update",
              "the micro-batch's logits + the float32 log-softmax chunk"),
     ]
+
+
+def micro_batch_tokens(a) -> int:
+    """The most padded tokens one micro-batch holds: --micro-batch rows of the longest sequence,
+    capped by --micro-tokens (a single longest row always fits: it goes alone)."""
+    seq = a.max_prompt_len + a.max_new_tokens
+    cap = getattr(a, "micro_tokens", 0)
+    return max(seq, min(a.micro_batch * seq, cap)) if cap else a.micro_batch * seq
 
 
 def kv_rows(a, gpus) -> int:
@@ -122,5 +130,5 @@ def report(a, gpus: int, needs_ref: bool) -> str:
     lines += [f"  {t.name:16s} {t.bytes / GIB:8.2f} GiB  [{t.phase}]  {t.note}" for t in ts]
     lines += [f"  {'rollout peak':16s} {peaks['rollout'] / GIB:8.2f} GiB", f"  {'update peak':16s} {peaks['update'] / GIB:8.2f} GiB",
               f"plan: peak_gib_per_gpu={peaks[phase] / GIB:.1f} gpus={gpus} phase={phase} decode_rows={rows} "
-              f"micro_tokens={a.micro_batch * (a.max_prompt_len + a.max_new_tokens)}"]
+              f"micro_tokens={micro_batch_tokens(a)}"]
     return "\n".join(lines)

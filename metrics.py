@@ -13,8 +13,11 @@ import losses
 from distributed import all_max, all_sums
 
 
-def rl_step(step, c, ro, sc, qref, qmask, resp_mask, w, upd, *, world, lr, dynamic_sampling) -> dict:
-    """One metrics line. Sums go over ranks in one collective; rates divide by global counts."""
+def rl_step(step, c, ro, sc, qref, qmask, resp_mask, w, upd, *, world, lr, dynamic_sampling, seconds,
+            update_tokens) -> dict:
+    """One metrics line. Sums go over ranks in one collective; rates divide by global counts.
+    seconds: this rank's timer.Phases seconds so far (gen, update, ...); update_tokens: the tokens
+    the update's forwards covered (x PPO epochs), for tokens/s."""
     info, mask = c.info, ro.response_mask                               # mask: (B, R) response tokens
     kl = 0.0 if sc.ref is None else losses.policy_kl(sc.old, sc.ref, "k3") * resp_mask  # k3 of KL(pi || ref)
     s = all_sums({
@@ -23,7 +26,7 @@ def rl_step(step, c, ro, sc, qref, qmask, resp_mask, w, upd, *, world, lr, dynam
         "qkl": losses.query_kl(sc.prompt, qref, qmask),                 # (B,) per-row Query-KL (k3)
         "ent": sc.entropy * mask, "kl": kl, "w": 0.0 if w is None else w,
         "trunc": (~ro.finished).float(), "new_turn": info["new_turn"], "zero_var": info["zero_var_frac"],
-        "kept_groups": info.get("kept_groups", 0),
+        "kept_groups": info.get("kept_groups", 0), "update_tokens": update_tokens,
         **{f"reward_{k}": info.get(k, 0) for k in ("timeout", "error", "no_answer")}})
     n = s["rows"]
     m = {"step": step + 1, "reward": s["reward"] / n, "train_acc": s["acc"] / n,
@@ -33,6 +36,7 @@ def rl_step(step, c, ro, sc, qref, qmask, resp_mask, w, upd, *, world, lr, dynam
          **{k: upd[k] for k in ("pg_loss", "clip_frac", "grad_norm", "loss") if k in upd},
          **{f"loss_{k}": upd[k] for k in ("policy_kl", "query_kl") if k in upd},   # the loss's own KL terms
          "skipped_steps": upd["skipped_steps"], "lr": lr,
+         "gen_tok_per_s": s["tok"] / seconds["gen"], "update_tok_per_s": s["update_tokens"] / seconds["update"],
          **{k: s[k] for k in ("reward_timeout", "reward_error", "reward_no_answer")}}
     if sc.ref is not None:
         m["policy_kl"] = s["kl"] / max(1.0, s["kl_tok"])

@@ -4,7 +4,11 @@ Query-KL compares the policy's prompt log-probs (from the training forward) agai
 the paper's query weights read the cached prompt NLLs (method.md §4).
 
 Saved as query_cache.pt in the run folder with a `meta` record of what it was built from; a
-resumed run must reuse it (its policy is no longer the reference), a fresh run always rebuilds.
+resumed run must reuse it (its policy is no longer the reference). A fresh run first looks in a
+shared folder (--query-cache-dir, default ~/.cache/erpo/query_cache) for a cache with the very same
+meta -- the weights' fingerprint, the prompts, template, temperature, precision, wrapper, world
+size and library versions: everything that changes a single bit of it -- and builds (and shares)
+one only if there is none. So the second run of a command starts training at once.
 """
 
 import hashlib
@@ -37,10 +41,38 @@ class QueryCache:
         return rollout.right_align([self.logp[i] for i in prompt_idx for _ in range(group_size)], width)
 
 
-def cache_meta(model_path, data_path, template, temperature, prompt_ids) -> dict:
-    """What a cache depends on; a resumed run checks it matches."""
+def cache_meta(model_path, data_path, template, temperature, prompt_ids, *, weights, numerics) -> dict:
+    """What a cache depends on: a resumed run checks it matches; a fresh run reuses a shared cache
+    whose meta equals it (paths aside: the same weights and prompts from elsewhere are the same)."""
+    import transformers
+
     return {"model": model_path, "data": data_path, "template": template, "temperature": temperature,
-            "n": len(prompt_ids), "prompts_sha1": hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest()}
+            "n": len(prompt_ids), "prompts_sha1": hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest(),
+            "weights": weights, "numerics": numerics, "versions": f"torch {torch.__version__}, transformers {transformers.__version__}"}
+
+
+def weights_fingerprint(model) -> str:
+    """blake2b of every parameter and buffer (name, dtype, shape, bytes) as loaded: this rank's shards
+    under FSDP2, the digests of all ranks combined. Costs one read of the weights (7B: seconds)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        t = t.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t               # DTensor: this rank's shard
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return hashlib.blake2b("".join(distributed.all_gather_list([h.hexdigest()])).encode(), digest_size=16).hexdigest()
+
+
+def _shared_path(shared_dir, meta) -> str:
+    key = {k: v for k, v in meta.items() if k not in ("model", "data")}
+    return os.path.join(os.path.expanduser(shared_dir), hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".pt")
+
+
+def _save(obj, path):
+    """Written whole, then renamed: a kill never leaves half a cache."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save(obj, path + f".tmp{os.getpid()}")
+    os.replace(path + f".tmp{os.getpid()}", path)
 
 
 @torch.no_grad()
@@ -64,18 +96,42 @@ def build(model, prompt_ids, pad_id, temperature, device, batch=64) -> list[torc
     return cache
 
 
-def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, batch, resuming) -> QueryCache:
+def for_run(a, d, policy, prompt_ids, pad_id, resuming) -> QueryCache:
+    """train.py's cache (options `a`, distributed.Dist `d`, the wrapped policy): the run folder's
+    on --resume; else a shared one with the same meta (--query-cache-dir); else built, and shared."""
+    meta = cache_meta(a.model, a.train_data, a.template, a.temperature, prompt_ids,
+                      weights=None if resuming else weights_fingerprint(policy),
+                      numerics=f"{d.device.type} {a.dtype} {'fsdp' if a.fsdp else 'ddp'} world {d.world}")
+    return load_or_build(os.path.join(a.out, "query_cache.pt"), meta, policy, prompt_ids, pad_id, a.temperature,
+                         d.device, a.micro_batch, resuming, a.query_cache_dir)
+
+
+def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, batch, resuming,
+                  shared_dir="") -> QueryCache:
     if resuming:
         if not os.path.exists(path):
             raise SystemExit(f"error: resuming but {path} is missing; the reference cache must come "
                              "from the initial model, so start a fresh run")
         saved = torch.load(path)
-        if saved["meta"] != meta:
+        # What is cached must match; how it was computed may not (the weights are trained by now,
+        # and a run may resume at another world size or library version).
+        if any(meta.get(k) != v for k, v in saved["meta"].items() if k not in ("weights", "numerics", "versions")):
             raise SystemExit(f"error: {path} was built for {saved['meta']}, this run is {meta}; "
                              "use a fresh --out or delete the cache")
         return QueryCache.from_logp(saved["logp"])
-    logp = build(distributed.unwrap(model), prompt_ids, pad_id, temperature, device, batch)
-    if distributed.is_main():  # written whole, then renamed: a kill never leaves half a cache
-        torch.save({"meta": meta, "logp": logp}, path + ".tmp")
-        os.replace(path + ".tmp", path)
+    shared = _shared_path(shared_dir, meta) if shared_dir else None
+    found = torch.load(shared) if shared and os.path.exists(shared) else None
+    if found is not None and {k: v for k, v in found["meta"].items() if k not in ("model", "data")} == \
+            {k: v for k, v in meta.items() if k not in ("model", "data")}:
+        logp = found["logp"]
+        distributed.print0(f"query-KL reference cache: reused {shared}")
+    else:
+        logp = build(distributed.unwrap(model), prompt_ids, pad_id, temperature, device, batch)
+        if shared and distributed.is_main():
+            try:
+                _save({"meta": meta, "logp": logp}, shared)
+            except OSError as e:  # a read-only home is no reason to stop a run
+                distributed.print0(f"query-KL reference cache: not shared ({e})")
+    if distributed.is_main():
+        _save({"meta": meta, "logp": logp}, path)
     return QueryCache.from_logp(logp)

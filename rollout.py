@@ -16,13 +16,14 @@ Three pieces:
                      needs several (B, L, V) float32 copies.
 
 Per-row reproducible sampling (the "kv" sampler, and "hf" when seeds are given): the token of row i
-at step t is the Gumbel-max
-    token = argmax_j ( z_j + g_j ),   z = logits / T  (-inf outside the top-p nucleus),
-    g_j = -log(-log(u_j)),            u_j = hash(seed_i, t, j) in (0, 1)
-with a counter-based integer hash (lowbias32 rounds, computed vectorised in int64). Gumbel-max is
-exact sampling from softmax(z), and because the noise depends only on (seed_i, t, j), row i's
-sample depends only on seeds[i] and the model: not on the batch it shares, the chunking, or which
-rank runs it. (Caveat: on GPUs the logits themselves can differ in the last bits with batch shape
+at step t is drawn by inverting the CDF of softmax(z), z = logits / T (-inf outside the top-p nucleus):
+    token = the first j with  sum_{k<=j} exp(z_k - max z)  >=  u * sum_k exp(z_k - max z),
+    u = hash(seed_i, t) in (0, 1)
+with a counter-based integer hash (2-round 32-bit avalanche mixes, computed vectorised in int64).
+That is exact sampling from softmax(z) with ONE random number per row and step (Gumbel-max needs
+one per vocabulary entry: (B, V) hashes and logs at every step), and because u depends only on
+(seed_i, t), row i's sample depends only on seeds[i] and the model: not on the batch it shares,
+the chunking, or which rank runs it. (Caveat: on GPUs the logits themselves can differ in the last bits with batch shape
 and padding width; a near-tie can then flip a token. On CPU fp32 we observe bitwise-equal runs.)
 Without seeds, one 62-bit seed per row is drawn from torch's global RNG, so
 `torch.manual_seed(s)` makes a call reproducible -- but two ranks with the same global seed draw
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+import decode
 import distributed
 
 # ----------------------------------------------------------------------------------------------
@@ -430,16 +432,10 @@ def _row_keys(seeds, device) -> torch.LongTensor:
     return _mix32(_mix32(lo ^ 0x243F6A88) ^ hi)
 
 
-def _gumbel(keys, step: int, vocab: int) -> torch.FloatTensor:
-    """(B, V) float32 Gumbel(0, 1) noise g[i, j] = G(hash(key_i, step, j)); a pure function.
-    The per-(row, step) key and the per-token hash are mixed separately (cheap, (B,) and (V,));
-    only one mix round runs over (B, V)."""
-    dev = keys.device
+def _uniform(keys, step: int) -> torch.DoubleTensor:
+    """(B,) float64 u in (0, 1): u_i = hash(key_i, step), a pure function of the row's key."""
     k = _mix32(keys ^ _mix32(torch.full_like(keys, (step * 0x9E3779B9 + 0x85EBCA6B) & _M32)))
-    j = _mix32(torch.arange(vocab, device=dev, dtype=torch.int64) ^ 0x1B873593)
-    h = _mix32(k[:, None] ^ j[None, :])  # (B, V) in [0, 2^32)
-    u = (h.to(torch.float64) + 0.5) * 2.0**-32  # strictly inside (0, 1)
-    return (-torch.log(-torch.log(u))).to(torch.float32)
+    return (_mix32(k ^ 0x1B873593).to(torch.float64) + 0.5) * 2.0**-32
 
 
 def _nucleus_mask(z, top_p: float) -> torch.BoolTensor:
@@ -454,14 +450,18 @@ def _nucleus_mask(z, top_p: float) -> torch.BoolTensor:
 
 def _choose(logits, temperature: float, top_p: float, keys, step: int):
     """logits (B, V) float32 -> (tokens (B,), logprobs (B,) float32 under log_softmax(logits/T)).
-    T == 0 is greedy and reports log-probs at T = 1."""
+    T == 0 is greedy and reports log-probs at T = 1. Sampling inverts the CDF at u = hash(key, step)."""
     if temperature == 0:
         tok = logits.argmax(-1)
-        return tok, logits.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
+        return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - logits.logsumexp(-1)
     z = logits / temperature
-    score = z if top_p >= 1.0 else z.masked_fill(~_nucleus_mask(z, top_p), float("-inf"))
-    tok = (score + _gumbel(keys, step, z.shape[-1])).argmax(-1)
-    return tok, z.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
+    top = z.max(-1, keepdim=True).values                                 # (B, 1)
+    w = (z if top_p >= 1.0 else z.masked_fill(~_nucleus_mask(z, top_p), float("-inf"))) - top
+    cdf = w.exp_().cumsum(-1)                                            # (B, V) unnormalised
+    u = (_uniform(keys, step) * cdf[:, -1].double()).float()             # (B,) in (0, total)
+    tok = torch.searchsorted(cdf, u[:, None]).squeeze(1).clamp_max(z.shape[-1] - 1)
+    lse = top.squeeze(1) + (cdf[:, -1].log() if top_p >= 1.0 else (z - top).exp().sum(-1).log())
+    return tok, z.gather(-1, tok[:, None]).squeeze(-1) - lse
 
 
 # ----------------------------------------------------------------------------------------------
@@ -560,8 +560,9 @@ class PreallocatedLayer(DynamicLayer):
 
 def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature, top_p,
                lockstep, progress):
-    """Our KV-cache decoding loop for one left-padded chunk. Finished rows are dropped from the
-    batch (and cache) once they are a quarter of it, so long tails decode at small batch."""
+    """Our KV-cache decoding loop for one left-padded chunk: the prompts through the HF forward
+    into a preallocated cache, then one decode.stepper step per token. Finished rows are dropped
+    from the batch (and cache) once they are a quarter of it, so long tails decode at small batch."""
     dev = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, dev)
     B = ids.shape[0]
@@ -573,13 +574,13 @@ def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
                 **{cache_kw: cache}, **keep)
     logits = out.logits[:, -1].float()  # only the last position is upcast
     next_pos = pos[:, -1] + 1  # (B,)
+    step = decode.stepper(model, cache, mask, cache_kw, keep)
 
     resp = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)
     lps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
     rmask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     active = torch.arange(B, device=dev)  # rows of the full chunk still in the decoding batch
-    attn = mask
     steps = range(max_new_tokens)
     if progress:
         from tqdm import tqdm
@@ -601,14 +602,11 @@ def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
         if not (_any_across_ranks(n_alive > 0, dev) if lockstep else n_alive > 0):
             break
         if 0 < n_alive <= 0.75 * active.numel():
-            # Compact: drop finished rows from batch, mask, positions and every cache layer.
+            # Compact: drop finished rows from batch, positions, the step's mask and every cache layer.
             sel = (~done[active]).nonzero().squeeze(1)
-            active, attn, next_pos, tok = active[sel], attn[sel], next_pos[sel], tok[sel]
-            cache.batch_select_indices(sel)
-        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], 1)
-        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                    use_cache=True, **{cache_kw: cache}, **keep)
-        logits = out.logits[:, -1].float()
+            active, next_pos, tok = active[sel], next_pos[sel], tok[sel]
+            step.select(sel)
+        logits = step(tok, next_pos)
         next_pos = next_pos + 1
     return ids, mask, resp[:, :width], rmask[:, :width], lps[:, :width], done
 
@@ -616,8 +614,8 @@ def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
 def _sample_hf(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature, top_p,
                lockstep, seeded):
     """Reference sampler through model.generate. With seeds, sampling is done by a logits
-    processor that applies the same temperature / top-p / Gumbel noise as "kv" followed by
-    greedy choice, so both samplers draw identical tokens; without seeds, HF's own sampling."""
+    processor that makes the same draw as "kv" (temperature, top-p, inverse CDF at the row's
+    uniform) followed by greedy choice, so both samplers draw identical tokens; without seeds, HF's own sampling."""
     from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
     dev = next(model.parameters()).device
@@ -631,15 +629,13 @@ def _sample_hf(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
         cfg.update(do_sample=False)
     elif seeded:
 
-        class _Gumbel(LogitsProcessor):
+        class _Seeded(LogitsProcessor):  # the "kv" sampler's draw, then greedy picks it
             def __call__(self, input_ids, scores):
-                z = scores.float() / temperature
-                if top_p < 1.0:
-                    z = z.masked_fill(~_nucleus_mask(z, top_p), float("-inf"))
-                return z + _gumbel(keys, input_ids.shape[1] - P, z.shape[-1])
+                tok = _choose(scores.float(), temperature, top_p, keys, input_ids.shape[1] - P)[0]
+                return torch.full_like(scores, float("-inf")).scatter_(-1, tok[:, None], 0.0)
 
         cfg.update(do_sample=False)
-        procs.append(_Gumbel())
+        procs.append(_Seeded())
     else:
         cfg.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(**cfg),

@@ -79,6 +79,7 @@ OPTIONS = [
     ("grad_ckpt",         False,                               "activation checkpointing of every decoder layer (long sequences)"),
     ("dry_run",           False,                               "print the per-GPU memory plan (memory_plan.py) and exit; no weights loaded"),
     ("plan_gpus",         8,                                   "GPUs the --dry-run plan assumes", ">=1"),
+    ("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)"),
     ("measure_policy_kl", True,                                "keep a reference model to log Policy-KL even when the loss has none"),
     ("max_bad_steps",     3,                                   "consecutive non-finite (skipped) optimizer steps that end the run", ">=1"),
     ("strict_data",       False,                               "training rows without a problem or an answer are an error, not skipped"),
@@ -194,8 +195,8 @@ def on_policy_rows(run, upd_rows) -> slice:
     PPO epoch. Their update forward runs on the rollout's weights, so it IS pi_old (ratio exactly
     1) and yields the monitors too. Not where something needs them before the update: RLOO's
     KL-penalised rewards, the code weights."""
-    algo = run.algo
-    return slice(0, 0) if (algo.kl is not None and algo.kl_in == "reward") or algo.weights == "code" else upd_rows[0]
+    rloo_like, code = run.algo.kl is not None and run.algo.kl_in == "reward", run.algo.weights == "code"
+    return slice(0, 0) if rloo_like or code else upd_rows[0]
 
 
 def microbatches(run, packed: rollout.Packed, rows: slice) -> list[torch.Tensor]:
@@ -335,12 +336,10 @@ def rl_step(run, step):
     batch = UpdateBatch(packed, resp_mask, qmask, valid, sc, qref, adv, None if w is None else w.to(dev))
     with run.timer("update"):
         upd = ppo_update(run, batch, upd_rows)
-    m = metrics.rl_step(step, c, ro, sc, qref, qmask, resp_mask, w, upd, world=run.dist.world,
-                        lr=run.sched.get_last_lr()[0], dynamic_sampling=run.algo.dynamic_sampling)
-    sec = run.timer.seconds                                              # tokens/s on this rank's clock
-    m.update(step_time=time.time() - t0, gen_tok_per_s=m["response_tokens"] / sec["gen"],
-             update_tok_per_s=all_sum(packed.attention_mask.sum().float()).item() * run.args.ppo_epochs / sec["update"])
-    return m
+    m = metrics.rl_step(step, c, ro, sc, qref, qmask, resp_mask, w, upd, world=run.dist.world, lr=run.sched.get_last_lr()[0],
+                        dynamic_sampling=run.algo.dynamic_sampling, seconds=run.timer.seconds,
+                        update_tokens=packed.attention_mask.sum() * run.args.ppo_epochs)
+    return {**m, "step_time": time.time() - t0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -362,10 +361,8 @@ def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
         shard = distributed.sharder(a.fsdp, d.device, bf16, trainable=False)
         ref = load_model(a.model, d, torch.bfloat16 if bf16 else dtype, shard)[0].eval().requires_grad_(False)
     policy = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16, grad_ckpt=a.grad_ckpt)
-    meta = query_cache.cache_meta(a.model, a.train_data, a.template, a.temperature, data.ids)
     with distributed.precision(a.dtype, d.device)[1]():  # the training forward: wrapper, dtype, autocast
-        cache = query_cache.load_or_build(os.path.join(a.out, "query_cache.pt"), meta, policy, data.ids,
-                                          tokenizer.pad_token_id, a.temperature, d.device, a.micro_batch, resuming)
+        cache = query_cache.for_run(a, d, policy, data.ids, tokenizer.pad_token_id, resuming)
     opt = optimizer.adamw(policy, a.lr, a.weight_decay)
     sched = optimizer.warmup_then_constant(opt, a.warmup)
     run_dir.restore(state, policy, opt, sched, a.out)                    # on --resume (state is None otherwise)

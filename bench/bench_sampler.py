@@ -5,7 +5,11 @@ the dtype is bf16 (they are exact in fp32 on CPU, see tests/test_rollout.py).
     python bench/bench_sampler.py                       # tiny model, CPU (~1M params, vocab 1000)
     python bench/bench_sampler.py --preset qwen0.5b     # Qwen2.5-0.5B shape (vocab 151936), CUDA bf16
 
-Prints tokens/s of each sampler and their ratio; with --parity also: greedy kv-vs-hf agreement,
+Prints tokens/s of each sampler and their ratio against the pinned baseline "hf-plain": HF
+`generate` with plain sampling (do_sample, temperature, top_k 0, top_p 1) and no per-step logits
+kept -- the cheapest HF call that samples the same distribution. "hf" is rollout.py's HF path (it
+keeps every step's logits to return log-probs, as a sampler for RL must), "kv" our sampler;
+"+seeds" adds per-row seeds (rows independent of batching). Prints also, with --parity also: greedy kv-vs-hf agreement,
 whether seeded samples survive re-batching, and max |sampled logprob - token_logprobs|.
 EOS is disabled (eos_ids=[]) so every row decodes exactly --new tokens and the two samplers do
 the same amount of work.
@@ -37,6 +41,16 @@ def build(preset, device, dtype, init=0.02):
                       initializer_range=init)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
     return model.to(device).eval()
+
+
+def hf_plain(model, prompts, new, temperature):
+    """The pinned baseline: HF generate, plain sampling, nothing kept but the tokens; no EOS."""
+    from transformers import GenerationConfig
+
+    ids, mask = R.left_pad(prompts, 0, next(model.parameters()).device)
+    cfg = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                           eos_token_id=None, pad_token_id=0)
+    return model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
 
 
 def timed(fn, device):
@@ -78,16 +92,18 @@ def main():
         return [torch.randint(2, V, (int(n),), generator=g).tolist() for n in lens]
 
     kw = dict(max_new_tokens=args.new, eos_ids=[], pad_id=0, temperature=args.temperature)
-    runs = [("kv", {}), ("kv+seeds", {"seeds": True}), ("hf", {"sampler": "hf"}),
+    runs = [("kv", {}), ("kv+seeds", {"seeds": True}), ("hf-plain", {"plain": True}), ("hf", {"sampler": "hf"}),
             ("hf+seeds", {"sampler": "hf", "seeds": True})]
     for B in args.batch:
         prompts = make_prompts(B)
 
         def go(extra):
+            if extra.get("plain"):
+                return timed(lambda: hf_plain(model, prompts, args.new, args.temperature), device)
             extra = dict(extra, seeds=list(range(B))) if extra.get("seeds") else extra
             return timed(lambda: R.sample(model, prompts, **kw, **extra), device)
 
-        for _, extra in runs[::2]:  # full-size warm-up: kernels, and the CUDA caching allocator
+        for _, extra in runs:  # full-size warm-up: kernels, and the CUDA caching allocator
             go(extra)
         best = {name: float("inf") for name, _ in runs}
         for _ in range(args.reps):  # alternate samplers so drifts hit all of them alike
@@ -97,8 +113,8 @@ def main():
         rates = {name: B * args.new / dt for name, dt in best.items()}
         for name, _ in runs:
             print(f"B={B:4d} {name:9s} {rates[name]:10.0f} tok/s  (best {best[name]:.2f} s)")
-        print(f"B={B:4d} kv/hf speed ratio: {rates['kv'] / rates['hf']:.2f}x   "
-              f"(seeded: {rates['kv+seeds'] / rates['hf+seeds']:.2f}x)")
+        print(f"B={B:4d} kv/hf-plain speed ratio: {rates['kv'] / rates['hf-plain']:.2f}x   "
+              f"(kv+seeds/hf-plain {rates['kv+seeds'] / rates['hf-plain']:.2f}x; kv/hf {rates['kv'] / rates['hf']:.2f}x)")
 
     if args.parity:
         B = args.batch[0]

@@ -8,3 +8,9 @@ stalls OpenMP's spin-waits and makes small forwards tens of times slower.
 import torch
 
 torch.set_num_threads(1)
+
+# Query-KL reference caches shared across runs go to a per-session temporary folder, never ~/.cache.
+import os  # noqa: E402
+import tempfile  # noqa: E402
+
+os.environ["ERPO_CACHE"] = tempfile.mkdtemp(prefix="erpo-test-cache-")

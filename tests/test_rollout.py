@@ -241,3 +241,75 @@ def test_bad_input_raises(model):
         R.sample(model, [[3, 4]], max_new_tokens=2, eos_ids=[1], pad_id=0, sampler="vllm")
     with pytest.raises(ValueError):
         R.token_logprobs(model, torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4), temperature=0)
+
+
+def _arch_model(arch):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
+    cfg = {"qwen2": lambda: Qwen2Config(**kw, tie_word_embeddings=True),
+           "llama": lambda: LlamaConfig(**kw, attention_bias=True, mlp_bias=True, rope_parameters={
+               "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+           "qwen3": lambda: Qwen3Config(**kw, head_dim=8)}[arch]()
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def _decode_steps(model, make_step, n=6, drop_at=3):
+    """Greedy decoding of PROMPTS through a decode step object, dropping rows midway (compaction)."""
+    ids, mask = R.left_pad(PROMPTS, 0, "cpu")
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    cache = R.kv_cache(model.config, ids.shape[1] + n)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, cache=cache, logits_to_keep=1)
+        step = make_step(model, cache, mask)
+        tok, nxt, logits = out.logits[:, -1].argmax(-1), pos[:, -1] + 1, []
+        for t in range(n):
+            if t == drop_at:
+                keep = torch.tensor([0, 2, 3, 5])
+                step.select(keep)
+                tok, nxt = tok[keep], nxt[keep]
+            logits.append(step(tok, nxt))
+            tok, nxt = logits[-1].argmax(-1), nxt + 1
+    return logits
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_lean_decode_step_matches_the_hf_forward(arch):
+    import decode
+
+    model = _arch_model(arch)
+    assert decode.supports(model)
+    lean = _decode_steps(model, decode.LeanStep)
+    hf = _decode_steps(model, lambda m, c, mask: decode.HFStep(m, c, mask, R._forward_kwargs(m)[0], {}))
+    for a, b in zip(lean, hf):  # same math; float32 rounding differs (fused matmuls)
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_lean_decode_falls_back_to_the_hf_forward():
+    import decode
+
+    model = _arch_model("qwen3")  # q/k norms: not what LeanStep computes
+    assert not decode.supports(model)
+    cache = R.kv_cache(model.config, 16)
+    assert isinstance(decode.stepper(model, cache, torch.ones(1, 2, dtype=torch.long), "cache", {}), decode.HFStep)
+
+
+def test_trimmed_rows_score_like_the_full_width(model):
+    """Packed.trimmed drops the columns that are padding in every chosen row; the scores it gives
+    land in the full-width arrays where the full forward puts them."""
+    ro = R.sample(model, PROMPTS, max_new_tokens=10, eos_ids=[1, 5, 9], pad_id=0, temperature=1.0, seeds=list(range(6)))
+    packed = ro.packed()
+    with torch.no_grad():
+        full = R.score_tokens(model, packed, 1.0)
+        idx = torch.tensor([4, 2])  # short prompts (lengths 2 and 1): most columns go
+        pk, pc, rc = packed.trimmed(idx)
+        part = R.score_tokens(model, pk, 1.0)
+    assert pk.input_ids.shape[1] < packed.input_ids.shape[1]
+    m_resp, m_prompt = ro.response_mask[idx][:, rc].bool(), packed.prompt_tok_mask[idx][:, pc].bool()
+    assert ro.response_mask[idx][:, rc.stop:].sum() == 0 and packed.prompt_tok_mask[idx][:, :pc.start].sum() == 0
+    torch.testing.assert_close(part.response[m_resp], full.response[idx][:, rc][m_resp], atol=1e-5, rtol=0)
+    torch.testing.assert_close(part.prompt[m_prompt], full.prompt[idx][:, pc][m_prompt], atol=1e-5, rtol=0)

@@ -37,7 +37,8 @@ def run(out, data, *extra, steps=2):
 
 
 KEYS = {"step", "reward", "train_acc", "query_kl", "policy_kl", "entropy", "response_len",
-        "grad_norm", "step_time", "clip_frac", "zero_var_frac", "loss_query_kl"}
+        "grad_norm", "step_time", "clip_frac", "zero_var_frac", "loss_query_kl",
+        "time_gen", "time_reward", "time_score", "time_update", "gen_tok_per_s", "update_tok_per_s"}
 
 
 def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data):
@@ -57,6 +58,23 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     cfg = json.load(open(os.path.join(tmp_path, "config.json")))
     assert cfg["algo"] == "erpo" and cfg["alpha"] is None   # the algorithm's own alpha (0.01)
+
+
+def test_the_skipped_old_policy_forward_changes_nothing(tmp_path, small_data, monkeypatch, capsys):
+    """The first optimizer step's rows take pi_old from the update's own forward (same weights)
+    instead of a no-grad forward of their own: the metrics are those of computing it. Also: the
+    second fresh run reuses the shared Query-KL cache, and gets the same numbers from it."""
+    args = ("--algo", "grpo", "--beta", "0.04", "--eval-every", "0", "--query-cache-dir", str(tmp_path / "qc"))
+    skipped = run(tmp_path / "skip", small_data, *args, steps=3)
+    assert "reused" not in capsys.readouterr().out
+    monkeypatch.setattr(train, "on_policy_rows", lambda run, upd_rows: slice(0, 0))
+    computed = run(tmp_path / "full", small_data, *args, steps=3)
+    assert "query-KL reference cache: reused" in capsys.readouterr().out
+    for a, b in zip(skipped, computed):
+        for k in ("reward", "query_kl", "policy_kl", "entropy", "pg_loss", "loss", "grad_norm", "clip_frac"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+    run(tmp_path / "t", small_data, *args, "--temperature", "0.9", steps=1)  # another cache
+    assert "reused" not in capsys.readouterr().out
 
 
 def test_resume_continues_from_the_saved_step(tmp_path, small_data):
@@ -147,7 +165,7 @@ def test_two_processes_equal_one_over_the_same_global_batch(tmp_path, small_data
         assert len(one) == len(two) == 3 and two[1]["query_kl"] <= 1e-7
         for a, b in zip(one, two):
             for k, v in a.items():
-                if k in ("step_time", "lr") or not isinstance(v, float):
+                if k in ("step_time", "lr") or k.startswith("time_") or k.endswith("_per_s") or not isinstance(v, float):
                     continue
                 assert b[k] == pytest.approx(v, rel=1e-3, abs=1e-5), (name, a["step"], k)
 
@@ -175,3 +193,20 @@ def test_sft_is_deterministic_and_every_prefix_is_a_run(tmp_path):
     assert any(not torch.equal(a2[k], warm[k]) for k in a2)
     losses_ = [json.loads(line)["sft_loss"] for line in open(tmp_path / "b" / "metrics.jsonl") if "sft_loss" in line]
     assert len(losses_) == 4 and all(x > 0 for x in losses_)
+
+
+def test_microbatch_plan_by_rows_tokens_and_count():
+    import batching
+
+    lens = [5, 40, 12, 40, 7, 30, 1, 22]
+    plan = batching.microbatch_plan(lens, size=3)
+    assert sorted(i for mb in plan for i in mb) == list(range(8))        # every row once
+    assert [len(mb) for mb in plan] == [3, 3, 2]
+    assert [[lens[i] for i in mb] for mb in plan] == [[40, 40, 30], [22, 12, 7], [5, 1]]  # longest first
+    plan = batching.microbatch_plan(lens, size=8, max_tokens=80)
+    assert all(len(mb) * max(lens[i] for i in mb) <= 80 for mb in plan)
+    assert batching.microbatch_plan([100, 3], size=8, max_tokens=50) == [[0], [1]]  # too long: alone
+    even = batching.microbatch_plan(lens, size=8, count=5)                # FSDP2: as many as the busiest rank
+    assert len(even) == 5 and sorted(i for mb in even for i in mb) == list(range(8))
+    with pytest.raises(ValueError):
+        batching.microbatch_plan([1, 2], size=8, count=3)
