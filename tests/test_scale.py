@@ -349,3 +349,12 @@ def test_sharded_checkpoint_resumes_at_world_size_1_and_2(tmp_path):
         for a, b in zip(full, resumed):
             for k in ("reward", "train_acc", "query_kl", "policy_kl", "grad_norm", "pg_loss", "entropy"):
                 assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-5), (nproc, a["step"], k)
+
+
+def test_gpu_check_runs_its_code_on_a_tiny_model():
+    """bench/gpu_check.py (the paper-scale GPU check) at toy widths on the CPU: the rollout, the
+    decode comparison, the Query-KL cache and one ERPO update of its code path run to the end."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--preset", "tiny", "--device", "cpu"],
+                       cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "check: ok layers=2" in r.stdout and "decode tok/s" in r.stdout, r.stdout

@@ -1,0 +1,35 @@
+"""study/miniature.py: its statistics, and the whole pipeline (runs -> evaluations -> study.json,
+tables, figures) at toy sizes."""
+
+import math
+import os
+
+import pytest
+
+from study import miniature as M
+
+
+def test_ci_is_the_student_t_interval():
+    c = M.ci([1.0, 2.0, 3.0])
+    assert c["mean"] == 2.0 and c["n"] == 3
+    assert c["half"] == pytest.approx(4.303 * 1.0 / math.sqrt(3))   # sd of 1, 2, 3 is 1
+    assert M.ci([0.5])["half"] is None                              # one seed: no interval
+    assert M.fmt(c, 100, 1) == "200.0 ± 248.4"
+
+
+def test_smoke_study_runs_resumably_end_to_end(tmp_path):
+    size = M.SIZES["smoke"]
+    out = str(tmp_path / "runs")
+    M.run_all(out, size)
+    mtimes = {f: os.path.getmtime(os.path.join(out, f, "metrics.jsonl")) for f in ("grpo-s0", "erpo-s1")}
+    M.run_all(out, size)                                           # a rerun finds everything done
+    assert all(os.path.getmtime(os.path.join(out, f, "metrics.jsonl")) == t for f, t in mtimes.items())
+    study = M.report(out, size, str(tmp_path / "results"))
+    for f in ("study.json", "tables.md", "drift.png", "temperature.png", "gap.png"):
+        assert (tmp_path / "results" / f).exists()
+    runs, paired = study["runs"], study["paired_erpo_minus_grpo"]
+    want = [runs[f"erpo-s{s}"]["final"]["avg"] - runs[f"grpo-s{s}"]["final"]["avg"] for s in (0, 1)]
+    assert paired["final_avg"]["values"] == pytest.approx(want)
+    assert study["algos"]["grpo"]["query_kl_tail"]["values"] == [runs[f"grpo-s{s}"]["query_kl_tail"] for s in (0, 1)]
+    assert len(study["curves"]["erpo"]["query_kl"]) == size["steps"]
+    assert (tmp_path / "results" / "tables.md").read_text() == M.tables(study)
