@@ -112,7 +112,7 @@ def decode_rates(model, prompts, new, temperature, mem):
     return out
 
 
-def erpo_update(model, ro, qref_logp, a, opt, amp):
+def erpo_update(model, ro, qref_logp, a, opt, amp, mem):
     """One optimizer step of the ERPO loss over the rollout, micro-batched by tokens."""
     algo = losses.ALGOS["erpo"]
     packed = ro.packed()
@@ -124,6 +124,7 @@ def erpo_update(model, ro, qref_logp, a, opt, amp):
     resp_mask = ro.response_mask.float()
     num_tokens = resp_mask.sum().item()
     plan = batching.microbatch_plan(packed.attention_mask.sum(1).tolist(), a.rows, a.micro_tokens)
+    mem.reset()
     for mb in plan:
         r = torch.tensor(mb, device=packed.input_ids.device)
         pk, pc, rc = packed.trimmed(r)
@@ -135,10 +136,14 @@ def erpo_update(model, ro, qref_logp, a, opt, amp):
                                      prompt_mask=packed.prompt_tok_mask[r][:, pc].float(),
                                      num_tokens=num_tokens, num_seqs=B, max_len=a.new_tokens)
         loss.backward()
+    mem.sync()
+    peak_loop = mem.peak()                     # weights + gradients + one micro-batch's activations
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    mem.reset()
     optimizer.clip_grad(model, 1.0)
-    opt.step()
-    return int(packed.attention_mask.sum()), grads, len(plan)
+    opt.step()                                 # Adam state appears here (and its temporaries)
+    mem.sync()
+    return int(packed.attention_mask.sum()), grads, len(plan), peak_loop, mem.peak()
 
 
 def main():
@@ -190,30 +195,30 @@ def main():
     with amp():
         rates = decode_rates(model, prompts[:a.rows], a.decode_new, a.temperature, mem)
         with torch.no_grad():  # the Query-KL cache: the prompts' log-probs under the initial weights
-            qref = rollout.score_tokens(model, ro.packed(), a.temperature).prompt.float().detach()
+            ids, mask = rollout.left_pad(prompts, 0, dev)      # (all prompts are --prompt-len long)
+            qref = rollout.token_logprobs(model, ids, mask, a.temperature)[0].float()  # (rows, P-1)
 
     # Update: grad-ckpt, token micro-batches, one AdamW step.
     model = distributed.wrap_model(model.train(), dev, grad_ckpt=True)
     opt = optimizer.adamw(model, 1e-6, 0.01)
-    mem.reset()
     t0 = time.perf_counter()
-    tokens, grad_bytes, n_mb = erpo_update(model, ro, qref, a, opt, amp)
-    mem.sync()
-    t_upd, upd_peak = time.perf_counter() - t0, mem.peak()
+    tokens, grad_bytes, n_mb, loop_peak, opt_peak = erpo_update(model, ro, qref, a, opt, amp, mem)
+    t_upd, upd_peak = time.perf_counter() - t0, max(loop_peak, opt_peak)
     adam_bytes = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim())
 
     arch = memory_plan.Arch.from_config(cfg.to_dict())
     plan = {t.name: t.bytes for t in memory_plan.terms(arch, plan_args(a), 1, False, a.rows)}
     measured = {"parameters": params_bytes, "gradients": grad_bytes, "Adam state": adam_bytes,
                 "KV cache chunk": kv_peak,
-                "activations + logits": upd_peak - params_bytes - grad_bytes - adam_bytes if cuda else 0}
+                "activations + logits": loop_peak - params_bytes - grad_bytes if cuda else 0}
     plan["activations + logits"] = plan.pop("activations") + plan.pop("logits")
     unit, u = (GIB, "GiB") if plan["parameters"] > GIB / 4 else (2 ** 20, "MiB")
     print(f"{'memory term':22s} {'plan ' + u:>9s} {'measured ' + u:>13s}")
     for k in ("parameters", "gradients", "Adam state", "KV cache chunk", "activations + logits"):
         m = f"{measured[k] / unit:13.2f}" if cuda or k in ("gradients", "Adam state") else f"{'-':>13s}"
         print(f"{k:22s} {plan[k] / unit:9.2f} {m}")
-    print(f"{'update peak':22s} {'':9s} {upd_peak / unit:13.2f}" if cuda else "update peak: (CPU: not measured)")
+    print(f"{'update peak':22s} {'':9s} {upd_peak / unit:13.2f}   (micro-batch loop {loop_peak / unit:.2f}, "
+          f"optimizer step {opt_peak / unit:.2f})" if cuda else "update peak: (CPU: not measured)")
     flops = 6 * n_params * tokens  # model FLOPs; activation checkpointing recomputes a forward on top
     peak = a.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     print(f"rollout: {a.rows} x {a.new_tokens} tokens in {t_gen:.1f} s = {a.rows * a.new_tokens / t_gen:.0f} tok/s")
