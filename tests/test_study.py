@@ -33,3 +33,20 @@ def test_smoke_study_runs_resumably_end_to_end(tmp_path):
     assert study["algos"]["grpo"]["query_kl_tail"]["values"] == [runs[f"grpo-s{s}"]["query_kl_tail"] for s in (0, 1)]
     assert len(study["curves"]["erpo"]["query_kl"]) == size["steps"]
     assert (tmp_path / "results" / "tables.md").read_text() == M.tables(study)
+
+
+def test_the_readme_study_tables_are_built_from_the_committed_json():
+    """Every line of the tables M.tables() makes from study/results/study.json is in the README, and
+    tables.md next to it is that same text."""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "study", "results", "study.json")) as f:
+        study = json.load(f)
+    text = M.tables(study)
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    missing = [line for line in text.splitlines() if line and line not in readme]
+    assert not missing, missing[:5]
+    with open(os.path.join(root, "study", "results", "tables.md")) as f:
+        assert f.read() == text
