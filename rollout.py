@@ -2,8 +2,9 @@
 
 Used by train.py (training rollouts, the policy forward) and evaluate.py (benchmark sampling).
 Works the same for the embedded ~1M-parameter Qwen2 model on CPU (fp32) and for Qwen2.5-Math-7B
-on GPUs (bf16, possibly wrapped in DDP or sharded with FSDP2 `fully_shard`), so the model is only
-ever called through its normal forward.
+on GPUs (bf16, possibly wrapped in DDP or sharded with FSDP2 `fully_shard`): prompts and every
+scoring pass go through the model's normal forward; only the sampler's one-token decode steps use
+decode.py's lean step over the same weights (for Llama/Qwen2; the normal forward otherwise).
 
 Three pieces:
 - `load_policy`   -> (model, tokenizer), with the transformers-5 tokenizer pitfall handled.

@@ -112,7 +112,8 @@ def ours(flags, steps, out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
     phases = {k: statistics.median(m[k] for m in lines[1:]) for k in lines[-1] if k.startswith("time_")}
-    return dict(step_s=[m["step_time"] for m in lines], rss=rss, pss=pss, procs=procs, phases=phases)
+    return dict(step_s=[m["step_time"] for m in lines], rss=rss, pss=pss, procs=procs, phases=phases,
+                update_tok_s=statistics.median(m["update_tok_per_s"] for m in lines[1:]))
 
 
 def trl(steps, out):
@@ -168,6 +169,36 @@ def median_after_first(xs):
     return statistics.median(xs[1:]) if len(xs) > 1 else xs[0]
 
 
+def matmul_gflops():
+    """float32 matmul throughput of this machine at the tiny model's shapes (4096 x 128 @ 128 x 384)
+    and at 2048^2: the ceiling the update's compute runs against."""
+    import torch
+
+    out = []
+    for m, k, n, reps in ((4096, 128, 384, 200), (2048, 2048, 2048, 5)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        out.append(2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9)
+    return out
+
+
+def compute_rate(results):
+    """The update's model FLOPs per second (6 x parameters x tokens / s) next to the matmul peak."""
+    sys.path.insert(0, ROOT)
+    import rollout
+
+    n = rollout.load_policy(os.path.join(ROOT, "data", "tinymath", "warmstart"))[0].num_parameters()
+    small, big = matmul_gflops()
+    for name, r in results.items():
+        if r.get("update_tok_s"):
+            print(f"{name:22s} update {r['update_tok_s']:.0f} tok/s = {6 * n * r['update_tok_s'] / 1e9:.0f} GFLOP/s "
+                  f"(6 x {n / 1e6:.2f}M parameters x tokens)")
+    print(f"float32 matmul on this machine: {small:.0f} GFLOP/s at 4096x128x384, {big:.0f} GFLOP/s at 2048^3")
+
+
 def report(results, base):
     b = results[base]
     print(f"{'':22s} {'median step':>12s} {'vs ' + base:>10s} {'peak RSS':>9s} {'peak PSS':>9s} {'procs':>5s}")
@@ -206,6 +237,7 @@ def main():
             print(f"running {name} ...", flush=True)
             results[name] = ours(flags, args.steps, os.path.join(tmp, name.replace(", ", "_").replace(" ", "_")))
         report(results, "grpo")
+    compute_rate(results)
     print(f"runs in {tmp}")
 
 

@@ -2,17 +2,17 @@
 `generate` ("hf"), on a randomly initialised Qwen2 model, plus the parity numbers that matter when
 the dtype is bf16 (they are exact in fp32 on CPU, see tests/test_rollout.py).
 
-    python bench/bench_sampler.py                       # tiny model, CPU (~1M params, vocab 1000)
+    python bench/bench_sampler.py                       # tiny model, CPU (~0.3M params, vocab 1000)
     python bench/bench_sampler.py --preset qwen0.5b     # Qwen2.5-0.5B shape (vocab 151936), CUDA bf16
 
 Prints tokens/s of each sampler and their ratio against the pinned baseline "hf-plain": HF
 `generate` with plain sampling (do_sample, temperature, top_k 0, top_p 1) and no per-step logits
 kept -- the cheapest HF call that samples the same distribution. "hf" is rollout.py's HF path (it
 keeps every step's logits to return log-probs, as a sampler for RL must), "kv" our sampler;
-"+seeds" adds per-row seeds (rows independent of batching). Prints also, with --parity also: greedy kv-vs-hf agreement,
-whether seeded samples survive re-batching, and max |sampled logprob - token_logprobs|.
-EOS is disabled (eos_ids=[]) so every row decodes exactly --new tokens and the two samplers do
-the same amount of work.
+"+seeds" adds per-row seeds (rows independent of batching). With --parity it also prints greedy
+kv-vs-hf agreement, whether seeded samples survive re-batching, and max |sampled logprob -
+token_logprobs|. EOS is disabled (eos_ids=[]) so every row decodes exactly --new tokens and all
+samplers do the same amount of work.
 """
 
 import argparse

@@ -87,8 +87,10 @@ def train_run(out, algo, seed, size, data):
     import train
 
     run = os.path.join(out, f"{algo}-s{seed}")
-    done = os.path.exists(os.path.join(run, "metrics.jsonl")) and \
-        any(json.loads(line).get("step") == size["steps"] for line in open(os.path.join(run, "metrics.jsonl")))
+    done = False
+    if os.path.exists(os.path.join(run, "metrics.jsonl")):
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            done = any(json.loads(line).get("step") == size["steps"] for line in f)
     if not done:
         resume = ["--resume"] if os.path.exists(os.path.join(run, "config.json")) else []
         train.main(["--algo", algo, "--seed", str(seed), "--train-data", data, "--steps", str(size["steps"]),
