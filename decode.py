@@ -78,14 +78,19 @@ class LeanStep:
         self.cos = (emb.cos() * rope.attention_scaling).to(w0.dtype)
         self.sin = (emb.sin() * rope.attention_scaling).to(w0.dtype)
         fuse = w0.device.type == "cpu"  # one matmul instead of three (two); costs a weight copy
-        self.layers = [_Layer(layer, fuse) for layer in inner.layers]
+        dev = w0.device.type  # under autocast the copies are made in its dtype: cast once, not per token
+        cast = torch.get_autocast_dtype(dev) if fuse and torch.is_autocast_enabled(dev) else None
+        self.layers = [_Layer(layer, fuse, cast) for layer in inner.layers]
         # Additive attention bias over cache positions, one row per (row, kv head): -inf on prompt
         # padding, 0 on real tokens and on every generated position (finished rows decode on,
         # ignored). (B * Hkv, 1, capacity)
         B, P = mask.shape
         bias = torch.zeros(B, self.Hkv, 1, cache.layers[0].capacity, dtype=w0.dtype, device=w0.device)
         bias[..., :P].masked_fill_(mask[:, None, None, :] == 0, float("-inf"))
-        self.bias = bias
+        self.bias = bias if cast is None else bias.to(cast)
+        for c in cache.layers if cast is not None else []:  # else each step re-casts all of K and V
+            c.k_buf, c.v_buf = c.k_buf.to(cast), c.v_buf.to(cast)
+            c.keys, c.values = c.k_buf[:, :, :c.length], c.v_buf[:, :, :c.length]
 
     def select(self, rows):
         self.bias = self.bias[rows]
@@ -116,12 +121,14 @@ class LeanStep:
 class _Linear:
     """x @ W^T + b over one or more nn.Linear, concatenated along the output (fused) or not."""
 
-    def __init__(self, mods, fuse):
+    def __init__(self, mods, fuse, cast=None):
         self.parts = [(m.weight, m.bias) for m in mods]
         if fuse and len(mods) > 1:
             bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in mods]) \
                 if any(m.bias is not None for m in mods) else None
             self.parts = [(torch.cat([m.weight for m in mods]), bias)]
+        if cast is not None:
+            self.parts = [(w.to(cast), None if b is None else b.to(cast)) for w, b in self.parts]
 
     def __call__(self, x):
         outs = [F.linear(x, w, b) for w, b in self.parts]
@@ -129,13 +136,13 @@ class _Linear:
 
 
 class _Layer:
-    def __init__(self, layer, fuse):
+    def __init__(self, layer, fuse, cast):
         a, mlp = layer.self_attn, layer.mlp
         self.n1, self.n2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-        self.qkv = _Linear([a.q_proj, a.k_proj, a.v_proj], fuse)
-        self.o = _Linear([a.o_proj], fuse)
-        self.gate_up = _Linear([mlp.gate_proj, mlp.up_proj], fuse)
-        self.down, self.inter = _Linear([mlp.down_proj], fuse), mlp.gate_proj.out_features
+        self.qkv = _Linear([a.q_proj, a.k_proj, a.v_proj], fuse, cast)
+        self.o = _Linear([a.o_proj], fuse, cast)
+        self.gate_up = _Linear([mlp.gate_proj, mlp.up_proj], fuse, cast)
+        self.down, self.inter = _Linear([mlp.down_proj], fuse, cast), mlp.gate_proj.out_features
 
     def mlp(self, x):
         gu = self.gate_up(x)                                            # (B, 2I): SwiGLU

@@ -20,3 +20,13 @@ def clip_grad(model, max_norm) -> float:
     """Clip to max_norm (<= 0: no clipping) and return the pre-clip global grad norm."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
     return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # DTensor under FSDP2
+
+
+def step(opt, sched):
+    """Apply the accumulated gradient, advance the schedule, zero the gradients -- and drop
+    autocast's cached bf16 copies of the weights. Within one autocast region torch casts each float32
+    parameter once and reuses that copy until the outermost region exits; the in-place update does
+    not invalidate it, so without this every forward after the first step of a region (the training
+    loop runs in one) would still see the weights of before the step."""
+    opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
+    torch.clear_autocast_cache()

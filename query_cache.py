@@ -101,7 +101,8 @@ def for_run(a, d, policy, prompt_ids, pad_id, resuming) -> QueryCache:
     on --resume; else a shared one with the same meta (--query-cache-dir); else built, and shared."""
     meta = cache_meta(a.model, a.train_data, a.template, a.temperature, prompt_ids,
                       weights=None if resuming else weights_fingerprint(policy),
-                      numerics=f"{d.device.type} {a.dtype} {'fsdp' if a.fsdp else 'ddp'} world {d.world}")
+                      numerics=f"{d.device.type} {a.dtype} {distributed.unwrap(policy).config._attn_implementation} "
+                               f"{'fsdp' if a.fsdp else 'ddp'} world {d.world}")
     return load_or_build(os.path.join(a.out, "query_cache.pt"), meta, policy, prompt_ids, pad_id, a.temperature,
                          d.device, a.micro_batch, resuming, a.query_cache_dir)
 

@@ -60,6 +60,29 @@ def _default_attn_implementation() -> str:
     return "sdpa"
 
 
+def _sdpa_float32(module, query, key, value, attention_mask, **kw):
+    """transformers' SDPA attention computed in float32 even under bf16 autocast. On CPUs, torch's
+    fused attention backward is ~3x slower in bf16 than in float32 (bench/bench_rl.py --dtype
+    bf16-mixed), while the projections around it gain from bf16; float32 SDPA also keeps the
+    fused kernel's memory (no L x L probabilities saved, as eager attention would)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with torch.autocast(query.device.type, enabled=False):
+        out, w = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kw)
+    return out.to(query.dtype), w
+
+
+def _register_attention():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("sdpa_float32", _sdpa_float32)
+    AttentionMaskInterface.register("sdpa_float32", sdpa_mask)  # else padding would not be masked
+
+
+_register_attention()
+
+
 def _load_tokenizer(path):
     """transformers 5.x: AutoTokenizer in a folder with a Qwen2 config.json returns Qwen2Tokenizer
     and silently replaces a custom tokenizer's normalizer/pre-tokenizer (method.md §9). A tokenizer
@@ -499,6 +522,14 @@ def _any_across_ranks(flag: bool, device) -> bool:
     return bool(t.item() > 0)
 
 
+def _distinct(prompts):
+    """-> (the distinct prompts in first-seen order, for each prompt the index of its copy there).
+    GRPO's G responses per prompt repeat each prompt G times: prefilling it once is G x less work."""
+    index = {}
+    copy_of = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    return [list(p) for p in index], copy_of
+
+
 def left_pad(prompts, pad_id, device):
     """Token-id lists -> (ids, mask) (B, P), left-padded so every row's last token is at P-1."""
     P = max(len(p) for p in prompts)
@@ -565,15 +596,20 @@ def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
     into a preallocated cache, then one decode.stepper step per token. Finished rows are dropped
     from the batch (and cache) once they are a quarter of it, so long tails decode at small batch."""
     dev = next(model.parameters()).device
-    ids, mask = left_pad(prompts, pad_id, dev)
-    B = ids.shape[0]
+    distinct, copy_of = _distinct(prompts)
+    ids, mask = left_pad(distinct, pad_id, dev)  # (U, P): as wide as all of `prompts`
     cache_kw, has_keep = _forward_kwargs(model)
     keep = {"logits_to_keep": 1} if has_keep else {}
     cache = kv_cache(model.config, capacity=ids.shape[1] + max_new_tokens)
-    pos = (mask.cumsum(1) - 1).clamp(min=0)  # (B, P) explicit positions: left pads shift nothing
+    pos = (mask.cumsum(1) - 1).clamp(min=0)  # (U, P) explicit positions: left pads shift nothing
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                 **{cache_kw: cache}, **keep)
     logits = out.logits[:, -1].float()  # only the last position is upcast
+    if len(distinct) < len(prompts):  # a group's G rows share its prompt's cache rows, as copies
+        copy_of = torch.tensor(copy_of, device=dev)
+        ids, mask, pos, logits = ids[copy_of], mask[copy_of], pos[copy_of], logits[copy_of]
+        cache.batch_select_indices(copy_of)
+    B = ids.shape[0]
     next_pos = pos[:, -1] + 1  # (B,)
     step = decode.stepper(model, cache, mask, cache_kw, keep)
 

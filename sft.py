@@ -75,7 +75,7 @@ def train_sft(model, tokenizer, seqs, *, steps, batch, micro_batch, lr, warmup, 
                 (loss * world).backward()  # DDP averages over ranks: undo it
             tot += loss.detach().cpu()
         gn = optimizer.clip_grad(model, grad_clip)
-        opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
+        optimizer.step(opt, sched)
         m = {"step": step + 1, "sft_loss": distributed.all_sum(tot).item(), "grad_norm": gn,
              "lr": sched.get_last_lr()[0], "step_time": time.time() - t0}
         if on_checkpoint and save_every and (step + 1) % save_every == 0:

@@ -74,7 +74,7 @@ OPTIONS = [
     ("ppo_epochs",        1,                                   "passes over each rollout batch", ">=1"),
     ("micro_batch",       64,                                  "sequences per forward/backward on each rank", ">=1"),
     ("micro_tokens",      0,                                   "also at most this many padded tokens per micro-batch (0 = no cap)", ">=0"),
-    ("dtype",             "auto",                              "auto: fp32 weights + bf16 autocast on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16"]),
+    ("dtype",             "auto",                              "auto: fp32 weights + bf16 autocast on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16", "bf16-mixed"]),
     ("fsdp",              False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
     ("grad_ckpt",         False,                               "activation checkpointing of every decoder layer (long sequences)"),
     ("dry_run",           False,                               "print the per-GPU memory plan (memory_plan.py) and exit; no weights loaded"),
@@ -307,7 +307,7 @@ def ppo_update(run, b: UpdateBatch, upd_rows):
             for key, v in step_stats.items():
                 stats[key] = stats.get(key, 0.0) + v
             norms.append(norm)
-            run.opt.step(), run.sched.step(), run.opt.zero_grad(set_to_none=True)
+            optimizer.step(run.opt, run.sched)
     n_opt = max(1, len(norms))
     out = {k: v / n_opt for k, v in distributed.all_sums(stats).items()}
     out["grad_norm"] = sum(norms) / n_opt if norms else None  # None: every optimizer step was skipped
@@ -346,9 +346,10 @@ def rl_step(run, step):
 # Set-up and the loop
 
 
-def load_model(path, d: distributed.Dist, dtype, shard=None):
+def load_model(path, d: distributed.Dist, dtype, shard=None, bf16=False):
+    attn = "sdpa_float32" if bf16 and d.device.type == "cpu" else None  # rollout._sdpa_float32: why
     with errors.one_line((OSError, ValueError), f"cannot load model {path!r}"):  # no folder, no usable config
-        return rollout.load_policy(path, device=d.device, dtype=dtype, shard=shard)  # shard: FSDP2, meta-device load
+        return rollout.load_policy(path, device=d.device, dtype=dtype, shard=shard, attn_implementation=attn)
 
 
 def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
@@ -359,7 +360,7 @@ def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
     ref = None
     if algo.kl is not None or a.measure_policy_kl:  # sharded like the policy under FSDP2
         shard = distributed.sharder(a.fsdp, d.device, bf16, trainable=False)
-        ref = load_model(a.model, d, torch.bfloat16 if bf16 else dtype, shard)[0].eval().requires_grad_(False)
+        ref = load_model(a.model, d, torch.bfloat16 if bf16 else dtype, shard, bf16)[0].eval().requires_grad_(False)
     policy = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16, grad_ckpt=a.grad_ckpt)
     with distributed.precision(a.dtype, d.device)[1]():  # the training forward: wrapper, dtype, autocast
         cache = query_cache.for_run(a, d, policy, data.ids, tokenizer.pad_token_id, resuming)
@@ -425,8 +426,9 @@ def main(argv=None):
     torch.manual_seed(a.seed), random.seed(a.seed)
     resuming = a.resume and run_dir.resumable(a.out)
     dtype, amp = distributed.precision(a.dtype, d.device)
-    shard = distributed.sharder(a.fsdp, d.device, distributed.uses_bf16(a.dtype, d.device), a.grad_ckpt)
-    model, tokenizer = load_model(run_dir.model_source(a.out, resuming, a.model), d, dtype, shard)
+    bf16 = distributed.uses_bf16(a.dtype, d.device)
+    shard = distributed.sharder(a.fsdp, d.device, bf16, a.grad_ckpt)
+    model, tokenizer = load_model(run_dir.model_source(a.out, resuming, a.model), d, dtype, shard, bf16)
     print0(f"model {a.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {d.device}")
     evalsets, data = load_data(a, tokenizer)                            # bad data: one line, nothing written
     state = run_dir.load_state(a.out) if resuming else None

@@ -106,8 +106,8 @@ def run_measured(cmd, env=None):
 # The two sides
 
 
-def ours(flags, steps, out):
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *OURS, *flags, "--steps", str(steps), "--out", out]
+def ours(flags, steps, out, dtype="float32"):
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *OURS, *flags, "--dtype", dtype, "--steps", str(steps), "--out", out]
     rss, pss, procs = run_measured(cmd)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
@@ -116,14 +116,14 @@ def ours(flags, steps, out):
                 update_tok_s=statistics.median(m["update_tok_per_s"] for m in lines[1:]))
 
 
-def trl(steps, out):
-    cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", "--steps", str(steps), "--out", out]
+def trl(steps, out, dtype="float32"):
+    cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", "--steps", str(steps), "--out", out, "--dtype", dtype]
     rss, pss, procs = run_measured(cmd)
     with open(os.path.join(out, "trl_steps.json")) as f:
         return dict(step_s=json.load(f), rss=rss, pss=pss, procs=procs, phases={})
 
 
-def trl_worker(steps, out):
+def trl_worker(steps, out, dtype):
     """Runs in the subprocess: TRL's GRPOTrainer on the pinned work; writes its step times."""
     sys.path.insert(0, ROOT)
     import torch
@@ -149,7 +149,7 @@ def trl_worker(steps, out):
         def on_step_end(self, *_, **__):
             ends.append(time.perf_counter())
 
-    cfg = GRPOConfig(output_dir=out, use_cpu=True, bf16=False, learning_rate=LR, beta=BETA, loss_type="grpo",
+    cfg = GRPOConfig(output_dir=out, use_cpu=True, bf16=dtype == "bf16-mixed", learning_rate=LR, beta=BETA, loss_type="grpo",
                      per_device_train_batch_size=MICRO, gradient_accumulation_steps=PROMPTS * G // MICRO,
                      num_generations=G, max_completion_length=NEW, temperature=1.0, top_p=1.0,
                      gradient_checkpointing=False, max_steps=steps, logging_steps=1, save_strategy="no",
@@ -215,11 +215,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vs", choices=["trl"], help="compare our GRPO step with TRL's GRPOTrainer")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--dtype", choices=["float32", "bf16-mixed"], default="float32",
+                    help="both sides: float32, or float32 weights with bf16 autocast (ours --dtype bf16-mixed, "
+                         "TRL bf16=True)")
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
-        return trl_worker(args.steps, args.out)
+        return trl_worker(args.steps, args.out, args.dtype)
     tmp = args.out or tempfile.mkdtemp(prefix="bench_rl_")
     results = {}
     if args.vs == "trl":
@@ -227,15 +230,15 @@ def main():
             import trl as _  # noqa: F401
         except ImportError:
             sys.exit("error: TRL is not installed (pip install -r requirements-bench.txt)")
-        for name, fn in [("ours (grpo)", lambda o: ours(VARIANTS["grpo"], args.steps, o)),
-                         ("TRL GRPOTrainer", lambda o: trl(args.steps, o))]:
+        for name, fn in [("ours (grpo)", lambda o: ours(VARIANTS["grpo"], args.steps, o, args.dtype)),
+                         ("TRL GRPOTrainer", lambda o: trl(args.steps, o, args.dtype))]:
             print(f"running {name} ...", flush=True)
             results[name] = fn(os.path.join(tmp, name.split()[0].lower()))
         report(results, "TRL GRPOTrainer")
     else:
         for name, flags in VARIANTS.items():
             print(f"running {name} ...", flush=True)
-            results[name] = ours(flags, args.steps, os.path.join(tmp, name.replace(", ", "_").replace(" ", "_")))
+            results[name] = ours(flags, args.steps, os.path.join(tmp, name.replace(", ", "_").replace(" ", "_")), args.dtype)
         report(results, "grpo")
     compute_rate(results)
     print(f"runs in {tmp}")

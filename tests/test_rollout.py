@@ -127,6 +127,29 @@ def test_per_row_seeds_independent_of_batch(model):
     assert two[0] != two[1]
 
 
+def test_repeated_prompts_are_prefilled_once_and_sample_alike(model, monkeypatch):
+    """A group's G rows repeat its prompt: the sampler prefills each distinct prompt once and copies
+    its cache rows. Each row must still draw what it draws alone (batch_size=1: nothing shared)."""
+    kw = dict(max_new_tokens=10, eos_ids=[1], pad_id=0, temperature=1.0, top_p=1.0)
+    prompts = [p for p in PROMPTS[:3] for _ in range(4)]
+    seeds = list(range(100, 112))
+    widths = []
+    forward = type(model).forward
+
+    def spy(self, *a, **k):
+        widths.append(tuple(k["input_ids"].shape))
+        return forward(self, *a, **k)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    shared = R.sample(model, prompts, seeds=seeds, **kw)
+    assert widths[0] == (3, 7)                      # the prefill: 3 distinct prompts, not 12
+    monkeypatch.setattr(type(model), "forward", forward)
+    alone = R.sample(model, prompts, seeds=seeds, batch_size=1, **kw)
+    assert torch.equal(shared.response_ids, alone.response_ids)
+    torch.testing.assert_close(shared.logprobs, alone.logprobs, atol=1e-5, rtol=1e-5)
+    assert len({tuple(r.tolist()) for r in shared.response_ids[:4]}) > 1  # the copies sample apart
+
+
 def _chi2(counts, probs):
     n = counts.sum()
     exp = n * probs
@@ -287,6 +310,24 @@ def test_lean_decode_step_matches_the_hf_forward(arch):
     for a, b in zip(lean, hf):  # same math; float32 rounding differs (fused matmuls)
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_lean_decode_under_bf16_autocast_keeps_its_cache_in_bf16():
+    """--dtype bf16-mixed on CPU: LeanStep casts its weight copies and the KV cache once (not per
+    token); its logits stay close to the HF forward's under the same autocast."""
+    import decode
+
+    model = _arch_model("qwen2")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        lean = _decode_steps(model, decode.LeanStep)
+        hf = _decode_steps(model, lambda m, c, mask: decode.HFStep(m, c, mask, R._forward_kwargs(m)[0], {}))
+        cache = R.kv_cache(model.config, 8)
+        ids = torch.tensor([[3, 4, 5]])
+        model(input_ids=ids, use_cache=True, **{R._forward_kwargs(model)[0]: cache})
+        step = decode.LeanStep(model, cache, torch.ones_like(ids))
+    assert cache.layers[0].k_buf.dtype == torch.bfloat16 and step.layers[0].qkv.parts[0][0].dtype == torch.bfloat16
+    a, b = lean[0], hf[0]  # the first step (later ones feed each path's own greedy token: ties split)
+    assert (a - b).abs().max() < 0.05 * b.abs().max()       # bf16: ~3 significant digits
 
 
 def test_lean_decode_falls_back_to_the_hf_forward():

@@ -2,6 +2,7 @@
 1-process vs 2-process (torchrun, gloo) equivalence over the same global batch."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -75,6 +76,38 @@ def test_the_skipped_old_policy_forward_changes_nothing(tmp_path, small_data, mo
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
     run(tmp_path / "t", small_data, *args, "--temperature", "0.9", steps=1)  # another cache
     assert "reused" not in capsys.readouterr().out
+
+
+def test_each_optimizer_step_is_seen_inside_one_autocast_region():
+    """The RL step and the SFT loop run in one autocast region (--dtype bf16-mixed; auto on CUDA),
+    where torch reuses each float32 weight's bf16 copy until the region exits: optimizer.step
+    must drop those copies, or every forward after the first step would see the old weights."""
+    import distributed
+    import optimizer
+
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    opt = optimizer.adamw(lin, 0.1, 0.0)
+    sched = optimizer.warmup_then_constant(opt, 0)
+    amp = distributed.precision("bf16-mixed", torch.device("cpu"))[1]
+    with amp():
+        before = lin(x)
+        before.sum().backward()
+        optimizer.step(opt, sched)
+        inside = lin(x)
+    with amp():
+        fresh = lin(x)
+    assert not torch.equal(before, fresh) and torch.equal(inside, fresh)
+
+
+def test_bf16_mixed_on_cpu_trains(tmp_path, small_data):
+    """float32 master weights, bf16 autocast: 2 optimizer steps per RL step, Query-KL from float32 SDPA."""
+    ms = run(tmp_path, small_data, "--algo", "erpo", "--dtype", "bf16-mixed", "--lr", "1e-3",
+             "--rollout-batch", "8", "--update-batch", "4", "--eval-every", "0", "--save-every", "0", steps=2)
+    assert [m["step"] for m in ms] == [1, 2]
+    for m in ms:
+        assert all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "query_kl", "policy_kl", "entropy"))
+    assert ms[0]["query_kl"] < 1e-3 and ms[1]["query_kl"] > 0    # starts at the reference, then drifts
 
 
 def test_resume_continues_from_the_saved_step(tmp_path, small_data):
