@@ -53,12 +53,24 @@ def microbatches(n, size) -> list[slice]:
     return [slice(s, min(n, s + size)) for s in range(0, n, size)]
 
 
-def microbatch_plan(lengths: list[int], size: int, max_tokens: int = 0, count: int = 0) -> list[list[int]]:
+def prompt_group(a) -> int:
+    """G where the training forwards run each group's prompt once (--share-prompts; see
+    rollout.shared_prompt_scores), else 1: FSDP2 would gather every layer for both of its forwards,
+    and activation checkpointing recomputes layers without a KV cache."""
+    return a.group_size if a.share_prompts and not (a.fsdp or a.grad_ckpt) else 1
+
+
+def microbatch_plan(lengths: list[int], size: int, max_tokens: int = 0, count: int = 0, group: int = 1) -> list[list[int]]:
     """Rows (indices into `lengths`, their token counts) grouped into micro-batches, longest first,
     so each micro-batch pads only to its own longest row: at most `size` rows and, if max_tokens,
     at most max_tokens padded tokens (rows x longest) each; a row longer than that goes alone.
     With count > the number of groups, the largest are halved until there are `count` (under FSDP2
-    every rank must run as many forwards: pass the most any rank needs)."""
+    every rank must run as many forwards: pass the most any rank needs). group > 1: the units are
+    runs of `group` consecutive rows (a prompt's G responses), kept whole and in order."""
+    if group > 1:
+        longest = [max(lengths[i:i + group]) for i in range(0, len(lengths), group)]
+        plan = microbatch_plan(longest, max(1, size // group), max_tokens // group, count)
+        return [[g * group + j for g in mb for j in range(group)] for mb in plan]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep row order
     plan, cur = [], []
     for i in order:

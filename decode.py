@@ -87,10 +87,11 @@ class LeanStep:
         B, P = mask.shape
         bias = torch.zeros(B, self.Hkv, 1, cache.layers[0].capacity, dtype=w0.dtype, device=w0.device)
         bias[..., :P].masked_fill_(mask[:, None, None, :] == 0, float("-inf"))
-        self.bias = bias if cast is None else bias.to(cast)
-        for c in cache.layers if cast is not None else []:  # else each step re-casts all of K and V
-            c.k_buf, c.v_buf = c.k_buf.to(cast), c.v_buf.to(cast)
-            c.keys, c.values = c.k_buf[:, :, :c.length], c.v_buf[:, :, :c.length]
+        self.bias, self.dev = bias, dev
+        for c in cache.layers:  # under autocast the prefill leaves K (rotated) float32 but V bf16: one dtype
+            if c.v_buf.dtype != c.k_buf.dtype:
+                c.v_buf = c.v_buf.to(c.k_buf.dtype)
+                c.values = c.v_buf[:, :, :c.length]
 
     def select(self, rows):
         self.bias = self.bias[rows]
@@ -112,8 +113,10 @@ class LeanStep:
             K = c.k_buf[:, :, :L].reshape(B * Hkv, L, D)               # views: dims 0, 1 merge
             V = c.v_buf[:, :, :L].reshape(B * Hkv, L, D)
             q = qk[:, :Hq].reshape(B * Hkv, Hq // Hkv, D)               # GQA: a kv head's q heads
-            p = torch.baddbmm(bias, q, K.transpose(1, 2), alpha=self.scale).softmax(-1)  # (B*Hkv, g, L)
-            x = x + w.o(torch.bmm(p, V).view(B, Hq * D))
+            with torch.autocast(self.dev, enabled=False):  # the cache's dtype: bf16 is slower here on CPU
+                p = torch.baddbmm(bias, q.to(K.dtype), K.transpose(1, 2), alpha=self.scale).softmax(-1)  # (B*Hkv, g, L)
+                a = torch.bmm(p, V).view(B, Hq * D)
+            x = x + w.o(a)
             x = x + w.mlp(_rms(x, w.n2, self.eps))
         return self.lm(_rms(x, self.norm, self.eps)).float()
 

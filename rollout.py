@@ -324,11 +324,52 @@ class TokenScores:
     entropy: torch.Tensor | None       # (B, R) entropy of each response position, or None
 
 
-def score_tokens(model, packed: Packed, temperature, with_entropy=False) -> TokenScores:
-    """One forward over [prompt | response] -> response and prompt log-probs (and entropy)."""
+def score_tokens(model, packed: Packed, temperature, with_entropy=False, group=1) -> TokenScores:
+    """One forward over [prompt | response] -> response and prompt log-probs (and entropy).
+    group = G > 1: the rows come in consecutive groups of G that repeat one prompt (GRPO's G
+    responses), and each prompt runs once (shared_prompt_scores), unless a group's prompts differ."""
+    if group > 1 and shares_prompts(packed, group):
+        return shared_prompt_scores(model, packed, temperature, with_entropy, group)
     logp, ent = token_logprobs(model, packed.input_ids, packed.attention_mask, temperature, with_entropy)
     P = packed.P
     return TokenScores(logp[:, P - 1:], logp[:, :P - 1], None if ent is None else ent[:, P - 1:])
+
+
+def shares_prompts(packed: Packed, G) -> bool:
+    B, P = packed.input_ids.shape[0], packed.P
+    if B % G:
+        return False
+    ids = packed.input_ids[:, :P].view(B // G, G, P)
+    return bool((ids == ids[:, :1]).all())
+
+
+def shared_prompt_scores(model, packed: Packed, temperature, with_entropy, G) -> TokenScores:
+    """score_tokens for groups of G rows with one prompt each: the U = B / G prompts run through the
+    model once, filling a KV cache; copied G times, it serves the responses' forward. Causal
+    attention makes this the same math as B full rows (a prompt's states never see its response),
+    for (U P + B R) / (B (P + R)) of the work: half of it here (short prompts, short answers), less
+    where responses dwarf prompts. Gradients flow through both forwards (the cache copies sum
+    theirs back into the prompt's). The prompt pass uses the unwrapped module: DDP sees the one
+    forward per backward it expects, and its gradient hooks still fire once per parameter."""
+    ids, mask, P = packed.input_ids, packed.attention_mask, packed.P
+    B = ids.shape[0]
+    first = torch.arange(0, B, G, device=ids.device)                   # (U,) one row per group
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)                      # (B, P+R) as in token_logprobs
+    inner = distributed.unwrap(model)
+    cache_kw, _ = _forward_kwargs(inner)
+    cache = DynamicCache(config=inner.config)
+    plogits = inner(input_ids=ids[first, :P], attention_mask=mask[first, :P], position_ids=pos[first, :P],
+                    use_cache=True, **{cache_kw: cache}).logits        # (U, P, V)
+    cache.batch_repeat_interleave(G)                                    # (B, Hkv, P, D) per layer
+    rlogits = model(input_ids=ids[:, P:], attention_mask=mask, position_ids=pos[:, P:],
+                    use_cache=True, **{cache_kw: cache}).logits        # (B, R, V)
+    V = rlogits.shape[-1]
+    chunk = max(1, 2**26 // max(1, B * V))
+    prompt, _ = _TokenLogprob.apply(plogits[:, :-1], ids[first, 1:P], float(temperature), chunk, False)
+    # Response token 0 is scored by the prompt's last position, tokens 1.. by the responses' own.
+    logits = torch.cat([plogits[:, -1:].repeat_interleave(G, 0), rlogits[:, :-1]], 1)  # (B, R, V)
+    response, ent = _TokenLogprob.apply(logits, ids[:, P:], float(temperature), chunk, bool(with_entropy))
+    return TokenScores(response, prompt.repeat_interleave(G, 0), ent)
 
 
 def cat_rollouts(ros: list["Rollout"], pad_id) -> "Rollout":

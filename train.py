@@ -40,9 +40,8 @@ from heldout import heldout_accuracy
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
 
 # ----------------------------------------------------------------------------------------------
-# Options: the embedded tiny world, sized to finish in minutes on 2 CPU cores; the paper's setup is
-# configs/paper_qwen7b.json (--config; flags override it). Loss knobs (--alpha, --beta, --kl, --weights,
-# --adv, --eps-high, ...) are flags generated from the fields of losses.Algo.
+# Options: the embedded tiny world, minutes on 2 CPU cores; the paper's setup is configs/paper_qwen7b.json
+# (--config; flags override it). Loss knobs (--alpha, --beta, --kl, ...) are generated from losses.Algo's fields.
 OPTIONS = [
     # name                default                              help [, choices or a range]
     ("algo",              "erpo",                              "sft, or a row of losses.ALGOS", ["sft", *losses.ALGOS]),
@@ -74,9 +73,10 @@ OPTIONS = [
     ("ppo_epochs",        1,                                   "passes over each rollout batch", ">=1"),
     ("micro_batch",       64,                                  "sequences per forward/backward on each rank", ">=1"),
     ("micro_tokens",      0,                                   "also at most this many padded tokens per micro-batch (0 = no cap)", ">=0"),
-    ("dtype",             "auto",                              "auto: fp32 weights + bf16 autocast on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16", "bf16-mixed"]),
+    ("dtype",             "auto",                              "bf16-mixed: fp32 weights + bf16 autocast (2x faster matmuls on CPUs with AVX512-BF16/AMX); auto: that on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16", "bf16-mixed"]),
     ("fsdp",              False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
     ("grad_ckpt",         False,                               "activation checkpointing of every decoder layer (long sequences)"),
+    ("share_prompts",     True,                                "training forwards run each prompt once for its G responses (not with --fsdp/--grad-ckpt)"),
     ("dry_run",           False,                               "print the per-GPU memory plan (memory_plan.py) and exit; no weights loaded"),
     ("plan_gpus",         8,                                   "GPUs the --dry-run plan assumes", ">=1"),
     ("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)"),
@@ -200,18 +200,18 @@ def on_policy_rows(run, upd_rows) -> slice:
 
 
 def microbatches(run, packed: rollout.Packed, rows: slice) -> list[torch.Tensor]:
-    """Rows as micro-batches (index tensors), longest first: <= --micro-batch rows and <=
-    --micro-tokens padded tokens each, and as many on every rank (FSDP2 gathers per forward)."""
+    """Rows as micro-batches (index tensors), longest first: <= --micro-batch rows, <= --micro-tokens
+    padded tokens, whole groups if prompts are shared, as many on every rank (FSDP2 gathers per forward)."""
     a, lens = run.args, packed.attention_mask[rows].sum(1).tolist()
-    k = int(all_max(torch.tensor(len(batching.microbatch_plan(lens, a.micro_batch, a.micro_tokens)))))
-    return [torch.tensor(p) + rows.start for p in batching.microbatch_plan(lens, a.micro_batch, a.micro_tokens, k)]
+    plan = lambda k=0: batching.microbatch_plan(lens, a.micro_batch, a.micro_tokens, k, batching.prompt_group(a))  # noqa: E731
+    return [torch.tensor(p) + rows.start for p in plan(int(all_max(torch.tensor(len(plan())))))]
 
 
 @torch.no_grad()
 def score_old(run, packed: rollout.Packed, sc: OldScores, rows: slice):
     for mb in microbatches(run, packed, rows):
         pk, pc, rc = packed.trimmed(mb)                                # no all-padding columns
-        s = rollout.score_tokens(distributed.unwrap(run.policy), pk, run.args.temperature, with_entropy=True)
+        s = rollout.score_tokens(distributed.unwrap(run.policy), pk, run.args.temperature, True, batching.prompt_group(run.args))
         sc.old[mb, rc], sc.prompt[mb, pc], sc.entropy[mb, rc] = s.response, s.prompt, s.entropy
 
 
@@ -224,7 +224,7 @@ def score_old_and_ref(run, packed: rollout.Packed, fresh: slice) -> OldScores:
     score_old(run, packed, sc, slice(fresh.stop, B))
     for mb in microbatches(run, packed, slice(0, B)) if run.ref is not None else []:
         pk, _, rc = packed.trimmed(mb)
-        sc.ref[mb, rc] = rollout.score_tokens(run.ref, pk, run.args.temperature).response
+        sc.ref[mb, rc] = rollout.score_tokens(run.ref, pk, run.args.temperature, group=batching.prompt_group(run.args)).response
     return sc
 
 
@@ -281,7 +281,7 @@ def ppo_update(run, b: UpdateBatch, upd_rows):
             for k, r in enumerate(mbs):                                  # r: row indices, pc/rc: columns
                 pk, pc, rc = b.packed.trimmed(r)
                 with distributed.grad_sync(run.policy, k == len(mbs) - 1):
-                    s = rollout.score_tokens(run.policy, pk, a.temperature, with_entropy=fresh)
+                    s = rollout.score_tokens(run.policy, pk, a.temperature, fresh, batching.prompt_group(a))  # one pass per prompt
                     if fresh:
                         b.sc.old[r, rc], b.sc.prompt[r, pc], b.sc.entropy[r, rc] = s.response.detach(), s.prompt.detach(), s.entropy
                     loss, st = losses.rl_loss(                           # PG(A*w) [+ b*PolicyKL] [+ a*QueryKL]
@@ -347,7 +347,7 @@ def rl_step(run, step):
 
 
 def load_model(path, d: distributed.Dist, dtype, shard=None, bf16=False):
-    attn = "sdpa_float32" if bf16 and d.device.type == "cpu" else None  # rollout._sdpa_float32: why
+    attn = "sdpa_float32" if bf16 and d.device.type == "cpu" else None  # why: rollout._sdpa_float32
     with errors.one_line((OSError, ValueError), f"cannot load model {path!r}"):  # no folder, no usable config
         return rollout.load_policy(path, device=d.device, dtype=dtype, shard=shard, attn_implementation=attn)
 
@@ -421,12 +421,10 @@ def main(argv=None):
     if a.dry_run:
         return print(memory_plan.report(a, a.plan_gpus, needs_ref=bool(algo) and (algo.kl is not None or a.measure_policy_kl)))
     d = distributed.setup()
-    if algo:
-        batching.check(a, d.world)
+    batching.check(a, d.world) if algo else None                        # sizes that do not divide
     torch.manual_seed(a.seed), random.seed(a.seed)
     resuming = a.resume and run_dir.resumable(a.out)
-    dtype, amp = distributed.precision(a.dtype, d.device)
-    bf16 = distributed.uses_bf16(a.dtype, d.device)
+    (dtype, amp), bf16 = distributed.precision(a.dtype, d.device), distributed.uses_bf16(a.dtype, d.device)
     shard = distributed.sharder(a.fsdp, d.device, bf16, a.grad_ckpt)
     model, tokenizer = load_model(run_dir.model_source(a.out, resuming, a.model), d, dtype, shard, bf16)
     print0(f"model {a.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {d.device}")

@@ -13,11 +13,17 @@ threads, the same reward (reward.score_batch and its grading process). TRL: per_
 loss_type "grpo", gradient checkpointing off (TRL's default is on; we run without).
 
 Each run is a subprocess; the parent samples the memory of its whole process tree (the grader's
-worker included) every 50 ms: the peak of the summed RSS (what `top` shows; shared pages count
-once per process) and of the summed PSS (shared pages split between the processes that map them:
-the memory the tree really holds). Step time: ours is train.py's `step_time` (one RL step:
+worker included) every 50 ms from /proc/PID/statm: the peak of the summed RSS (what `top` shows;
+shared pages count once per process), and beside it the kernel's exact peak RSS of the main
+process (ru_maxrss), which no sampling can miss. Step time: ours is train.py's `step_time` (one RL step:
 sampling, grading, log-probs, update); TRL's is the time between consecutive optimizer steps
-(on_step_end), which spans the same work. The median over steps 2..N is printed (step 1 warms up).
+(on_step_end), which spans the same work. Each side runs --repeats times (default 2), alternated with
+the other side(s) so that a drift of this shared machine's speed hits all alike; the median over
+the steps 2..N of all its runs is printed (step 1 warms up), and each run's own median beside it.
+
+--dtype bf16-mixed runs both sides with float32 weights and bf16 autocast (ours: --dtype bf16-mixed;
+TRL: bf16=True, which accelerate turns into CPU autocast). On a CPU with native bf16 dot products
+(AVX512-BF16 or AMX) the matmuls run ~2x faster than in float32; elsewhere slower.
 """
 
 import argparse
@@ -63,43 +69,47 @@ def _tree(pid):
     return out
 
 
-def _rss_pss_kib(pid):
-    """(RSS, PSS) of one process in KiB, or (0, 0) if it is gone."""
+def _rss_kib(pid):
+    """Resident set of one process in KiB, or 0 if it is gone. From statm: a counter read, no
+    page-table walk (smaps_rollup's walk holds the process's mmap lock: sampling it every 50 ms
+    slowed the allocation-heavy update of the measured process by up to 1.6x)."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line and not line[0].isdigit())
-        return int(fields["Rss"].split()[0]), int(fields["Pss"].split()[0])
-    except (OSError, KeyError, ValueError):
-        return 0, 0
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 class TreeMemory(threading.Thread):
-    """Peak summed RSS and PSS (GiB) of a process and its descendants, sampled every 50 ms."""
+    """Peak summed RSS (GiB) of a process and its descendants, sampled every 50 ms."""
 
     def __init__(self, pid):
         super().__init__(daemon=True)
-        self.pid, self.peak_rss, self.peak_pss, self.procs, self.stop = pid, 0, 0, 1, False
+        self.pid, self.peak_rss, self.procs, self.stop = pid, 0, 1, False
 
     def run(self):
         while not self.stop:
             pids = _tree(self.pid)
-            rss, pss = map(sum, zip(*[_rss_pss_kib(p) for p in pids]))
-            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self.peak_rss = max(self.peak_rss, sum(_rss_kib(p) for p in pids))
             self.procs = max(self.procs, len(pids))
             time.sleep(0.05)
 
 
 def run_measured(cmd, env=None):
-    """Run cmd; return (returncode, peak RSS GiB, peak PSS GiB, most processes seen at once)."""
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    mem = TreeMemory(p.pid)
-    mem.start()
-    _, err = p.communicate()
-    mem.stop = True
-    mem.join()
-    if p.returncode:
-        sys.exit(f"error: {' '.join(cmd[:4])} ... failed (exit {p.returncode}):\n{err[-3000:]}")
-    return mem.peak_rss / 2**20, mem.peak_pss / 2**20, mem.procs
+    """Run cmd; return (peak summed RSS of its process tree, the kernel's exact peak RSS of the
+    process itself (ru_maxrss), both GiB; most processes seen at once). Exits on failure."""
+    with tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        mem = TreeMemory(p.pid)
+        mem.start()
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        mem.stop = True
+        mem.join()
+        if p.returncode:
+            err.seek(0)
+            sys.exit(f"error: {' '.join(cmd[:4])} ... failed (exit {p.returncode}):\n{err.read()[-3000:]}")
+    return mem.peak_rss / 2**20, usage.ru_maxrss / 2**20, mem.procs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,19 +118,19 @@ def run_measured(cmd, env=None):
 
 def ours(flags, steps, out, dtype="float32"):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *OURS, *flags, "--dtype", dtype, "--steps", str(steps), "--out", out]
-    rss, pss, procs = run_measured(cmd)
+    rss, main_rss, procs = run_measured(cmd)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
     phases = {k: statistics.median(m[k] for m in lines[1:]) for k in lines[-1] if k.startswith("time_")}
-    return dict(step_s=[m["step_time"] for m in lines], rss=rss, pss=pss, procs=procs, phases=phases,
+    return dict(step_s=[m["step_time"] for m in lines], rss=rss, main_rss=main_rss, procs=procs, phases=phases,
                 update_tok_s=statistics.median(m["update_tok_per_s"] for m in lines[1:]))
 
 
 def trl(steps, out, dtype="float32"):
     cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", "--steps", str(steps), "--out", out, "--dtype", dtype]
-    rss, pss, procs = run_measured(cmd)
+    rss, main_rss, procs = run_measured(cmd)
     with open(os.path.join(out, "trl_steps.json")) as f:
-        return dict(step_s=json.load(f), rss=rss, pss=pss, procs=procs, phases={})
+        return dict(step_s=json.load(f), rss=rss, main_rss=main_rss, procs=procs, phases={})
 
 
 def trl_worker(steps, out, dtype):
@@ -169,6 +179,29 @@ def median_after_first(xs):
     return statistics.median(xs[1:]) if len(xs) > 1 else xs[0]
 
 
+def merged(runs):
+    """Repeats of one side -> one result: the steps after each run's first, pooled (their median is
+    the side's step time), the peak memory over all runs, the per-phase medians over the runs."""
+    steps = [t for r in runs for t in (r["step_s"][1:] if len(r["step_s"]) > 1 else r["step_s"])]
+    out = dict(step_s=[float("nan")] + steps, rss=max(r["rss"] for r in runs), main_rss=max(r["main_rss"] for r in runs),
+               procs=max(r["procs"] for r in runs), runs=[median_after_first(r["step_s"]) for r in runs],
+               phases={k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]})
+    if runs[0].get("update_tok_s"):
+        out["update_tok_s"] = statistics.median(r["update_tok_s"] for r in runs)
+    return out
+
+
+def alternated(sides, repeats, tmp):
+    """Run each side `repeats` times, alternating (A B A B ...), so a drift in the shared machine's
+    speed hits every side alike; -> {name: merged result}."""
+    runs = {name: [] for name in sides}
+    for k in range(repeats):
+        for name, fn in sides.items():
+            print(f"running {name} ({k + 1}/{repeats}) ...", flush=True)
+            runs[name].append(fn(os.path.join(tmp, f"{name.split()[0].replace(',', '')}_{len(runs[name])}")))
+    return {name: merged(rs) for name, rs in runs.items()}
+
+
 def matmul_gflops():
     """float32 matmul throughput of this machine at the tiny model's shapes (4096 x 128 @ 128 x 384)
     and at 2048^2: the ceiling the update's compute runs against."""
@@ -201,11 +234,11 @@ def compute_rate(results):
 
 def report(results, base):
     b = results[base]
-    print(f"{'':22s} {'median step':>12s} {'vs ' + base:>10s} {'peak RSS':>9s} {'peak PSS':>9s} {'procs':>5s}")
+    print(f"{'':22s} {'median step':>12s} {'vs ' + base:>10s} {'peak RSS':>9s} {'(main)':>9s} {'procs':>5s}  per run")
     for name, r in results.items():
         t = median_after_first(r["step_s"])
         print(f"{name:22s} {t:10.2f} s {median_after_first(b['step_s']) / t:9.2f}x "
-              f"{r['rss']:7.2f} G {r['pss']:7.2f} G {r['procs']:5d}")
+              f"{r['rss']:7.2f} G {r['main_rss']:7.2f} G {r['procs']:5d}  " + " ".join(f"{x:.2f}" for x in r["runs"]))
     for name, r in results.items():
         if r["phases"]:
             print(f"{name:22s} " + "  ".join(f"{k[5:]} {v:.2f}s" for k, v in r["phases"].items()))
@@ -218,27 +251,24 @@ def main():
     ap.add_argument("--dtype", choices=["float32", "bf16-mixed"], default="float32",
                     help="both sides: float32, or float32 weights with bf16 autocast (ours --dtype bf16-mixed, "
                          "TRL bf16=True)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per side, alternated; their steps pooled")
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
         return trl_worker(args.steps, args.out, args.dtype)
     tmp = args.out or tempfile.mkdtemp(prefix="bench_rl_")
-    results = {}
     if args.vs == "trl":
         try:
             import trl as _  # noqa: F401
         except ImportError:
             sys.exit("error: TRL is not installed (pip install -r requirements-bench.txt)")
-        for name, fn in [("ours (grpo)", lambda o: ours(VARIANTS["grpo"], args.steps, o, args.dtype)),
-                         ("TRL GRPOTrainer", lambda o: trl(args.steps, o, args.dtype))]:
-            print(f"running {name} ...", flush=True)
-            results[name] = fn(os.path.join(tmp, name.split()[0].lower()))
+        results = alternated({"ours (grpo)": lambda o: ours(VARIANTS["grpo"], args.steps, o, args.dtype),
+                              "TRL GRPOTrainer": lambda o: trl(args.steps, o, args.dtype)}, args.repeats, tmp)
         report(results, "TRL GRPOTrainer")
     else:
-        for name, flags in VARIANTS.items():
-            print(f"running {name} ...", flush=True)
-            results[name] = ours(flags, args.steps, os.path.join(tmp, name.replace(", ", "_").replace(" ", "_")), args.dtype)
+        results = alternated({name: (lambda o, f=flags: ours(f, args.steps, o, args.dtype)) for name, flags in VARIANTS.items()},
+                             args.repeats, tmp)
         report(results, "grpo")
     compute_rate(results)
     print(f"runs in {tmp}")

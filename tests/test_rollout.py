@@ -312,9 +312,9 @@ def test_lean_decode_step_matches_the_hf_forward(arch):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_lean_decode_under_bf16_autocast_keeps_its_cache_in_bf16():
-    """--dtype bf16-mixed on CPU: LeanStep casts its weight copies and the KV cache once (not per
-    token); its logits stay close to the HF forward's under the same autocast."""
+def test_lean_decode_under_bf16_autocast():
+    """--dtype bf16-mixed on CPU: LeanStep casts its fused weight copies once (not per token) and
+    attends in the cache's dtype; its logits stay close to the HF forward's under the same autocast."""
     import decode
 
     model = _arch_model("qwen2")
@@ -325,7 +325,7 @@ def test_lean_decode_under_bf16_autocast_keeps_its_cache_in_bf16():
         ids = torch.tensor([[3, 4, 5]])
         model(input_ids=ids, use_cache=True, **{R._forward_kwargs(model)[0]: cache})
         step = decode.LeanStep(model, cache, torch.ones_like(ids))
-    assert cache.layers[0].k_buf.dtype == torch.bfloat16 and step.layers[0].qkv.parts[0][0].dtype == torch.bfloat16
+    assert step.layers[0].qkv.parts[0][0].dtype == torch.bfloat16
     a, b = lean[0], hf[0]  # the first step (later ones feed each path's own greedy token: ties split)
     assert (a - b).abs().max() < 0.05 * b.abs().max()       # bf16: ~3 significant digits
 
@@ -337,6 +337,33 @@ def test_lean_decode_falls_back_to_the_hf_forward():
     assert not decode.supports(model)
     cache = R.kv_cache(model.config, 16)
     assert isinstance(decode.stepper(model, cache, torch.ones(1, 2, dtype=torch.long), "cache", {}), decode.HFStep)
+
+
+def test_a_group_scores_its_prompt_once_with_the_same_values_and_gradients():
+    """shared_prompt_scores (each prompt once, its KV cache copied to the group's G rows) against
+    the plain forward over every full row: log-probs, entropies and parameter gradients agree."""
+    model = tiny_model(3)
+    G, prompts = 3, prompts_of_lengths([4, 7, 2], seed=7)
+    ro = R.sample(model, [p for p in prompts for _ in range(G)], max_new_tokens=6, eos_ids=[1], pad_id=0,
+                  temperature=1.0, seeds=list(range(9)))
+    packed = ro.packed()
+    assert R.shares_prompts(packed, G) and not R.shares_prompts(packed, 2)
+    w = torch.randn(packed.input_ids.shape[0], packed.input_ids.shape[1] - 1)
+
+    def run(group):
+        model.zero_grad()
+        s = R.score_tokens(model, packed, 0.8, with_entropy=True, group=group)
+        m = ro.response_mask.float()
+        ((s.response * m * w[:, packed.P - 1:]).sum() + (s.prompt * packed.prompt_tok_mask * w[:, :packed.P - 1]).sum()).backward()
+        return s, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (a, ga), (b, gb) = run(G), run(1)
+    m, q = ro.response_mask.bool(), packed.prompt_tok_mask.bool()
+    torch.testing.assert_close(a.response[m], b.response[m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.prompt[q], b.prompt[q], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.entropy[m], b.entropy[m], atol=1e-5, rtol=1e-5)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-4)
 
 
 def test_trimmed_rows_score_like_the_full_width(model):

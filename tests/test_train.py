@@ -243,3 +243,7 @@ def test_microbatch_plan_by_rows_tokens_and_count():
     assert len(even) == 5 and sorted(i for mb in even for i in mb) == list(range(8))
     with pytest.raises(ValueError):
         batching.microbatch_plan([1, 2], size=8, count=3)
+    # Groups of 2 rows sharing a prompt stay whole and in order; ordered by their longest row.
+    grouped = batching.microbatch_plan(lens, size=4, group=2)
+    assert grouped == [[0, 1, 2, 3], [4, 5, 6, 7]]                        # groups of longest 40, 40, then 30, 22
+    assert batching.microbatch_plan(lens, size=8, max_tokens=100, group=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
