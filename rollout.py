@@ -16,6 +16,10 @@ Three pieces:
                      logits / T in float32, chunked along the sequence so a 152k vocabulary never
                      needs several (B, L, V) float32 copies.
 
+GRPO repeats each prompt for its G responses. Both the sampler and `score_tokens(group=G)` run a
+repeated prompt through the model once and give its G rows copies of its KV cache: causal
+attention makes that the same math as G full rows (`shared_prompt_scores`).
+
 Per-row reproducible sampling (the "kv" sampler, and "hf" when seeds are given): the token of row i
 at step t is drawn by inverting the CDF of softmax(z), z = logits / T (-inf outside the top-p nucleus):
     token = the first j with  sum_{k<=j} exp(z_k - max z)  >=  u * sum_k exp(z_k - max z),
