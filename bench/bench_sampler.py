@@ -75,6 +75,8 @@ def main():
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on CUDA)")
     ap.add_argument("--init", type=float, default=0.02, help="initializer_range of the random model")
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions per sampler (best kept)")
+    ap.add_argument("--group", type=int, default=1,
+                    help="each prompt repeated this many times, as GRPO's G responses (our sampler prefills it once)")
     args = ap.parse_args()
 
     device = torch.device(args.device)
@@ -88,8 +90,8 @@ def main():
     g = torch.Generator().manual_seed(0)
 
     def make_prompts(B):  # ragged lengths so left padding is exercised
-        lens = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (B,), generator=g)
-        return [torch.randint(2, V, (int(n),), generator=g).tolist() for n in lens]
+        lens = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (-(-B // args.group),), generator=g)
+        return [p for n in lens for p in [torch.randint(2, V, (int(n),), generator=g).tolist()] * args.group][:B]
 
     kw = dict(max_new_tokens=args.new, eos_ids=[], pad_id=0, temperature=args.temperature)
     runs = [("kv", {}), ("kv+seeds", {"seeds": True}), ("hf-plain", {"plain": True}), ("hf", {"sampler": "hf"}),
