@@ -331,8 +331,9 @@ class TokenScores:
 def score_tokens(model, packed: Packed, temperature, with_entropy=False, group=1) -> TokenScores:
     """One forward over [prompt | response] -> response and prompt log-probs (and entropy).
     group = G > 1: the rows come in consecutive groups of G that repeat one prompt (GRPO's G
-    responses), and each prompt runs once (shared_prompt_scores), unless a group's prompts differ."""
-    if group > 1 and shares_prompts(packed, group):
+    responses), and each prompt runs once (shared_prompt_scores), unless a group's prompts differ or
+    the model has sliding-window layers (whose cache keeps only a window of the prompt)."""
+    if group > 1 and _full_attention(distributed.unwrap(model).config) and shares_prompts(packed, group):
         return shared_prompt_scores(model, packed, temperature, with_entropy, group)
     logp, ent = token_logprobs(model, packed.input_ids, packed.attention_mask, temperature, with_entropy)
     P = packed.P
@@ -587,15 +588,19 @@ def left_pad(prompts, pad_id, device):
     return ids.to(device), mask.to(device)
 
 
+def _full_attention(config) -> bool:
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return all(t == "full_attention" for t in types) and not getattr(config, "use_sliding_window", False)
+
+
 def kv_cache(config, capacity):
     """A KV cache of `capacity` positions per row, preallocated at the first write and then written
     in place: transformers' DynamicCache grows by concatenation, copying the whole cache at every
     generated token. Models with sliding-window or other non-full-attention layers get a
     DynamicCache."""
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    if any(t != "full_attention" for t in types):
+    if not _full_attention(config):
         return DynamicCache(config=config)
-    return Cache(layers=[PreallocatedLayer(capacity) for _ in types])
+    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(config.num_hidden_layers)])
 
 
 class PreallocatedLayer(DynamicLayer):

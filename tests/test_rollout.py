@@ -366,6 +366,19 @@ def test_a_group_scores_its_prompt_once_with_the_same_values_and_gradients():
         torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-4)
 
 
+def test_sliding_window_models_score_full_rows(monkeypatch):
+    """A sliding-window layer's cache keeps only a window of the prompt: no shared prompt pass."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ro = R.sample(model, [PROMPTS[1]] * 2, max_new_tokens=4, eos_ids=[], pad_id=0, seeds=[1, 2])
+    monkeypatch.setattr(R, "shared_prompt_scores", lambda *a: pytest.fail("shared pass on a sliding window"))
+    with torch.no_grad():
+        R.score_tokens(model, ro.packed(), 1.0, group=2)
+
+
 def test_trimmed_rows_score_like_the_full_width(model):
     """Packed.trimmed drops the columns that are padding in every chosen row; the scores it gives
     land in the full-width arrays where the full forward puts them."""
