@@ -25,7 +25,6 @@ import plots
 import rollout
 import run_dir
 from data.benchmarks import benchmark_label, expand_benchmarks, load_benchmark
-from data.prompts import TEMPLATES
 
 # ----------------------------------------------------------------------------- training runs
 
@@ -139,26 +138,11 @@ def parse_args(argv=None):
     r.add_argument("runs", nargs="+", metavar="RUN_DIR")
     r.add_argument("--out", default="results/runs")
     n = sub.add_parser("nll", help="Appendix D: query NLL vs response NLL per problem")
-    n.add_argument("--model", nargs="+", required=True)
-    n.add_argument("--labels", nargs="+")
-    n.add_argument("--benchmarks", nargs="+", default=["tiny-test"])
-    n.add_argument("--data-dir", default=None)
-    n.add_argument("--limit", type=int, default=None)
+    heldout.add_sampling_args(n, benchmarks=["tiny-test"], out="results/nll")
     n.add_argument("--temperature", type=float, default=1.0)
-    n.add_argument("--max-new-tokens", type=int, default=None, help="default 3072 for --template paper, 256 for plain")
-    n.add_argument("--top-p", type=float, default=1.0)
-    n.add_argument("--grade-timeout", type=float, default=1.0, help="seconds per graded answer")
-    n.add_argument("--template", choices=sorted(TEMPLATES), default="plain")
-    n.add_argument("--batch-size", type=int, default=64)
-    n.add_argument("--sampler", choices=["kv", "hf"], default="kv")
-    n.add_argument("--seed", type=int, default=0)
-    n.add_argument("--device", default="auto")
-    n.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    n.add_argument("--out", default="results/nll")
-    n.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.cmd == "nll" and args.max_new_tokens is None:  # as evaluate.py
-        args.max_new_tokens = 3072 if args.template == "paper" else 256
+    if args.cmd == "nll" and args.max_new_tokens is None:
+        args.max_new_tokens = heldout.default_max_new_tokens(args.template)
     return args
 
 

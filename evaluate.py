@@ -38,7 +38,6 @@ import reward
 import rollout
 import run_dir
 from data.benchmarks import benchmark_label, expand_benchmarks, load_benchmark
-from data.prompts import TEMPLATES
 
 # The paper's temperature grid (method.md §6): 0.1 ... 1.0 and 1.2 ... 1.5, 14 points.
 DEFAULT_TEMPERATURES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.3, 1.4, 1.5]
@@ -412,27 +411,12 @@ def fail(msg):
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    heldout.add_sampling_args(p, benchmarks=["tiny"], out="results/eval", out_help="output folder (resumes if it exists)")
     add = p.add_argument
-    add("--model", nargs="+", required=True, help="HF model folder(s) (or hub ids)")
-    add("--labels", nargs="+", help="names for the models in tables (default: paths)")
-    add("--benchmarks", nargs="+", default=["tiny"], help="names (tiny, tiny-test, paper, aime24, math500, ...) or .jsonl paths")
-    add("--data-dir", default=None, help="local copies of the hub benchmarks (aime2024.jsonl, math500.jsonl, ...); default $ERPO_DATA_DIR")
-    add("--limit", type=int, default=None, help="first N problems of each benchmark")
     add("--temperatures", nargs="+", type=float, default=DEFAULT_TEMPERATURES)
     add("--n", "--num-samples", dest="n", type=int, default=32,
         help="samples per problem and temperature (under torchrun write --num-samples: torchrun takes --n as its own)")
     add("--k", nargs="+", type=int, default=None, help="pass@k values (default: 1, powers of 2 up to n, and n)")
-    add("--top-p", type=float, default=1.0)
-    add("--max-new-tokens", type=int, default=None, help="default 3072 for --template paper, 256 for plain (the tiny world)")
-    add("--template", choices=sorted(TEMPLATES), default="plain", help="prompt template; must match the one the model was trained with")
-    add("--batch-size", type=int, default=64, help="sequences decoded at once")
-    add("--sampler", choices=["kv", "hf"], default="kv")
-    add("--seed", type=int, default=0, help="salt of the per-sample seeds")
-    add("--device", default="auto")
-    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    add("--grade-timeout", type=float, default=1.0, help="seconds per graded answer")
-    add("--out", default="results/eval", help="output folder (resumes if it exists)")
-    add("--no-progress", action="store_true")
     return p
 
 
@@ -455,7 +439,7 @@ def parse_args(argv=None):
         fail("temperatures must be >= 0")
     args.temperatures = sorted({temp_key(t) for t in args.temperatures})
     if args.max_new_tokens is None:
-        args.max_new_tokens = 3072 if args.template == "paper" else 256
+        args.max_new_tokens = heldout.default_max_new_tokens(args.template)
     return args
 
 

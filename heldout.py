@@ -11,7 +11,33 @@ import torch
 import distributed
 import reward
 import rollout
-from data.prompts import PromptSet, encode_prompts
+from data.prompts import TEMPLATES, PromptSet, encode_prompts
+
+
+def add_sampling_args(p, *, benchmarks, out, out_help="output folder"):
+    """The flags evaluate.py and `analysis.py nll` share (models, problems, how to sample), defined once."""
+    add = p.add_argument
+    add("--model", nargs="+", required=True, help="HF model folder(s) (or hub ids)")
+    add("--labels", nargs="+", help="names for the models in tables (default: paths)")
+    add("--benchmarks", nargs="+", default=benchmarks, help="names (tiny, tiny-test, paper, aime24, math500, ...) or .jsonl paths")
+    add("--data-dir", default=None, help="local copies of the hub benchmarks (aime2024.jsonl, math500.jsonl, ...); default $ERPO_DATA_DIR")
+    add("--limit", type=int, default=None, help="first N problems of each benchmark")
+    add("--top-p", type=float, default=1.0)
+    add("--max-new-tokens", type=int, default=None, help="default 3072 for --template paper, 256 for plain (the tiny world)")
+    add("--template", choices=sorted(TEMPLATES), default="plain", help="prompt template; must match the one the model was trained with")
+    add("--batch-size", type=int, default=64, help="sequences decoded at once")
+    add("--sampler", choices=["kv", "hf"], default="kv")
+    add("--seed", type=int, default=0, help="salt of the per-sample seeds")
+    add("--device", default="auto")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add("--grade-timeout", type=float, default=1.0, help="seconds per graded answer")
+    add("--out", default=out, help=out_help)
+    add("--no-progress", action="store_true")
+
+
+def default_max_new_tokens(template) -> int:
+    """The paper's 3,072-token budget for its template; the tiny world's answers fit in 256."""
+    return 3072 if template == "paper" else 256
 
 
 @torch.no_grad()
