@@ -78,7 +78,8 @@ class LeanStep:
         self.cos = (emb.cos() * rope.attention_scaling).to(w0.dtype)
         self.sin = (emb.sin() * rope.attention_scaling).to(w0.dtype)
         fuse = w0.device.type == "cpu"  # one matmul instead of three (two); costs a weight copy
-        dev = w0.device.type  # under autocast the copies are made in its dtype: cast once, not per token
+        dev = w0.device.type
+        # Under autocast the fused copies are made in its dtype: cast once, not at every token.
         cast = torch.get_autocast_dtype(dev) if fuse and torch.is_autocast_enabled(dev) else None
         self.layers = [_Layer(layer, fuse, cast) for layer in inner.layers]
         # Additive attention bias over cache positions, one row per (row, kv head): -inf on prompt
