@@ -26,7 +26,9 @@ def _add(parser, name, default, help, choices=None, show_default=True):
     """One flag. Every flag's argparse default is None, so "given on the command line" is
     `value is not None`; the table default is applied after the config file."""
     flag = "--" + name.replace("_", "-")
-    shown = f"default: {default}; " if show_default else ""
+    # argparse %-formats help text: a literal "40% of ..." would raise in --help
+    help = help.replace("%", "%%")
+    shown = f"default: {default}; ".replace("%", "%%") if show_default else ""
     if isinstance(default, bool):          # --fsdp, --fsdp true, --fsdp false
         parser.add_argument(flag, nargs="?", const=True, type=parse_bool, help=help + " (true/false)")
     elif isinstance(default, (list, tuple)) and len(default) == 2 and all(isinstance(x, float) for x in default):

@@ -18,6 +18,7 @@ request. Needs `pip install -r requirements-bench.txt`.
     python bench/bench_grader_pool.py
 """
 
+import argparse
 import logging
 import multiprocessing
 import os
@@ -160,9 +161,16 @@ def in_thread(make, n):
     return q.get() if not q.empty() else "no answer"
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=500, help="realistic (gold, pred) pairs for the throughput figure")
+    args = ap.parse_args(argv)
+    try:
+        import pebble as _  # noqa: F401
+    except ImportError:
+        sys.exit("error: pebble is not installed (pip install -r requirements-bench.txt)")
     n = mvp._num_runners()
-    pairs = realistic_pairs()
+    pairs = realistic_pairs(args.pairs)
     print(f"{len(pairs)} pairs, {n} workers, python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs\n")
     rows = {}

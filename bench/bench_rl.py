@@ -243,7 +243,7 @@ def report(results, base):
             print(f"{name:22s} " + "  ".join(f"{k[5:]} {v:.2f}s" for k, v in r["phases"].items()))
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vs", choices=["trl"], help="compare our GRPO step with TRL's GRPOTrainer")
     ap.add_argument("--steps", type=int, default=6)
@@ -253,7 +253,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2, help="runs per side, alternated; their steps pooled")
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.trl_worker:
         return trl_worker(args.steps, args.out, args.dtype)
     tmp = args.out or tempfile.mkdtemp(prefix="bench_rl_")

@@ -63,7 +63,7 @@ def timed(fn, device):
     return out, time.perf_counter() - t0
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -77,7 +77,7 @@ def main():
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions per sampler (best kept)")
     ap.add_argument("--group", type=int, default=1,
                     help="each prompt repeated this many times, as GRPO's G responses (our sampler prefills it once)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (

@@ -146,7 +146,7 @@ def erpo_update(model, ro, qref_logp, a, opt, amp, mem):
     return int(packed.attention_mask.sum()), grads, len(plan), peak_loop, mem.peak()
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="7b", choices=sorted(PRESETS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -158,7 +158,7 @@ def main():
     ap.add_argument("--decode-new", type=int, default=256, help="new tokens of the ours-vs-HF decode comparison")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the GPU (default: by name)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     _, P, N, R, MT = PRESETS[a.preset]
     a.prompt_len, a.new_tokens, a.rows, a.micro_tokens = a.prompt_len or P, a.new_tokens or N, a.rows or R, a.micro_tokens or MT
     a.group = 8 if a.rows % 8 == 0 else a.rows

@@ -1,0 +1,68 @@
+"""`--help` of every command a user can run: the entry scripts, analysis.py's verbs, the study, the
+benchmarks, the data generator and the golden-metrics tool. In-process (one import of torch for
+all of them): each must print its usage and exit 0, since argparse renders every option's help only
+when asked, so a broken help string (a bare `%` is a format to argparse) hides until a user types
+--help."""
+
+import ast
+import glob
+import importlib.util
+import os
+
+import pytest
+
+from tests.test_docs import source_files
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# file -> the argument lists whose help is shown (a verb's own --help after the verb)
+COMMANDS = {
+    "train.py": [["--help"]],
+    "evaluate.py": [["--help"]],
+    "analysis.py": [["--help"], ["runs", "--help"], ["nll", "--help"]],
+    "study/miniature.py": [["--help"]],
+    "bench/bench_rl.py": [["--help"]],
+    "bench/bench_sampler.py": [["--help"]],
+    "bench/bench_grader_pool.py": [["--help"]],
+    "bench/gpu_check.py": [["--help"]],
+    "data/tinymath/prepare.py": [["--help"]],
+    "tests/test_golden.py": [["--help"]],
+}
+# `python mathverify_pool.py --server N` is the grader pool's own child process, not a command;
+# tests/test_docs.py's main guard runs pytest.
+NOT_COMMANDS = {"mathverify_pool.py", "tests/test_docs.py"}
+
+
+def scripts_with_a_main_guard():
+    """Every project .py file (the shipped source, as test_docs walks it, and tests/) that does
+    something under `if __name__ == "__main__"`."""
+    paths = [*source_files(ROOT, (".py",)), *glob.glob(os.path.join(ROOT, "tests", "*.py"))]
+    out = set()
+    for path in paths:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        if any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body):
+            out.add(os.path.relpath(path, ROOT).replace(os.sep, "/"))
+    return out
+
+
+def test_every_command_is_listed():
+    assert scripts_with_a_main_guard() - NOT_COMMANDS == set(COMMANDS)
+
+
+def load(rel):
+    """The script as a module of its own name (a bench/ file is no package member)."""
+    spec = importlib.util.spec_from_file_location("entry_" + rel.replace("/", "_")[:-3], os.path.join(ROOT, rel))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("rel,argv", [(rel, argv) for rel, argvs in COMMANDS.items() for argv in argvs],
+                         ids=[f"{rel} {' '.join(argv)}" for rel, argvs in COMMANDS.items() for argv in argvs])
+def test_help(rel, argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load(rel).main(argv)
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage:"), out[-2000:]
+    assert "--help" in out
