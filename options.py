@@ -26,21 +26,20 @@ def _add(parser, name, default, help, choices=None, show_default=True):
     """One flag. Every flag's argparse default is None, so "given on the command line" is
     `value is not None`; the table default is applied after the config file."""
     flag = "--" + name.replace("_", "-")
-    # argparse %-formats help text: a literal "40% of ..." would raise in --help
-    help = help.replace("%", "%%")
-    shown = f"default: {default}; ".replace("%", "%%") if show_default else ""
+    shown = f"default: {default}" if show_default else ""
     if isinstance(default, bool):          # --fsdp, --fsdp true, --fsdp false
-        parser.add_argument(flag, nargs="?", const=True, type=parse_bool, help=help + " (true/false)")
+        kwargs, note = dict(nargs="?", const=True, type=parse_bool), "true/false"
     elif isinstance(default, (list, tuple)) and len(default) == 2 and all(isinstance(x, float) for x in default):
-        parser.add_argument(flag, nargs=2, type=float, metavar=("LO", "HI"), help=help)
+        kwargs, note = dict(nargs=2, type=float, metavar=("LO", "HI")), ""
     elif isinstance(default, list):
-        parser.add_argument(flag, nargs="*", help=help)
+        kwargs, note = dict(nargs="*"), ""
     elif isinstance(choices, str):         # a range such as ">=2", ">0", "(0,1]"
-        kind = type(default)
-        parser.add_argument(flag, type=_in_range(kind, choices), help=f"{help} ({shown}{choices})")
+        kwargs, note = dict(type=_in_range(type(default), choices)), "; ".join(filter(None, [shown, choices]))
     else:
-        kind = str if default is None else type(default)
-        parser.add_argument(flag, type=kind, choices=choices, help=f"{help} ({shown.rstrip('; ')})" if shown else help)
+        kwargs, note = dict(type=str if default is None else type(default), choices=choices), shown
+    text = f"{help} ({note})" if note else help
+    # argparse %-formats help text: a literal "40% of ..." would raise in --help
+    parser.add_argument(flag, help=text.replace("%", "%%"), **kwargs)
 
 
 def _in_range(kind, spec):

@@ -12,7 +12,7 @@ import torch
 
 import losses
 import train
-from tests.test_golden import is_exact, load_tolerances
+from tests.rounding import is_exact, load_tolerances
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
@@ -83,9 +83,12 @@ def test_the_skipped_old_policy_forward_changes_nothing(tmp_path, small_data, mo
     different kernels (a batched forward with grad vs without); each within 10x the worst
     difference between the paths measured across CPU kernel variants (tests/golden/tolerances.json,
     `python -m tests.test_golden tolerances`). Also: the second run reuses the shared Query-KL cache."""
-    skipped, computed = skipped_and_computed(
-        str(tmp_path), small_data, lambda: monkeypatch.setattr(train, "on_policy_rows", lambda run, upd_rows: slice(0, 0)))
-    assert capsys.readouterr().out.count("query-KL reference cache: reused") == 1  # the second run's
+    def compute_pi_old():
+        assert "reused" not in capsys.readouterr().out                  # the first run built the cache
+        monkeypatch.setattr(train, "on_policy_rows", lambda run, upd_rows: slice(0, 0))
+
+    skipped, computed = skipped_and_computed(str(tmp_path), small_data, compute_pi_old)
+    assert "query-KL reference cache: reused" in capsys.readouterr().out  # the second run reused it
     atol = load_tolerances()["skipped_forward"]
     for a, b in zip(skipped, computed):
         for k in SKIPPED_FORWARD_KEYS:
