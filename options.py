@@ -34,7 +34,8 @@ def _add(parser, name, default, help, choices=None, show_default=True):
     elif isinstance(default, list):
         kwargs, note = dict(nargs="*"), ""
     elif isinstance(choices, str):         # a range such as ">=2", ">0", "(0,1]"
-        kwargs, note = dict(type=_in_range(type(default), choices)), "; ".join(filter(None, [shown, choices]))
+        kwargs = dict(type=_in_range(type(default), choices))
+        note = "; ".join(filter(None, [shown, choices]))
     else:
         kwargs, note = dict(type=str if default is None else type(default), choices=choices), shown
     text = f"{help} ({note})" if note else help

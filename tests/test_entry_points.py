@@ -52,7 +52,8 @@ def test_every_command_is_listed():
 
 def load(rel):
     """The script as a module of its own name (a bench/ file is no package member)."""
-    spec = importlib.util.spec_from_file_location("entry_" + rel.replace("/", "_")[:-3], os.path.join(ROOT, rel))
+    name = "entry_" + rel.replace("/", "_")[:-3]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, rel))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

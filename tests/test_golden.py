@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.rounding import KERNELS, SAFETY, TOLERANCES, is_exact, is_timing, kernel_env, load_tolerances, tolerance
+from tests.rounding import (KERNELS, SAFETY, TOLERANCES, is_exact, is_timing, kernel_env, load_tolerances,
+                            tolerance)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden")
@@ -236,7 +237,8 @@ def measure_tolerances():
             _, want = load_golden(algo)
             scale = {k: max(abs(m[k]) for m in want if k in m) for k in diffs["native"]}
             result["worst"][algo] = diffs
-            result["golden"][algo] = {k: tolerance([d[k] for d in diffs.values()], scale[k]) for k in sorted(scale)}
+            result["golden"][algo] = {k: tolerance([d[k] for d in diffs.values()], scale[k])
+                                      for k in sorted(scale)}
     diffs, scale = two_path_differences()
     result["worst"]["skipped_forward"] = diffs
     result["skipped_forward"] = {k: tolerance([d[k] for d in diffs.values()], scale[k]) for k in scale}
@@ -247,7 +249,8 @@ def measure_tolerances():
 
 
 def _commit():
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                 capture_output=True, text=True).stdout.strip())
     return commit, dirty
@@ -261,7 +264,8 @@ def _machine():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor() or platform.machine()
-    return {"cpu": cpu, "torch": torch.__version__, "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {"cpu": cpu, "torch": torch.__version__,
+            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def record_golden():
@@ -281,7 +285,8 @@ def record_golden():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Record the golden metrics, or measure their rounding tolerances.")
+    ap = argparse.ArgumentParser(
+        description="Record the golden metrics, or measure their rounding tolerances.")
     ap.add_argument("what", choices=["record", "tolerances"],
                     help="record: rerun and rewrite tests/golden/{erpo,grpo}.jsonl (a deliberate change of "
                          "behaviour only); tolerances: re-measure tests/golden/tolerances.json")
