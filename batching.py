@@ -60,21 +60,33 @@ def prompt_group(a) -> int:
     return a.group_size if a.share_prompts and not (a.fsdp or a.grad_ckpt) else 1
 
 
-def microbatch_plan(lengths: list[int], size: int, max_tokens: int = 0, count: int = 0, group: int = 1) -> list[list[int]]:
-    """Rows (indices into `lengths`, their token counts) grouped into micro-batches, longest first,
-    so each micro-batch pads only to its own longest row: at most `size` rows and, if max_tokens,
-    at most max_tokens padded tokens (rows x longest) each; a row longer than that goes alone.
-    With count > the number of groups, the largest are halved until there are `count` (under FSDP2
-    every rank must run as many forwards: pass the most any rank needs). group > 1: the units are
-    runs of `group` consecutive rows (a prompt's G responses), kept whole and in order."""
+def padded_width(lengths, rows) -> int:
+    """Columns of a micro-batch of `rows`: its longest row, or where lengths are (prompt, response)
+    pairs, its longest prompt plus its longest response (the [left-padded prompt | right-padded
+    response] layout pads each side to its own longest)."""
+    if isinstance(lengths[rows[0]], int):
+        return max(lengths[i] for i in rows)
+    return max(lengths[i][0] for i in rows) + max(lengths[i][1] for i in rows)
+
+
+def microbatch_plan(lengths: list, size: int, max_tokens: int = 0, count: int = 0, group: int = 1) -> list[list[int]]:
+    """Rows (indices into `lengths`: each row's tokens, or its (prompt, response) tokens) grouped
+    into micro-batches, longest first, so each micro-batch pads only to its own longest rows: at
+    most `size` rows and, if max_tokens, at most max_tokens padded tokens (rows x padded_width)
+    each; a row longer than that goes alone. With count > the number of groups, the largest are
+    halved until there are `count` (under FSDP2 every rank must run as many forwards: pass the
+    most any rank needs). group > 1: the units are runs of `group` consecutive rows (a prompt's G
+    responses), kept whole and in order."""
     if group > 1:
-        longest = [max(lengths[i:i + group]) for i in range(0, len(lengths), group)]
+        units = [range(i, i + group) for i in range(0, len(lengths), group)]
+        longest = [_longest([lengths[i] for i in u]) for u in units]
         plan = microbatch_plan(longest, max(1, size // group), max_tokens // group, count)
         return [[g * group + j for g in mb for j in range(group)] for mb in plan]
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep row order
+    total = [x if isinstance(x, int) else sum(x) for x in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: -total[i])  # stable: ties keep row order
     plan, cur = [], []
     for i in order:
-        if cur and (len(cur) == size or (max_tokens and (len(cur) + 1) * lengths[cur[0]] > max_tokens)):
+        if cur and (len(cur) == size or (max_tokens and (len(cur) + 1) * padded_width(lengths, cur + [i]) > max_tokens)):
             plan.append(cur)
             cur = []
         cur.append(i)
@@ -85,3 +97,10 @@ def microbatch_plan(lengths: list[int], size: int, max_tokens: int = 0, count: i
             raise ValueError(f"cannot split {len(lengths)} rows into {count} micro-batches")
         plan[j:j + 1] = [plan[j][:len(plan[j]) // 2], plan[j][len(plan[j]) // 2:]]
     return plan
+
+
+def _longest(lengths):
+    """A group's widths: its longest row, or its longest prompt and longest response."""
+    if isinstance(lengths[0], int):
+        return max(lengths)
+    return (max(p for p, _ in lengths), max(r for _, r in lengths))

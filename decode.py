@@ -17,6 +17,7 @@ sharded model) get `HFStep`, the HF forward per step; `stepper` picks.
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 ARCHS = {"qwen2", "llama"}                       # the decoder layer LeanStep implements
 STATIC_ROPE = {"default", "linear", "llama3"}    # RoPE types with a fixed inv_freq
@@ -77,7 +78,9 @@ class LeanStep:
         emb = torch.cat((freqs, freqs), -1)
         self.cos = (emb.cos() * rope.attention_scaling).to(w0.dtype)
         self.sin = (emb.sin() * rope.attention_scaling).to(w0.dtype)
-        fuse = w0.device.type == "cpu"  # one matmul instead of three (two); costs a weight copy
+        # One matmul instead of three (two) on CPU; costs a weight copy. (Fake tensors, which
+        # memory_measure uses to measure a GPU's step on a CPU, stand for a GPU's: no copy.)
+        fuse = w0.device.type == "cpu" and not is_fake(w0)
         dev = w0.device.type
         # Under autocast the fused copies are made in its dtype: cast once, not at every token.
         cast = torch.get_autocast_dtype(dev) if fuse and torch.is_autocast_enabled(dev) else None
@@ -86,13 +89,9 @@ class LeanStep:
         # padding, 0 on real tokens and on every generated position (finished rows decode on,
         # ignored). (B * Hkv, 1, capacity)
         B, P = mask.shape
-        bias = torch.zeros(B, self.Hkv, 1, cache.layers[0].capacity, dtype=w0.dtype, device=w0.device)
+        bias = torch.zeros(B, self.Hkv, 1, cache.layers[0].capacity, dtype=cache.layers[0].k_buf.dtype, device=w0.device)
         bias[..., :P].masked_fill_(mask[:, None, None, :] == 0, float("-inf"))
         self.bias, self.dev = bias, dev
-        for c in cache.layers:  # under autocast the prefill leaves K (rotated) float32 but V bf16: one dtype
-            if c.v_buf.dtype != c.k_buf.dtype:
-                c.v_buf = c.v_buf.to(c.k_buf.dtype)
-                c.values = c.v_buf[:, :, :c.length]
 
     def select(self, rows):
         self.bias = self.bias[rows]

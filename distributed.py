@@ -9,6 +9,7 @@ import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,13 @@ class Dist:
         return self.rank == 0
 
 
-def setup(device="auto") -> Dist:
+def setup(device="auto", fsdp=False, timeout_min=120.0) -> Dist:
     """Join the process group torchrun describes: gloo on CPU, nccl on GPU ("auto": CUDA when
-    available, one GPU per local rank)."""
+    available, one GPU per local rank). A plain `python` process (world size 1) gets a group of
+    one only where FSDP2 needs one (`fully_shard` shards over a device mesh): otherwise --fsdp
+    would silently train unsharded. timeout_min: how long a rank waits at a collective before the
+    job is aborted; NCCL's default of 10 minutes fires while ranks wait for one that evaluates a
+    long held-out set or writes a 30 GB export."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if device not in ("auto", "cuda") and not str(device).startswith("cuda"):
@@ -38,8 +43,11 @@ def setup(device="auto") -> Dist:
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
+    backend, timeout = "nccl" if device.type == "cuda" else "gloo", timedelta(minutes=timeout_min)
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, timeout=timeout)
+    elif fsdp and not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Dist(rank, world, device)
 
 
@@ -112,6 +120,15 @@ def all_finite(values) -> bool:
     return all_max(torch.tensor(bad)).item() == 0
 
 
+def read_scalars(values: dict, finite=()) -> dict[str, float] | None:
+    """{name: a 0-d tensor or number} -> {name: float}, or None where a value named in `finite` is
+    not finite on some rank: an optimizer step's one host read after backward (its loss statistics
+    and grad norm), so the micro-batch loop never waits on the device. (The fake-tensor memory
+    measurement, which has no values to read, replaces this: memory_measure.stub_scalar_reads.)"""
+    host = {k: float(v) for k, v in values.items()}
+    return host if all_finite([host[k] for k in finite]) else None
+
+
 def all_gather_list(items: list) -> list:
     """Concatenate per-rank Python lists in rank order."""
     if not dist.is_initialized():
@@ -125,13 +142,15 @@ def all_gather_list(items: list) -> list:
 # Wrapping the policy
 
 
-def wrap_model(model, device, fsdp=False, bf16=False, grad_ckpt=False, trainable=True):
+def wrap_model(model, device, fsdp=False, bf16=False, grad_ckpt=False, trainable=True, mesh=None):
     """DDP (a full replica per rank), or FSDP2 (`fully_shard` each decoder layer, then the root:
     parameters, gradients and Adam state sharded across ranks, what 7B/32B models need).
     grad_ckpt: activation checkpointing of every decoder layer (recompute in backward instead of
     storing each layer's activations), applied before sharding. A model that is not trained (the
     reference) is sharded like the policy under FSDP2 and left as it is otherwise (no DDP). A model
-    sharded already (rollout.load_policy(shard=...)) is returned as it is."""
+    sharded already (rollout.load_policy(shard=...)) is returned as it is. mesh: FSDP2's device
+    mesh (default: all ranks); DDP's gradients are views into its reduction buckets, not a
+    second copy of them."""
     if is_fsdp(model):
         return model
     if grad_ckpt:
@@ -145,11 +164,12 @@ def wrap_model(model, device, fsdp=False, bf16=False, grad_ckpt=False, trainable
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+        kw |= {"mesh": mesh} if mesh is not None else {}
         for layer in model.model.layers:
             fully_shard(layer, **kw)
         return fully_shard(model, **kw)
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
 
 def sharder(fsdp, device, bf16, grad_ckpt=False, trainable=True):
@@ -221,19 +241,17 @@ def gathered(model, dtype=None):
 
 @contextmanager
 def grad_sync(model, sync):
-    """Gradient accumulation: skip the cross-rank gradient reduction on all but the last
-    micro-batch (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
-    if sync or not dist.is_initialized():
+    """Gradient accumulation: DDP skips the cross-rank gradient reduction on all but the last
+    micro-batch (no_sync: its replica's gradient is full-size anyway). FSDP2 reduces every
+    micro-batch: skipping it (set_requires_gradient_sync(False)) would keep each parameter's
+    UNSHARDED float32 gradient until the synced micro-batch, a whole model's gradient per GPU
+    (~28 GiB at 7B) where the sharded one is 1/world of it. One reduce-scatter per micro-batch is
+    the price (what torchtitan and verl's FSDP2 paths pay too)."""
+    if sync or not dist.is_initialized() or not hasattr(model, "no_sync"):
         yield
-    elif hasattr(model, "no_sync"):
+    else:
         with model.no_sync():
             yield
-    else:
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
 
 
 def full_state(model, opt=None):

@@ -15,9 +15,13 @@ interrupted run resumes where it stopped), summary.json, results.md, accuracy_vs
     python evaluate.py --model Qwen/Qwen2.5-Math-7B --template paper --benchmarks paper \\
         --data-dir /path/to/benchmarks --n 32 --k 1 8 32 --max-new-tokens 3072 --out results/7b
 
-Training-run plots and the Appendix D NLL study are analysis.py. Sampling is seeded per sample:
-the seed of (salt, benchmark, problem, temperature, sample index) is rollout.row_seed, so a
-resumed or re-run evaluation draws the same samples, and all models see the same seeds.
+A --model is an HF folder or hub id, a run folder (runs/erpo: its ckpt/), or any checkpoint of a
+run, including the sharded ones of an FSDP2 run (ckpt/dcp/: the run's initial model gives the
+architecture, the shards the weights; run_dir.find_model). Prompts plus --max-new-tokens must fit
+the model's positions (checked before it samples). Training-run plots and the Appendix D NLL
+study are analysis.py. Sampling is seeded per sample: the seed of (salt, benchmark, problem,
+temperature, sample index) is rollout.row_seed, so a resumed or re-run evaluation draws the same
+samples, and all models see the same seeds.
 """
 
 import argparse
@@ -35,9 +39,10 @@ import distributed
 import heldout
 import plots
 import reward
-import rollout
 import run_dir
 from data.benchmarks import benchmark_label, expand_benchmarks, load_benchmark
+from data.prompts import PromptSet, encode_prompts
+from errors import DataError
 
 # The paper's temperature grid (method.md §6): 0.1 ... 1.0 and 1.2 ... 1.5, 14 points.
 DEFAULT_TEMPERATURES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.3, 1.4, 1.5]
@@ -364,7 +369,8 @@ def run_sweep(args, benches, d: distributed.Dist):
                 distributed.print0(f"{key}: all samples already in {path}")
                 continue
             print(f"{key}: {todo} samples to generate" + (f" on rank {d.rank}" if d.world > 1 else ""))
-            model, tokenizer = rollout.load_policy(model_path, device=d.device, dtype=args.dtype)
+            model, tokenizer = heldout.load_model(model_path, d.device, args.dtype)
+            check_fits(model, tokenizer, benches, args)
             evaluate_model(model.eval(), tokenizer, key, share, args.temperatures, args.n, f, done,
                            template=args.template, max_new_tokens=args.max_new_tokens,
                            top_p=args.top_p, batch_size=args.batch_size, seed=args.seed,
@@ -373,6 +379,16 @@ def run_sweep(args, benches, d: distributed.Dist):
             del model
     distributed.barrier()
     return write_results(args, benches) if d.main else None
+
+
+def check_fits(model, tokenizer, benches, args):
+    """Before a model samples: every prompt of every benchmark (all of them, on every rank, so all
+    ranks stop together) plus --max-new-tokens within the model's positions."""
+    sets = {b: PromptSet(rows, encode_prompts(tokenizer, rows, args.template)) for b, rows in benches.items()}
+    try:
+        heldout.check_fits(model, sets, args.max_new_tokens, what="benchmark")
+    except DataError as e:
+        fail(str(e))
 
 
 def write_results(args, benches):
@@ -411,12 +427,18 @@ def fail(msg):
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    heldout.add_sampling_args(p, benchmarks=["tiny"], out="results/eval", out_help="output folder (resumes if it exists)")
+    heldout.add_sampling_args(p, benchmarks=["tiny"], out="results/eval",
+                              out_help="output folder (resumes if it exists)",
+                              model_help="HF model folder(s) or hub ids, run folders, or checkpoints of a run (an "
+                                         "FSDP2 run's sharded ckpt/ too)")
     add = p.add_argument
     add("--temperatures", nargs="+", type=float, default=DEFAULT_TEMPERATURES)
     add("--n", "--num-samples", dest="n", type=int, default=32,
         help="samples per problem and temperature (under torchrun write --num-samples: torchrun takes --n as its own)")
     add("--k", nargs="+", type=int, default=None, help="pass@k values (default: 1, powers of 2 up to n, and n)")
+    add("--nccl-timeout", type=float, default=120.0,
+        help="under torchrun: minutes a rank waits at a collective before the job is aborted (NCCL's own 10 "
+             "would fire while ranks wait for one that loads a model or grades)")
     return p
 
 
@@ -430,6 +452,8 @@ def parse_args(argv=None):
         fail(f"--labels needs one name per --model ({len(args.model)}), got {len(args.labels)}")
     if args.n < 1:
         fail("--n must be >= 1")
+    if args.nccl_timeout <= 0:
+        fail("--nccl-timeout must be > 0 (minutes)")
     if args.k is None:  # 1, 2, 4, ... up to n, and n itself
         args.k = sorted({args.n} | {2 ** i for i in range(args.n.bit_length()) if 2 ** i <= args.n})
     bad = [k for k in args.k if not 1 <= k <= args.n]
@@ -463,7 +487,9 @@ def main(argv=None):
     ranks, one merged samples.jsonl and summary)."""
     args = parse_args(argv)
     benches = load_benchmarks(args.benchmarks, args.limit, args.data_dir)
-    d = distributed.setup(args.device)
+    for m in args.model:
+        run_dir.find_model(m)                       # neither a model nor a checkpoint: one line, now
+    d = distributed.setup(args.device, timeout_min=args.nccl_timeout)
     os.makedirs(args.out, exist_ok=True)
     if d.main:
         try:

@@ -9,15 +9,17 @@ accuracy). The full protocol (temperature grid, n samples, pass@k) is evaluate.p
 import torch
 
 import distributed
+import errors
 import reward
 import rollout
-from data.prompts import TEMPLATES, PromptSet, encode_prompts
+import run_dir
+from data.prompts import TEMPLATES, PromptSet, check_positions, encode_prompts
 
 
-def add_sampling_args(p, *, benchmarks, out, out_help="output folder"):
+def add_sampling_args(p, *, benchmarks, out, out_help="output folder", model_help="HF model folder(s) (or hub ids)"):
     """The flags evaluate.py and `analysis.py nll` share (models, problems, how to sample), defined once."""
     add = p.add_argument
-    add("--model", nargs="+", required=True, help="HF model folder(s) (or hub ids)")
+    add("--model", nargs="+", required=True, help=model_help)
     add("--labels", nargs="+", help="names for the models in tables (default: paths)")
     add("--benchmarks", nargs="+", default=benchmarks, help="names (tiny, tiny-test, paper, aime24, math500, ...) or .jsonl paths")
     add("--data-dir", default=None, help="local copies of the hub benchmarks (aime2024.jsonl, math500.jsonl, ...); default $ERPO_DATA_DIR")
@@ -35,16 +37,41 @@ def add_sampling_args(p, *, benchmarks, out, out_help="output folder"):
     add("--no-progress", action="store_true")
 
 
+def load_model(path, device="cpu", dtype=None):
+    """(model, tokenizer) of a --model: an HF folder or hub id, a run folder, or any checkpoint
+    (run_dir.find_model); the sharded checkpoint of an FSDP2 run is the run's initial model
+    (architecture, tokenizer, generation config: what train.py resumes such a checkpoint on) with
+    the checkpoint's weights, in `dtype` (rollout.load_policy's). (The initial weights are read
+    once and overwritten: a few seconds of disk at 7B, against hours of sampling.)"""
+    src = run_dir.find_model(path)
+    model, tokenizer = rollout.load_policy(src.model, device=device, dtype=dtype)
+    if src.dcp:
+        run_dir.load_sharded_weights(model, src.dcp)
+    return model, tokenizer
+
+
 def default_max_new_tokens(template) -> int:
     """The paper's 3,072-token budget for its template; the tiny world's answers fit in 256."""
     return 3072 if template == "paper" else 256
+
+
+def check_fits(model, evalsets: dict[str, PromptSet], max_new_tokens, flag="--max-new-tokens", what="held-out set"):
+    """Every prompt of every set plus max_new_tokens within the model's positions
+    (config.max_position_embeddings), or DataError naming the set, the count, the longest prompt and
+    what to lower. Call it before any sampling, on every rank (the same sets: all ranks stop)."""
+    limit = getattr(distributed.unwrap(model).config, "max_position_embeddings", None)
+    for name, ps in evalsets.items():
+        check_positions(f"{what} {name}", ps.ids, max_new_tokens, limit, flag)
 
 
 @torch.no_grad()
 def heldout_accuracy(model, tokenizer, evalsets: dict[str, PromptSet], spec: rollout.SampleSpec, temperature,
                      seed) -> dict:
     """-> {"eval_acc": acc on the first set, "eval_acc/<name>": ..., "eval_acc/<name>/L<level>": ...}.
-    Every rank must call it (an FSDP2 policy is gathered once for decoding, a collective)."""
+    Every rank must call it (an FSDP2 policy is gathered once for decoding, a collective).
+    A prompt that does not fit the model's positions with spec.max_new_tokens: one-line exit."""
+    with errors.one_line():
+        check_fits(model, evalsets, spec.max_new_tokens)
     out = {}
     with distributed.gathered(model, spec.weights_dtype) as decoder:
         for si, (name, ps) in enumerate(evalsets.items()):

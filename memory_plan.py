@@ -46,6 +46,13 @@ class Arch:
         layer = (h * q + q) + 2 * (h * kv + kv) + q * h + 3 * h * self.inter + 2 * h
         return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
 
+    def qkv_params(self) -> int:
+        return self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    def layer_params(self) -> int:
+        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.heads * self.head_dim
+        return (h * q + q) + 2 * (h * kv + kv) + q * h + 3 * h * self.inter + 2 * h
+
     def kv_bytes_per_position(self, dtype_bytes=2) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
@@ -56,50 +63,135 @@ class Arch:
         return dtype_bytes * (4 * self.hidden + self.heads * self.head_dim + 2 * kv + 4 * self.inter)
 
 
-def arch_for(model: str) -> Arch:
-    """From a local folder's config.json, or the shipped configs/models/<name>.json of a hub id."""
+def config_path(model: str) -> str:
+    """A local folder's config.json, or the shipped configs/models/<name>.json of a hub id."""
     for path in (os.path.join(model, "config.json"),
                  os.path.join(HERE, "configs", "models", os.path.basename(model.rstrip("/")) + ".json")):
         if os.path.isfile(path):
-            with open(path) as f:
-                return Arch.from_config(json.load(f))
+            return path
     raise SystemExit(f"error: no config.json for {model!r} (a model folder, or one of "
                      f"{sorted(os.listdir(os.path.join(HERE, 'configs', 'models')))} in configs/models/)")
+
+
+def arch_for(model: str) -> Arch:
+    with open(config_path(model)) as f:
+        return Arch.from_config(json.load(f))
 
 
 @dataclass(frozen=True)
 class Term:
     name: str
     bytes: float
-    phase: str    # "both", "rollout" or "update"
+    phases: tuple          # the phases it is alive in, of PHASES
     note: str
 
 
-def terms(arch: Arch, a, gpus: int, needs_ref: bool, kv_rows: int, master_bytes=4, compute_bytes=2) -> list[Term]:
-    """The per-GPU terms for options `a` (train.py's) on `gpus` GPUs (FSDP2 shards over all of
-    them; DDP keeps full replicas)."""
-    P, shard = arch.params(), (gpus if a.fsdp else 1)
-    seq = a.max_prompt_len + a.max_new_tokens
-    micro_tokens = micro_batch_tokens(a)
-    layers_kept = 1 if a.grad_ckpt else arch.layers
-    act = micro_tokens * (arch.activation_bytes_per_token_layer(compute_bytes) * layers_kept +
-                          (arch.layers * arch.hidden * compute_bytes if a.grad_ckpt else 0))
-    chunk = min(2 ** 26, micro_tokens * arch.vocab)  # rollout.token_logprobs' float32 working set
-    return [
-        Term("parameters", P * master_bytes / shard, "both", f"{P / 1e9:.2f}B x {master_bytes} B / {shard}"),
-        Term("gradients", P * master_bytes / shard, "update", "freed (set_to_none) outside the update"),
-        Term("Adam state", 2 * P * 4 / shard, "both", "exp_avg + exp_avg_sq, float32"),
-        Term("reference", P * compute_bytes / shard if needs_ref else 0, "both",
-             "bf16, sharded like the policy" if needs_ref else "none (no Policy-KL used or measured)"),
-        Term("decoding copy", P * compute_bytes if a.fsdp else 0, "rollout",
-             "the gathered bf16 policy, one per GPU while sampling" if a.fsdp else "DDP decodes its replica"),
-        Term("KV cache chunk", kv_rows * seq * arch.kv_bytes_per_position(compute_bytes), "rollout",
-             f"{kv_rows} rows x {seq} positions"),
-        Term("activations", act, "update", f"micro-batch of {micro_tokens} tokens (at most), "
-             + ("checkpointed layer inputs + one layer" if a.grad_ckpt else "every layer")),
-        Term("logits", micro_tokens * arch.vocab * compute_bytes + 3 * 4 * chunk, "update",
-             "the micro-batch's logits + the float32 log-softmax chunk"),
+PHASES = ("rollout", "score", "update", "optimizer")
+ALL = PHASES
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The bytes per element of what a run holds: float32 master weights (bf16 with --dtype
+    bfloat16), bf16 compute under bf16-mixed (--dtype auto on CUDA)."""
+    master: int
+    compute: int
+    mixed: bool            # float32 weights computing in bf16 (autocast / FSDP2's param_dtype)
+    kv: int                # the KV cache's element size (rollout.kv_dtype)
+
+    @classmethod
+    def of(cls, a, device) -> "Precision":
+        name = getattr(a, "dtype", "auto")
+        mixed = name == "bf16-mixed" or (name == "auto" and device == "cuda")
+        master = 2 if name in ("bfloat16", "float16") else 4
+        compute = 2 if mixed else master
+        return cls(master, compute, mixed, 4 if mixed and device == "cpu" else compute)
+
+
+def terms(arch: Arch, a, gpus: int, needs_ref: bool, device="cuda") -> list[Term]:
+    """What one GPU (rank) holds in each phase of an RL step under options `a` (train.py's) on
+    `gpus` ranks (FSDP2 shards over all of them; DDP keeps full replicas). device "cpu": the
+    CPU's choices (LeanStep's fused weight copies, a float32 KV cache under autocast).
+    memory_measure measures the same phases from the code; tests/test_memory.py holds the two
+    within 15% of each other."""
+    p, P = Precision.of(a, device), arch.params()
+    fsdp, shard = bool(a.fsdp), (gpus if a.fsdp else 1)
+    h, V, L, I = arch.hidden, arch.vocab, arch.layers, arch.inter
+    f = forward_shape(a, V)
+    rows, seq = kv_rows(a, gpus), a.max_prompt_len + a.max_new_tokens
+    prefill_tokens = max(1, rows // a.group_size) * a.max_prompt_len
+    out = [
+        Term("parameters", P * p.master / shard, ALL, f"{P / 1e9:.2f}B x {p.master} B / {shard}"),
+        Term("Adam state", 2 * P * p.master / shard, ALL, "exp_avg + exp_avg_sq (allocated at the first step)"),
+        Term("reference", P * p.compute / shard if needs_ref else 0, ALL,
+             ("bf16" if p.mixed else "the weights' dtype") + (", sharded like the policy" if fsdp else ", a full copy")
+             if needs_ref else "none (no Policy-KL used or measured)"),
+        Term("gradients", P * p.master / shard, ("update", "optimizer"), "sharded under FSDP2 (reduced every micro-batch); freed after each step"),
     ]
+    if p.mixed and not fsdp:  # autocast casts each float32 matmul weight once per region (the step)
+        matmul = P if arch.tied else P - V * h                            # the embedding is a lookup
+        out.append(Term("autocast copies", matmul * 2, ALL, "bf16 copies of the matmul weights, kept until the optimizer step"))
+    if fsdp:
+        out.append(Term("gathered layers", (2 * V * h + h + 2 * arch.layer_params()) * p.compute, ("score", "update"),
+                        "FSDP2: the root (embedding, lm_head) and two decoder layers unsharded at once"))
+    # Rollout: the decoding copy, the KV cache of one sampler call, the prefill's working set.
+    if fsdp:
+        out.append(Term("decoding copy", P * p.compute, ("rollout",), "distributed.gathered: the whole policy on every GPU, freed before scoring"))
+    if device == "cpu":
+        fused = L * (arch.qkv_params() + 2 * h * I) * (2 if p.mixed else 4)
+        out.append(Term("fused copies", fused, ("rollout",), "CPU only: LeanStep's concatenated q/k/v and gate/up weights"))
+    out += [
+        Term("KV cache", rows * seq * arch.kv_bytes_per_position(p.kv), ("rollout",), f"{rows} rows x {seq} positions, {p.kv} B"),
+        Term("prefill", prefill_tokens * (3 * I + 4 * h) * p.compute + rows * V * 4 * 2, ("rollout",),
+             f"one layer's working set over {prefill_tokens} distinct prompt tokens"),
+    ]
+    # Scoring and update: one micro-batch. _TokenLogprob's float32 blocks: the forward holds z =
+    # logits / T (bf16 logits: and their float32 copy), the backward about three blocks (and a bf16 cast).
+    block = 4 * f.block
+    logits, grad = f.logit_tokens * V * p.compute, f.grad_tokens * V * p.compute
+    per_layer = arch.activation_bytes_per_token_layer(p.compute)
+    saved = f.act_tokens * (L * h * p.compute if a.grad_ckpt else L * per_layer)
+    out += [
+        Term("scoring forward", max(logits + block * (1 if p.compute == 4 else 2), f.act_tokens * (3 * I + 4 * h) * p.compute),
+             ("score",), f"{f.logit_tokens} tokens of logits + float32 log-softmax blocks (or a layer's working set)"),
+        Term("saved activations", saved, ("update",), ("checkpointed layer inputs" if a.grad_ckpt else "every layer's saved tensors")
+             + f" of {f.act_tokens} tokens"),
+        Term("update working set", max(logits + grad + block * (3 if p.compute == 4 else 3.5), f.act_tokens * per_layer * 2 if a.grad_ckpt else 0),
+             ("update",), "logits + their gradient + float32 blocks" + (" (or a recomputed layer and its gradients)" if a.grad_ckpt else "")),
+        Term("optimizer temporaries", P * p.master / shard, ("optimizer",), "foreach AdamW: sqrt(exp_avg_sq) of every parameter"),
+    ]
+    return out
+
+
+@dataclass(frozen=True)
+class ForwardShape:
+    """Tokens of one training forward: what it keeps logits for, their gradient, its activations."""
+    logit_tokens: int
+    grad_tokens: int
+    act_tokens: int
+    block: int            # elements of one float32 log-softmax block (rollout._logprob_chunk)
+
+
+def forward_shape(a, vocab) -> ForwardShape:
+    """One micro-batch's forward. With shared prompts (batching.prompt_group > 1) it is U = rows / G
+    prompts once and the B = rows responses (rollout.shared_prompt_scores): the prompts' logits,
+    the responses' twice (their own and the copy that lines them up), and the prompts' gradient
+    twice (the slice feeding the first response token zero-fills a second one)."""
+    G, Pl, R = a.group_size, a.max_prompt_len, a.max_new_tokens
+    shared = G > 1 and getattr(a, "share_prompts", True) and not (a.fsdp or a.grad_ckpt)
+    if not shared:
+        t = micro_batch_tokens(a)
+        return ForwardShape(t, t, t, min(2 ** 26, t * vocab))
+    cap = getattr(a, "micro_tokens", 0)
+    groups = max(1, min(a.micro_batch // G, (cap // G) // (Pl + R) if cap else a.micro_batch))
+    return ForwardShape(groups * (Pl + 2 * G * R), groups * (2 * Pl + G * R), groups * (Pl + G * R),
+                        min(2 ** 26, max(groups * Pl, groups * G * R) * vocab))
+
+
+def phases(arch: Arch, a, gpus: int, needs_ref: bool, device="cuda") -> dict[str, float]:
+    """{phase: planned peak bytes per GPU}."""
+    ts = terms(arch, a, gpus, needs_ref, device)
+    return {ph: sum(t.bytes for t in ts if ph in t.phases) for ph in PHASES}
 
 
 def micro_batch_tokens(a) -> int:
@@ -107,7 +199,7 @@ def micro_batch_tokens(a) -> int:
     capped by --micro-tokens (a single longest row always fits: it goes alone)."""
     seq = a.max_prompt_len + a.max_new_tokens
     cap = getattr(a, "micro_tokens", 0)
-    return max(seq, min(a.micro_batch * seq, cap)) if cap else a.micro_batch * seq
+    return max(seq, min(a.micro_batch * seq, cap // seq * seq)) if cap else a.micro_batch * seq
 
 
 def kv_rows(a, gpus) -> int:
@@ -119,16 +211,27 @@ def kv_rows(a, gpus) -> int:
     return rows
 
 
-def report(a, gpus: int, needs_ref: bool) -> str:
+NOT_COUNTED = "not counted (not tensors): the CUDA context (~0.5-1 GiB), NCCL buffers, allocator fragmentation"
+
+
+def report(a, gpus: int, needs_ref: bool, measured=None) -> str:
+    """The plan, term by term and per phase, and beside it the measurement (memory_measure.Measured) if given."""
     arch = arch_for(a.model)
-    rows = kv_rows(a, gpus)
-    ts = terms(arch, a, gpus, needs_ref, rows)
-    peaks = {ph: sum(t.bytes for t in ts if t.phase in ("both", ph)) for ph in ("rollout", "update")}
-    phase = max(peaks, key=peaks.get)
+    ts, plan = terms(arch, a, gpus, needs_ref), phases(arch, a, gpus, needs_ref)
     lines = [f"memory plan per GPU: {a.model} ({arch.params() / 1e9:.2f}B parameters), {gpus} GPU(s), "
              f"{'FSDP2' if a.fsdp else 'DDP'}{', activation checkpointing' if a.grad_ckpt else ''}"]
-    lines += [f"  {t.name:16s} {t.bytes / GIB:8.2f} GiB  [{t.phase}]  {t.note}" for t in ts]
-    lines += [f"  {'rollout peak':16s} {peaks['rollout'] / GIB:8.2f} GiB", f"  {'update peak':16s} {peaks['update'] / GIB:8.2f} GiB",
-              f"plan: peak_gib_per_gpu={peaks[phase] / GIB:.1f} gpus={gpus} phase={phase} decode_rows={rows} "
-              f"micro_tokens={micro_batch_tokens(a)}"]
+    lines += [f"  {t.name:22s} {t.bytes / GIB:8.2f} GiB  [{', '.join(t.phases) if t.phases != ALL else 'all'}]  {t.note}" for t in ts if t.bytes]
+    lines.append(f"  {'phase':22s} {'plan GiB':>8s}" + (f" {'measured GiB':>13s}" if measured else ""))
+    for ph in PHASES:
+        got = f" {measured.peaks[ph] / GIB:13.2f}" if measured else ""
+        lines.append(f"  {ph:22s} {plan[ph] / GIB:8.2f}{got}")
+    if measured:
+        lines.append(f"  measured: {'fake' if measured.fake else 'real'} tensors on {measured.world} rank(s) running train.py's step "
+                     f"(memory_measure.py; {measured.micro_batches} update micro-batches)")
+    lines.append(f"  {NOT_COUNTED}")
+    peak = max(plan, key=plan.get)
+    m = f" measured_update_gib_per_gpu={max(measured.peaks['update'], measured.peaks['optimizer']) / GIB:.1f}" \
+        f" measured_rollout_gib_per_gpu={measured.peaks['rollout'] / GIB:.1f}" if measured else ""
+    lines.append(f"plan: peak_gib_per_gpu={plan[peak] / GIB:.1f} update_gib_per_gpu={max(plan['update'], plan['optimizer']) / GIB:.1f}{m} "
+                 f"gpus={gpus} phase={peak} decode_rows={kv_rows(a, gpus)} micro_tokens={micro_batch_tokens(a)}")
     return "\n".join(lines)

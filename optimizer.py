@@ -7,8 +7,11 @@ or shortened run is the same run, and the SFT warm start's length can be picked 
 import torch
 
 
-def adamw(model, lr, weight_decay, betas=(0.9, 0.999)):
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+def adamw(model, lr, weight_decay, betas=(0.9, 0.999), foreach=None):
+    """foreach None: torch's choice (the multi-tensor kernels on CUDA, whose temporaries are as
+    large as the optimizer state; a loop over parameters on CPU). memory_measure passes True to
+    measure on a CPU what a GPU allocates."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, foreach=foreach)
 
 
 def warmup_then_constant(opt, warmup_steps):
@@ -16,10 +19,11 @@ def warmup_then_constant(opt, warmup_steps):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
 
 
-def clip_grad(model, max_norm) -> float:
-    """Clip to max_norm (<= 0: no clipping) and return the pre-clip global grad norm."""
+def clip_grad(model, max_norm) -> torch.Tensor:
+    """Clip to max_norm (<= 0: no clipping) and return the pre-clip global grad norm, a 0-d tensor
+    (read it on the host once, with the step's other scalars: distributed.read_scalars)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # DTensor under FSDP2
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor under FSDP2
 
 
 def step(opt, sched):

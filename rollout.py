@@ -43,6 +43,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 import decode
@@ -52,9 +53,12 @@ import distributed
 # Loading
 
 
-def _default_attn_implementation() -> str:
-    # flash-attn is an optional GPU extra (requirements-gpu.txt); it does not build on CPU boxes.
-    if torch.cuda.is_available():
+def _default_attn_implementation(dtype) -> str:
+    # flash-attn is an optional GPU extra (requirements-gpu.txt); it does not build on CPU boxes,
+    # and it computes only in bf16/fp16: float32 weights (--dtype float32) get SDPA. (Float32 master
+    # weights under bf16 autocast are fine: autocast hands flash-attn bf16 q/k/v.)
+    mixed = dtype == torch.float32 and torch.is_autocast_enabled("cuda")
+    if torch.cuda.is_available() and (dtype in (torch.bfloat16, torch.float16) or mixed):
         try:
             import flash_attn  # noqa: F401
 
@@ -131,7 +135,7 @@ def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None, sha
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if attn_implementation is None:
-        attn_implementation = _default_attn_implementation() if device.type == "cuda" else "sdpa"
+        attn_implementation = _default_attn_implementation(dtype) if device.type == "cuda" else "sdpa"
     if shard is not None:
         model = _load_sharded(path, device, dtype, attn_implementation, shard)
     else:
@@ -241,11 +245,18 @@ class SampleSpec:
     kv_budget: int = 0                 # KV-cache positions per sampler call (rows x (prompt + new)); 0 = no cap
 
     @classmethod
-    def make(cls, model, tokenizer, max_new_tokens, sampler, batch_size, kv_budget, bf16):
+    def make(cls, model, tokenizer, max_new_tokens, sampler, batch_size, kv_budget, bf16, opt=None):
         """The spec of a training run: stop ids from the model and tokenizer; on CUDA a kv_budget
-        of 0 means a share of the free GPU memory (kv_budget_from_memory), on CPU no cap."""
+        of 0 means a share of the free GPU memory (kv_budget_from_memory), on CPU no cap. The
+        free memory is measured now, before the optimizer `opt` has its Adam state (allocated at
+        its first step) and before bf16 autocast has cast the float32 weights once (it keeps
+        those copies for the region): both are set aside first."""
         if kv_budget == 0 and next(model.parameters()).is_cuda:
-            kv_budget = kv_budget_from_memory(model.config, torch.bfloat16 if bf16 else next(model.parameters()).dtype)
+            local = sum(_local(p).numel() for p in model.parameters())
+            adam = 2 * 4 * local if opt is not None and not opt.state else 0
+            casts = 2 * local if bf16 and not any(hasattr(p, "to_local") for p in model.parameters()) else 0
+            kv_budget = kv_budget_from_memory(model.config, torch.bfloat16 if bf16 else next(model.parameters()).dtype,
+                                              reserve_bytes=adam + casts)
         return cls(max_new_tokens, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, sampler, batch_size,
                    torch.bfloat16 if bf16 else None, kv_budget)
 
@@ -257,10 +268,16 @@ class SampleSpec:
         return min(fit, self.batch_size) if self.batch_size else fit
 
 
-def kv_budget_from_memory(config, dtype, fraction=0.4) -> int:
-    """KV-cache positions that fit in `fraction` of the free GPU memory: each position holds K and V
-    of every layer, num_key_value_heads x head_dim values each."""
-    free, _ = torch.cuda.mem_get_info()
+def _local(p):
+    """This rank's part of a parameter (its shard under FSDP2)."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def kv_budget_from_memory(config, dtype, fraction=0.4, reserve_bytes=0) -> int:
+    """KV-cache positions that fit in `fraction` of the free GPU memory, less `reserve_bytes` still
+    to be allocated: each position holds K and V of every layer, num_key_value_heads x head_dim
+    values each, in `dtype` (the cache's: kv_dtype)."""
+    free = max(0, torch.cuda.mem_get_info()[0] - reserve_bytes)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
     return int(fraction * free // per_position)
@@ -291,7 +308,21 @@ class Rollout:
         return Packed(input_ids=torch.cat([self.prompt_ids, self.response_ids], 1),
                       attention_mask=torch.cat([self.prompt_mask, self.response_mask], 1),
                       prompt_tok_mask=self.prompt_mask[:, 1:] * self.prompt_mask[:, :-1],
-                      P=self.prompt_ids.shape[1])
+                      P=self.prompt_ids.shape[1],
+                      lengths=list(zip(self.prompt_mask.sum(1).tolist(), self.response_mask.sum(1).tolist())))
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of one forward and the width of their trimmed layout (Packed.trimmed): decided on the
+    host from Packed.lengths, so a micro-batch loop reads nothing back from the device."""
+    rows: torch.Tensor                 # (n,) row indices into the Packed
+    prompt_len: int                    # the rows' longest prompt (the trimmed layout's P, >= 1)
+    response_len: int                  # their longest response (>= 1)
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.rows) * (self.prompt_len + self.response_len)
 
 
 @dataclass
@@ -305,18 +336,28 @@ class Packed:
     attention_mask: torch.LongTensor   # (B, P+R)
     prompt_tok_mask: torch.LongTensor  # (B, P-1)
     P: int
+    lengths: list[tuple[int, int]] | None = None  # host copy: (prompt, response) tokens of each row
 
     def rows(self, sl) -> "Packed":
-        return Packed(self.input_ids[sl], self.attention_mask[sl], self.prompt_tok_mask[sl], self.P)
+        lengths = None if self.lengths is None else self.lengths[sl]
+        return Packed(self.input_ids[sl], self.attention_mask[sl], self.prompt_tok_mask[sl], self.P, lengths)
 
-    def trimmed(self, idx) -> tuple["Packed", slice, slice]:
-        """Rows idx without the columns that are padding in all of them (a shorter forward), and
-        which columns of the full-width (B, P-1) prompt and (B, R) response score arrays the
-        trimmed rows' scores cover. Positions come from the attention mask, so a row's scores do
-        not depend on how much padding surrounds it."""
+    def micro_batch(self, rows: list[int]) -> MicroBatch:
+        """Rows as a MicroBatch, its widths from the host lengths."""
+        return MicroBatch(torch.tensor(rows, device=self.input_ids.device),
+                          max(1, max(self.lengths[i][0] for i in rows)), max(1, max(self.lengths[i][1] for i in rows)))
+
+    def trimmed(self, mb) -> tuple["Packed", slice, slice]:
+        """The rows of a MicroBatch (or an index tensor: widths then read from the mask) without the
+        columns that are padding in all of them (a shorter forward), and which columns of the
+        full-width (B, P-1) prompt and (B, R) response score arrays the trimmed rows' scores cover.
+        Positions come from the attention mask, so a row's scores do not depend on how much
+        padding surrounds it."""
+        if not isinstance(mb, MicroBatch):
+            mask = self.attention_mask[mb]
+            mb = MicroBatch(mb, max(1, int(mask[:, :self.P].sum(1).max())), max(1, int(mask[:, self.P:].sum(1).max())))
+        idx, p, r = mb.rows, mb.prompt_len, mb.response_len
         mask = self.attention_mask[idx]
-        p = max(1, int(mask[:, :self.P].sum(1).max()))                 # longest prompt
-        r = max(1, int(mask[:, self.P:].sum(1).max()))                 # longest response (>= 1)
         cols = slice(self.P - p, self.P + r)
         return (Packed(self.input_ids[idx][:, cols], mask[:, cols], self.prompt_tok_mask[idx][:, self.P - p:self.P - 1], p),
                 slice(self.P - p, self.P - 1), slice(0, r))
@@ -329,12 +370,13 @@ class TokenScores:
     entropy: torch.Tensor | None       # (B, R) entropy of each response position, or None
 
 
-def score_tokens(model, packed: Packed, temperature, with_entropy=False, group=1) -> TokenScores:
+def score_tokens(model, packed: Packed, temperature, with_entropy=False, group=1, checked=False) -> TokenScores:
     """One forward over [prompt | response] -> response and prompt log-probs (and entropy).
     group = G > 1: the rows come in consecutive groups of G that repeat one prompt (GRPO's G
     responses), and each prompt runs once (shared_prompt_scores), unless a group's prompts differ or
-    the model has sliding-window layers (whose cache keeps only a window of the prompt)."""
-    if group > 1 and _full_attention(distributed.unwrap(model).config) and shares_prompts(packed, group):
+    the model has sliding-window layers (whose cache keeps only a window of the prompt). checked:
+    the caller has verified shares_prompts already (a host read; train.py does it once per step)."""
+    if group > 1 and _full_attention(distributed.unwrap(model).config) and (checked or shares_prompts(packed, group)):
         return shared_prompt_scores(model, packed, temperature, with_entropy, group)
     logp, ent = token_logprobs(model, packed.input_ids, packed.attention_mask, temperature, with_entropy)
     P = packed.P
@@ -371,7 +413,7 @@ def shared_prompt_scores(model, packed: Packed, temperature, with_entropy, G) ->
     rlogits = model(input_ids=ids[:, P:], attention_mask=mask, position_ids=pos[:, P:],
                     use_cache=True, **{cache_kw: cache}).logits        # (B, R, V)
     chunk = _logprob_chunk(B, rlogits.shape[-1])
-    prompt, _ = _TokenLogprob.apply(plogits[:, :-1], ids[first, 1:P], float(temperature), chunk, False)
+    prompt, _ = _TokenLogprob.apply(plogits, ids[first, 1:P], float(temperature), chunk, False)  # (unsliced: see _TokenLogprob)
     # Response token 0 is scored by the prompt's last position, tokens 1.. by the responses' own.
     logits = torch.cat([plogits[:, -1:].repeat_interleave(G, 0), rlogits[:, :-1]], 1)  # (B, R, V)
     response, ent = _TokenLogprob.apply(logits, ids[:, P:], float(temperature), chunk, bool(with_entropy))
@@ -594,14 +636,14 @@ def _full_attention(config) -> bool:
     return all(t == "full_attention" for t in types) and not getattr(config, "use_sliding_window", False)
 
 
-def kv_cache(config, capacity):
-    """A KV cache of `capacity` positions per row, preallocated at the first write and then written
-    in place: transformers' DynamicCache grows by concatenation, copying the whole cache at every
-    generated token. Models with sliding-window or other non-full-attention layers get a
-    DynamicCache."""
+def kv_cache(config, capacity, dtype=None):
+    """A KV cache of `capacity` positions per row in `dtype` (None: the first write's), preallocated
+    at the first write and then written in place: transformers' DynamicCache grows by
+    concatenation, copying the whole cache at every generated token. Models with sliding-window or
+    other non-full-attention layers get a DynamicCache."""
     if not _full_attention(config):
         return DynamicCache(config=config)
-    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(config.num_hidden_layers)])
+    return Cache(layers=[PreallocatedLayer(capacity, dtype) for _ in range(config.num_hidden_layers)])
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -609,15 +651,15 @@ class PreallocatedLayer(DynamicLayer):
     `values` are views of the filled part. Row compaction (batch_select_indices) copies only the
     kept rows."""
 
-    def __init__(self, capacity):
+    def __init__(self, capacity, dtype=None):
         super().__init__()
-        self.capacity, self.length = capacity, 0
+        self.capacity, self.length, self.dtype = capacity, 0, dtype
 
     def lazy_initialization(self, key_states, value_states):
         B, H, _, D = key_states.shape
         self.device = key_states.device
-        self.k_buf = key_states.new_empty(B, H, self.capacity, D)
-        self.v_buf = value_states.new_empty(B, H, self.capacity, value_states.shape[-1])
+        self.k_buf = key_states.new_empty(B, H, self.capacity, D, dtype=self.dtype or key_states.dtype)
+        self.v_buf = value_states.new_empty(B, H, self.capacity, value_states.shape[-1], dtype=self.dtype or key_states.dtype)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -641,28 +683,62 @@ class PreallocatedLayer(DynamicLayer):
             self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
 
 
-def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature, top_p,
-               lockstep, progress):
-    """Our KV-cache decoding loop for one left-padded chunk: the prompts through the HF forward
-    into a preallocated cache, then one decode.stepper step per token. Finished rows are dropped
-    from the batch (and cache) once they are a quarter of it, so long tails decode at small batch."""
+@dataclass
+class Prefilled:
+    """The prompts of a sampler chunk run through the model: a KV cache with room for the
+    responses, each row's next-token logits, and the decoding step that continues from there."""
+    ids: torch.LongTensor               # (B, P) left-padded prompts, every row (copies included)
+    mask: torch.LongTensor              # (B, P)
+    pos: torch.LongTensor               # (B, P) positions (left pads shift nothing)
+    logits: torch.FloatTensor           # (B, V) float32 logits of each row's first response token
+    step: object                        # decode.stepper: (tok, pos) (B,) -> next (B, V) logits
+
+
+def kv_dtype(model) -> torch.dtype:
+    """The KV cache's dtype: the compute dtype. Under bf16 autocast on CUDA that is bf16 (the
+    prefill would leave float32 keys: RoPE multiplies by float32 tables), half the bytes of
+    float32; on CPU under autocast float32 (LeanStep's attention is faster in float32 there, and
+    memory is no concern); otherwise the weights' dtype."""
+    p = next(model.parameters())
+    dev = p.device.type
+    if torch.is_autocast_enabled(dev):  # (fake tensors stand for a GPU's: memory_measure)
+        return torch.get_autocast_dtype(dev) if dev == "cuda" or is_fake(p) else torch.float32
+    return p.dtype
+
+
+def prefill(model, prompts, pad_id, max_new_tokens) -> Prefilled:
+    """The sampler's first forward: each distinct prompt once (GRPO repeats a prompt G times) into
+    a preallocated cache of prompt + max_new_tokens positions, then the cache rows copied to the
+    prompt's repeats."""
     dev = next(model.parameters()).device
     distinct, copy_of = _distinct(prompts)
     ids, mask = left_pad(distinct, pad_id, dev)  # (U, P): as wide as all of `prompts`
     cache_kw, has_keep = _forward_kwargs(model)
     keep = {"logits_to_keep": 1} if has_keep else {}
-    cache = kv_cache(model.config, capacity=ids.shape[1] + max_new_tokens)
+    cache = kv_cache(model.config, capacity=ids.shape[1] + max_new_tokens, dtype=kv_dtype(model))
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # (U, P) explicit positions: left pads shift nothing
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                 **{cache_kw: cache}, **keep)
     logits = out.logits[:, -1].float()  # only the last position is upcast
+    del out
     if len(distinct) < len(prompts):  # a group's G rows share its prompt's cache rows, as copies
         copy_of = torch.tensor(copy_of, device=dev)
         ids, mask, pos, logits = ids[copy_of], mask[copy_of], pos[copy_of], logits[copy_of]
         cache.batch_select_indices(copy_of)
+    return Prefilled(ids, mask, pos, logits, decode.stepper(model, cache, mask, cache_kw, keep))
+
+
+def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature, top_p,
+               lockstep, progress):
+    """Our KV-cache decoding loop for one left-padded chunk: the prompts through the HF forward
+    into a preallocated cache (prefill), then one decode.stepper step per token. Finished rows are
+    dropped from the batch (and cache) once they are a quarter of it, so long tails decode at small batch."""
+    dev = next(model.parameters()).device
+    pre = prefill(model, prompts, pad_id, max_new_tokens)
+    ids, mask, logits, step = pre.ids, pre.mask, pre.logits, pre.step
     B = ids.shape[0]
-    next_pos = pos[:, -1] + 1  # (B,)
-    step = decode.stepper(model, cache, mask, cache_kw, keep)
+    next_pos = pre.pos[:, -1] + 1  # (B,)
+    del pre
 
     resp = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)
     lps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)
@@ -845,21 +921,25 @@ class _TokenLogprob(torch.autograd.Function):
     """logp[b, l] = log_softmax(logits[b, l] / T)[targets[b, l]] in float32, plus the entropy of
     that distribution (no grad). Chunked along l in forward AND backward, saving only the
     (model-dtype) logits and the (B, L) log-normalisers, so no (B, L, V) float32 copy is ever
-    held: backward recomputes softmax per chunk (d logp / d logits = (onehot - softmax) / T)."""
+    held: backward recomputes softmax per chunk (d logp / d logits = (onehot - softmax) / T).
+    targets (B, L) may be shorter than logits (B, L', V): positions >= L are not scored. That lets
+    a caller pass the model's logits unsliced: the backward of a slice logits[:, :-1] would
+    allocate a second zero-filled (B, L', V) gradient next to this one."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, chunk, with_entropy):
-        B, L, V = logits.shape
+        B, L = targets.shape
         logp = torch.empty((B, L), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if with_entropy else None
         for s in range(0, L, chunk):
-            z = logits[:, s : s + chunk].float() / temperature  # (B, c, V) float32
+            e = min(L, s + chunk)
+            z = logits[:, s:e].float() / temperature  # (B, c, V) float32
             lse_c = torch.logsumexp(z, -1)
-            lse[:, s : s + chunk] = lse_c
-            logp[:, s : s + chunk] = z.gather(-1, targets[:, s : s + chunk, None]).squeeze(-1) - lse_c
+            lse[:, s:e] = lse_c
+            logp[:, s:e] = z.gather(-1, targets[:, s:e, None]).squeeze(-1) - lse_c
             if with_entropy:  # H = lse - sum_j p_j z_j
-                ent[:, s : s + chunk] = lse_c - (torch.exp(z - lse_c[..., None]) * z).sum(-1)
+                ent[:, s:e] = lse_c - (torch.exp(z - lse_c[..., None]) * z).sum(-1)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         if with_entropy:
@@ -869,14 +949,16 @@ class _TokenLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, targets, lse = ctx.saved_tensors
-        T, chunk = ctx.temperature, ctx.chunk
+        T, chunk, L = ctx.temperature, ctx.chunk, targets.shape[1]
         grad = torch.empty_like(logits)
-        for s in range(0, logits.shape[1], chunk):
-            z = logits[:, s : s + chunk].float() / T
-            g = g_logp[:, s : s + chunk, None]  # (B, c, 1)
-            gl = -torch.exp(z - lse[:, s : s + chunk, None]) * g
-            gl.scatter_add_(-1, targets[:, s : s + chunk, None], g)
-            grad[:, s : s + chunk] = (gl / T).to(grad.dtype)
+        grad[:, L:].zero_()                     # unscored positions
+        for s in range(0, L, chunk):
+            e = min(L, s + chunk)
+            z = logits[:, s:e].float() / T
+            g = g_logp[:, s:e, None]  # (B, c, 1)
+            gl = -torch.exp(z - lse[:, s:e, None]) * g
+            gl.scatter_add_(-1, targets[:, s:e, None], g)
+            grad[:, s:e] = (gl / T).to(grad.dtype)
         return grad, None, None, None, None
 
 
@@ -907,8 +989,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
         raise ValueError("need sequences of length >= 2 to score any token")
     pos = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                   use_cache=False).logits  # (B, L, V) in the model dtype
-    logits = logits[:, :-1]
+                   use_cache=False).logits  # (B, L, V) in the model dtype; the last scores nothing
     chunk = _logprob_chunk(logits.shape[0], logits.shape[2], chunk_elems)
     return _TokenLogprob.apply(logits, input_ids[:, 1:], float(temperature), chunk,
                                bool(with_entropy))

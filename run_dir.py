@@ -4,10 +4,14 @@
       config.json      every setting of the run
       metrics.jsonl    one JSON line per step (the source of truth for plots and tables)
       query_cache.pt   the Query-KL reference (query_cache.py)
-      ckpt/            save_pretrained folder + state.pt (optimizer, scheduler, step, RNG)
+      ckpt/            save_pretrained folder + state.pt (optimizer, scheduler, step, RNG);
+                       under FSDP2: dcp/ (torch.distributed.checkpoint shards), tokenizer, state.pt
+      hf/              FSDP2 runs: the final save's Hugging Face folder
 
 A checkpoint is written to ckpt.tmp and renamed into place, so a run killed mid-save keeps its
 previous one; `--resume` continues from ckpt/ and drops the metrics lines after its step.
+`find_model` + `load_sharded_weights` let evaluate.py load any of these (a run folder, its ckpt/,
+sharded or not, or an HF folder).
 """
 
 import glob
@@ -15,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -186,13 +191,14 @@ def restore(state: TrainState | None, model, opt, sched, out):
     distributed.print0(f"resumed from {checkpoint_dir(out)} at step {state.step}")
 
 
-def save_checkpoint(out, model, tokenizer, opt, sched, step, final=False):
+def save_checkpoint(out, model, tokenizer, opt, sched, step, final=False, export_dtype=None, bf16=False):
     """Under FSDP2: each rank writes its own shards (torch.distributed.checkpoint), nothing is
-    gathered, and the final save also exports a HF folder to <out>/hf; otherwise a HF folder
-    (save_pretrained) with the optimizer state. Both with the scheduler/step/RNG state, written to
-    ckpt.tmp and renamed into place."""
+    gathered, and the final save also exports a HF folder to <out>/hf (in `export_dtype`, see
+    `export`); otherwise a HF folder (save_pretrained) of the float32 master weights with the
+    optimizer state. Both with the scheduler/step/RNG state, written to ckpt.tmp and renamed into
+    place."""
     if final and distributed.is_fsdp(model):
-        export(model, tokenizer, os.path.join(out, "hf"))
+        export(model, tokenizer, os.path.join(out, "hf"), export_dtype, bf16=bf16)
     tmp = os.path.join(out, "ckpt.tmp")
     if distributed.is_main():
         for leftover in (tmp, checkpoint_dir(out) + ".old"):  # from a run killed mid-save
@@ -249,14 +255,136 @@ def recover_checkpoint(out):
     return False
 
 
-def export(model, tokenizer, path):
-    """A loadable Hugging Face folder of the current weights (every rank joins under FSDP2)."""
+EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def export(model, tokenizer, path, dtype=None, *, bf16=False):
+    """A loadable Hugging Face folder of the current weights (every rank joins under FSDP2), in
+    `dtype`: one of EXPORT_DTYPES or a torch.dtype. None / "auto": bfloat16 when the run computed
+    in bf16 (`bf16`: distributed.uses_bf16 of the run), else the weights' own dtype (the float32
+    master weights of a float32 run, e.g. the tiny world's CPU warm start). A 7B model is 15 GB in
+    bfloat16, 30 GB in float32; config.json's "dtype" names the dtype of the files."""
     if not path:
         return
+    target = export_dtype(dtype, bf16, next(model.parameters()).dtype)  # (a bad name: before any gather)
     model_sd, _ = distributed.full_state(model)
     if distributed.is_main():
-        distributed.unwrap(model).save_pretrained(path, state_dict=model_sd)
+        distributed.unwrap(model).save_pretrained(path, state_dict=_cast(model_sd, target))
+        _set_config_dtype(path, target)
         tokenizer.save_pretrained(path)
+
+
+def export_dtype(name, bf16, weights_dtype) -> torch.dtype:
+    """The dtype `export` writes (see there)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name in (None, "auto"):
+        return torch.bfloat16 if bf16 else weights_dtype
+    if name not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {name!r}: choose from {', '.join(EXPORT_DTYPES)}")
+    return getattr(torch, name)
+
+
+def _cast(state_dict, dtype):
+    """The state dict's floating-point tensors in `dtype`, replaced in the dict one at a time (a
+    gathered float32 copy is freed as it goes: no second copy of the model; the model's own
+    parameters are untouched) and on the CPU; tensors already in `dtype` are kept; tied weights stay
+    one tensor (save_pretrained finds them by storage)."""
+    done = {}
+    for k, t in state_dict.items():
+        if t.is_floating_point() and t.dtype != dtype:
+            # an unconverted tensor's storage is alive (the dict holds it): its address names it
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+            if key not in done:
+                done[key] = t.detach().to(device="cpu", dtype=dtype)
+            state_dict[k] = done[key]
+    return state_dict
+
+
+def _set_config_dtype(path, dtype):
+    """save_pretrained writes the dtype of the model's parameters, not of the state dict it saves."""
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    name = str(dtype).removeprefix("torch.")
+    if cfg.get("dtype") != name:
+        cfg["dtype"] = name
+        with open(cfg_path, "w") as f:
+            f.write(json.dumps(cfg, indent=2, sort_keys=True) + "\n")   # as save_pretrained writes it
+
+
+# ----------------------------------------------------------------------------------------------
+# A model to evaluate: an HF folder, a run folder, or a checkpoint (sharded or not)
+
+
+@dataclass
+class ModelSource:
+    """What a --model path means: `model` is given to rollout.load_policy (an HF folder or hub
+    id); for the checkpoint of an FSDP2 run, that is the run's initial model (architecture,
+    tokenizer, generation config) and the weights then come from the shards in `dcp`."""
+    model: str
+    dcp: str | None = None
+
+
+def _is_hf_folder(path) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        glob.glob(os.path.join(path, pattern)) for pattern in ("*.safetensors", "pytorch_model*.bin"))
+
+
+def find_model(path) -> ModelSource:
+    """An HF folder (config.json + weights) as it is; a run folder (runs/erpo) means its ckpt/;
+    a checkpoint holding torch.distributed.checkpoint shards (ckpt/dcp/, an FSDP2 run's, final or
+    not) is the initial model its run's config.json names, with these weights. A path that is
+    not a folder is left to load_policy (a hub id). Anything else: SystemExit with one line."""
+    if not os.path.isdir(path) or _is_hf_folder(path):
+        return ModelSource(path)
+    ckpt = path if os.path.exists(os.path.join(path, "state.pt")) else checkpoint_dir(path)
+    if _is_hf_folder(ckpt):
+        return ModelSource(ckpt)
+    if os.path.isdir(os.path.join(ckpt, "dcp")):
+        return ModelSource(_initial_model(ckpt), os.path.join(ckpt, "dcp"))
+    raise SystemExit(f"error: {path} is neither a model folder (config.json and *.safetensors) nor a training "
+                     "checkpoint (a run folder, or its ckpt/ with state.pt)")
+
+
+def _initial_model(ckpt):
+    """The "model" of the run's config.json: as written (relative to where the run was started,
+    tried from here and from the repository), or a hub id."""
+    run = os.path.dirname(os.path.abspath(ckpt))
+    cfg_path = os.path.join(run, "config.json")
+    try:
+        with open(cfg_path) as f:
+            model = json.load(f)["model"]
+    except (OSError, ValueError, KeyError):
+        raise SystemExit(f"error: {ckpt} holds sharded weights only; the architecture is the initial model named "
+                         f"by {cfg_path} (\"model\"), which cannot be read") from None
+    for candidate in (model, os.path.join(os.path.dirname(os.path.abspath(__file__)), model)):
+        if _is_hf_folder(candidate):
+            return candidate
+    if os.path.isabs(model) or os.path.exists(model) or model.startswith("."):
+        raise SystemExit(f"error: {ckpt}: the run's initial model {model!r} ({cfg_path}), which gives the "
+                         "architecture of its sharded weights, is not a model folder from here")
+    return model                                       # a hub id
+
+
+def load_sharded_weights(model, dcp_dir):
+    """Fill a plain (unsharded) model with the weights of an FSDP2 checkpoint, in the model's own
+    dtype and device: this one process reads every shard (no process group needed, any world size
+    the run had). Weights that do not fit the model: SystemExit with one line."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():            # "torch.distributed is disabled ...": as intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=dcp_dir, no_dist=True)
+    except CheckpointException as e:             # a BaseException: the cause is its last line
+        why = [ln for ln in str(e).splitlines() if ln.strip()][-1]
+        raise SystemExit(f"error: {dcp_dir}: the checkpoint does not fit the architecture of the run's initial "
+                         f"model: {why}") from None
+    model.load_state_dict(state["model"])
+    return model
 
 
 # ----------------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def train_sft(model, tokenizer, seqs, *, steps, batch, micro_batch, lr, warmup, 
                 loss = sft_loss(model, mine[s:s + micro_batch], tokenizer.pad_token_id, n_tok, device)
                 (loss * world).backward()  # DDP averages over ranks: undo it
             tot += loss.detach().cpu()
-        gn = optimizer.clip_grad(model, grad_clip)
+        gn = float(optimizer.clip_grad(model, grad_clip))
         optimizer.step(opt, sched)
         m = {"step": step + 1, "sft_loss": distributed.all_sum(tot).item(), "grad_norm": gn,
              "lr": sched.get_last_lr()[0], "step_time": time.time() - t0}
@@ -92,7 +92,7 @@ def run(a, d, model, tokenizer, seqs, evalsets, log, amp):
     model = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16)
 
     def on_checkpoint(step):
-        run_dir.export(model, tokenizer, os.path.join(a.out, f"sft-{step:05d}"))
+        run_dir.export(model, tokenizer, os.path.join(a.out, f"sft-{step:05d}"), a.export_dtype, bf16=bf16)
         return heldout_accuracy(model, tokenizer, evalsets, spec, a.eval_temperature, a.seed)
     with amp():
         train_sft(model, tokenizer, seqs, steps=a.sft_steps, batch=a.sft_batch, micro_batch=a.micro_batch,
@@ -101,4 +101,4 @@ def run(a, d, model, tokenizer, seqs, evalsets, log, amp):
         acc = heldout_accuracy(model, tokenizer, evalsets, spec, a.eval_temperature, a.seed)
     log({"step": a.sft_steps, **acc})
     distributed.print0(json.dumps(acc, indent=1))
-    run_dir.export(model, tokenizer, a.export)
+    run_dir.export(model, tokenizer, a.export, a.export_dtype, bf16=bf16)

@@ -13,6 +13,7 @@ algorithms is a row of `losses.ALGOS`; every loss term is in `losses.py` (equati
 import os
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ import distributed
 import errors
 import faults
 import losses
+import memory_measure
 import memory_plan
 import metrics
 import optimizer
@@ -35,6 +37,7 @@ import sft
 import timer
 from data.prompts import PromptSet, load_prompt_set, step_indices
 from distributed import all_max, all_sum, print0
+import heldout
 from heldout import heldout_accuracy
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
@@ -90,6 +93,8 @@ OPTIONS = [
     ("save_every",        20,                                  "checkpoint every N steps and at the end (0 = never)", ">=0"),
     ("resume",            False,                               "continue the run in --out from its checkpoint"),
     ("export",            None,                                "after training, save the final model + tokenizer to this folder"),
+    ("export_dtype",      "auto",                              "dtype of exported HF folders (--export; an FSDP2 run's <out>/hf): auto = bfloat16 when the run computes in bf16, else the weights' own; checkpoints keep float32", list(run_dir.EXPORT_DTYPES)),
+    ("nccl_timeout",      120.0,                               "minutes a rank waits at a collective (NCCL's default 10 can fire during a long evaluation or export)", ">0"),
     ("log",               "jsonl",                             "also mirror metrics.jsonl to TensorBoard or W&B", ["jsonl", "tensorboard", "wandb"]),
 ] + sft.OPTIONS  # --sft-data, --sft-steps, ...: the warm start's own options, in sft.py
 
@@ -199,32 +204,65 @@ def on_policy_rows(run, upd_rows) -> slice:
     return slice(0, 0) if rloo_like or code else upd_rows[0]
 
 
-def microbatches(run, packed: rollout.Packed, rows: slice) -> list[torch.Tensor]:
-    """Rows as micro-batches (index tensors), longest first: <= --micro-batch rows, <= --micro-tokens
-    padded tokens, whole groups if prompts are shared, as many on every rank (FSDP2 gathers per forward)."""
-    a, lens = run.args, packed.attention_mask[rows].sum(1).tolist()
+@dataclass
+class UpdatePlan:
+    """One optimizer step: its micro-batches and the global counts its loss is divided by."""
+    micro_batches: list[rollout.MicroBatch]
+    num_tokens: float                   # valid response tokens of the update batch, all ranks (>= 1)
+    num_seqs: float                     # valid rows of the update batch, all ranks (0: DAPO filler only)
+
+
+@dataclass
+class StepPlan:
+    """Every host-side decision of a step's forwards, made once from the rollout's lengths: the
+    loops below then read nothing back from the device until the step's scalars (which is also
+    what lets memory_measure run them on fake tensors)."""
+    old: list[rollout.MicroBatch]       # no-grad pi_old forwards: the rows after `fresh`
+    fresh: list[rollout.MicroBatch]     # the rows the first update forward scores as pi_old
+    ref: list[rollout.MicroBatch]       # reference forwards, all rows (none without a reference)
+    updates: list[UpdatePlan]           # one per update batch (each PPO epoch repeats them)
+    group: int                          # G where each prompt runs once for its G rows, else 1
+
+
+def micro_batches(run, packed: rollout.Packed, rows: range) -> list[rollout.MicroBatch]:
+    """Rows as micro-batches, longest first: <= --micro-batch rows, <= --micro-tokens padded tokens,
+    whole groups if prompts are shared, as many on every rank (FSDP2 gathers per forward)."""
+    a, lens = run.args, [packed.lengths[i] for i in rows]
     plan = lambda k=0: batching.microbatch_plan(lens, a.micro_batch, a.micro_tokens, k, batching.prompt_group(a))  # noqa: E731
-    return [torch.tensor(p) + rows.start for p in plan(int(all_max(torch.tensor(len(plan())))))]
+    return [packed.micro_batch([rows.start + i for i in mb]) for mb in plan(int(all_max(torch.tensor(len(plan())))))]
+
+
+def plan_step(run, packed: rollout.Packed, valid: list[float], upd_rows: list[slice], fresh: slice) -> StepPlan:
+    B, G = len(packed.lengths), run.args.group_size
+    counts = distributed.all_sums({f"{k}{u}": sum(r * v if k == "tok" else v for (_, r), v in zip(packed.lengths[rows], valid[rows]))
+                                   for u, rows in enumerate(upd_rows) for k in ("tok", "seq")})
+    updates = [UpdatePlan(micro_batches(run, packed, range(rows.start, rows.stop)), max(1.0, counts[f"tok{u}"]), counts[f"seq{u}"])
+               for u, rows in enumerate(upd_rows)]
+    group = batching.prompt_group(run.args)
+    group = group if group > 1 and rollout.shares_prompts(packed, G) else 1   # one host read
+    return StepPlan(micro_batches(run, packed, range(fresh.stop, B)), micro_batches(run, packed, range(fresh.start, fresh.stop)),
+                    micro_batches(run, packed, range(B)) if run.ref is not None else [], updates, group)
 
 
 @torch.no_grad()
-def score_old(run, packed: rollout.Packed, sc: OldScores, rows: slice):
-    for mb in microbatches(run, packed, rows):
+def score_old(run, packed: rollout.Packed, sc: OldScores, mbs: list[rollout.MicroBatch], group):
+    for mb in mbs:
         pk, pc, rc = packed.trimmed(mb)                                # no all-padding columns
-        s = rollout.score_tokens(distributed.unwrap(run.policy), pk, run.args.temperature, True, batching.prompt_group(run.args))
-        sc.old[mb, rc], sc.prompt[mb, pc], sc.entropy[mb, rc] = s.response, s.prompt, s.entropy
+        s = rollout.score_tokens(distributed.unwrap(run.policy), pk, run.args.temperature, True, group, checked=True)
+        sc.old[mb.rows, rc], sc.prompt[mb.rows, pc], sc.entropy[mb.rows, rc] = s.response, s.prompt, s.entropy
 
 
 @torch.no_grad()
-def score_old_and_ref(run, packed: rollout.Packed, fresh: slice) -> OldScores:
+def score_old_and_ref(run, packed: rollout.Packed, fresh: slice, plan: StepPlan) -> OldScores:
     """No-grad forwards: the policy over the rows after `fresh`, the reference over all rows."""
     B, P, R = packed.input_ids.shape[0], packed.P, packed.input_ids.shape[1] - packed.P
     z = lambda n: torch.zeros(B, n, device=packed.input_ids.device)  # noqa: E731
     sc = OldScores(z(R), z(P - 1), z(R), None if run.ref is None else z(R), fresh)
-    score_old(run, packed, sc, slice(fresh.stop, B))
-    for mb in microbatches(run, packed, slice(0, B)) if run.ref is not None else []:
+    score_old(run, packed, sc, plan.old, plan.group)
+    for mb in plan.ref:
         pk, _, rc = packed.trimmed(mb)
-        sc.ref[mb, rc] = rollout.score_tokens(run.ref, pk, run.args.temperature, group=batching.prompt_group(run.args)).response
+        sc.ref[mb.rows, rc] = rollout.score_tokens(run.ref, pk, run.args.temperature, group=plan.group, checked=True).response
+    distributed.reshard(run.ref)  # FSDP2 keeps the root gathered after a forward with no backward
     return sc
 
 
@@ -261,42 +299,49 @@ class UpdateBatch:
     weights: torch.Tensor | None        # (B,) query weights
 
 
-def ppo_update(run, b: UpdateBatch, upd_rows):
+def accumulate_gradient(run, b: UpdateBatch, upd: UpdatePlan, fresh: bool, group: int) -> dict[str, torch.Tensor]:
+    """Forward + backward of each micro-batch of one optimizer step; -> its loss statistics, summed
+    over micro-batches as float64 tensors (no host read here). fresh: this forward is pi_old's too."""
+    a, algo, stats = run.args, run.algo, {}
+    for k, mb in enumerate(upd.micro_batches):
+        pk, pc, rc = b.packed.trimmed(mb)                                # r: rows, pc/rc: columns
+        r = mb.rows
+        with distributed.grad_sync(run.policy, k == len(upd.micro_batches) - 1):
+            s = rollout.score_tokens(run.policy, pk, a.temperature, fresh, group, checked=True)  # one pass per prompt
+            if fresh:
+                b.sc.old[r, rc], b.sc.prompt[r, pc], b.sc.entropy[r, rc] = s.response.detach(), s.prompt.detach(), s.entropy
+            loss, st = losses.rl_loss(                                   # PG(A*w) [+ b*PolicyKL] [+ a*QueryKL]
+                algo, logp=s.response, old_logp=b.sc.old[r, rc],
+                ref_logp=b.sc.ref[r, rc] if algo.has_policy_kl_loss else None,
+                resp_mask=b.resp_mask[r, rc], advantages=b.adv[r],
+                weights=None if b.weights is None else b.weights[r],
+                prompt_logp=s.prompt, prompt_ref_logp=b.qref[r, pc], prompt_mask=b.qmask[r, pc],
+                num_tokens=upd.num_tokens, num_seqs=upd.num_seqs, max_len=a.max_new_tokens)
+            (loss * run.dist.world).backward()
+        faults.point("mid-step")
+        for key, v in st.items():
+            stats[key] = stats.get(key, 0.0) + v.detach().double()
+    return stats
+
+
+def ppo_update(run, b: UpdateBatch, plan: StepPlan):
     """One optimizer step per global update batch (x ppo_epochs), micro-batched with gradient
     accumulation. Every loss term is divided by the GLOBAL count of its update batch (tokens or
     sequences over all micro-batches and ranks), so the gradient equals that of one big batch at
     any micro-batch size and world size (DDP averages over ranks, hence the `* world`). A step
     whose loss or gradient is not finite on any rank is skipped on every rank."""
-    a, algo, world = run.args, run.algo, run.dist.world
+    a = run.args
     stats, norms, skipped = {}, [], 0
     for epoch in range(a.ppo_epochs):
-        for u, rows in enumerate(upd_rows):
-            num_tokens = all_sum(b.resp_mask[rows].sum().float()).clamp_min(1).item()
-            num_seqs = all_sum(b.valid[rows].sum()).item()
+        for u, upd in enumerate(plan.updates):
             fresh = epoch == u == 0 and b.sc.fresh.stop > 0              # this forward is pi_old's too
-            if num_seqs == 0:  # only DAPO filler groups (every rank sees the same count): no step
-                score_old(run, b.packed, b.sc, b.sc.fresh) if fresh else None
+            if upd.num_seqs == 0:  # only DAPO filler groups (every rank sees the same count): no step
+                score_old(run, b.packed, b.sc, plan.fresh, plan.group) if fresh else None
                 continue
-            mbs, step_stats = microbatches(run, b.packed, rows), {}
-            for k, r in enumerate(mbs):                                  # r: row indices, pc/rc: columns
-                pk, pc, rc = b.packed.trimmed(r)
-                with distributed.grad_sync(run.policy, k == len(mbs) - 1):
-                    s = rollout.score_tokens(run.policy, pk, a.temperature, fresh, batching.prompt_group(a))  # one pass per prompt
-                    if fresh:
-                        b.sc.old[r, rc], b.sc.prompt[r, pc], b.sc.entropy[r, rc] = s.response.detach(), s.prompt.detach(), s.entropy
-                    loss, st = losses.rl_loss(                           # PG(A*w) [+ b*PolicyKL] [+ a*QueryKL]
-                        algo, logp=s.response, old_logp=b.sc.old[r, rc],
-                        ref_logp=b.sc.ref[r, rc] if algo.has_policy_kl_loss else None,
-                        resp_mask=b.resp_mask[r, rc], advantages=b.adv[r],
-                        weights=None if b.weights is None else b.weights[r],
-                        prompt_logp=s.prompt, prompt_ref_logp=b.qref[r, pc], prompt_mask=b.qmask[r, pc],
-                        num_tokens=num_tokens, num_seqs=num_seqs, max_len=a.max_new_tokens)
-                    (loss * world).backward()
-                faults.point("mid-step")
-                for key, v in st.items():
-                    step_stats[key] = step_stats.get(key, 0.0) + v.item()
+            step_stats = accumulate_gradient(run, b, upd, fresh, plan.group)
             norm = optimizer.clip_grad(run.policy, a.grad_clip)
-            if not distributed.all_finite([step_stats["loss"], norm]):
+            host = distributed.read_scalars({**step_stats, "grad_norm": norm}, finite=("loss", "grad_norm"))
+            if host is None:
                 run.opt.zero_grad(set_to_none=True)                      # the weights stay as they were
                 skipped, run.bad_streak = skipped + 1, run.bad_streak + 1
                 if run.bad_streak >= a.max_bad_steps:
@@ -304,9 +349,9 @@ def ppo_update(run, b: UpdateBatch, upd_rows):
                                      f"(--max-bad-steps); the last good checkpoint: {run_dir.checkpoint_dir(a.out)} (try a lower --lr)")
                 continue
             run.bad_streak = 0
-            for key, v in step_stats.items():
+            norms.append(host.pop("grad_norm"))
+            for key, v in host.items():
                 stats[key] = stats.get(key, 0.0) + v
-            norms.append(norm)
             optimizer.step(run.opt, run.sched)
     n_opt = max(1, len(norms))
     out = {k: v / n_opt for k, v in distributed.all_sums(stats).items()}
@@ -315,18 +360,26 @@ def ppo_update(run, b: UpdateBatch, upd_rows):
     return out
 
 
+def rollouts(run, step) -> Collected:
+    """The step's rollouts, sampled from a decoding copy (FSDP2: the gathered weights) that is
+    freed when this returns, before scoring and the update need the memory."""
+    with distributed.gathered(run.policy, run.spec.weights_dtype) as decoder:
+        return collect(run, decoder, step)
+
+
 def rl_step(run, step):
     """Everything of one RL step; returns its metrics (reduced over ranks)."""
     t0, G, algo, dev = time.time(), run.args.group_size, run.algo, run.dist.device
-    with distributed.gathered(run.policy, run.spec.weights_dtype) as decoder:  # FSDP2: gathered once
-        c = collect(run, decoder, step)                                  # rollouts + rewards
+    c = rollouts(run, step)                                              # rollouts + rewards
     ro, valid = c.ro.to(dev), c.valid.to(dev)
     packed = ro.packed()
     resp_mask = ro.response_mask.float() * valid[:, None]
     qmask = packed.prompt_tok_mask.float() * valid[:, None]
     upd_rows = batching.microbatches(packed.input_ids.shape[0], run.args.update_batch // run.dist.world * G)
+    fresh = on_policy_rows(run, upd_rows)
+    plan = plan_step(run, packed, c.valid.tolist(), upd_rows, fresh)
     with run.timer("score"):
-        sc = score_old_and_ref(run, packed, on_policy_rows(run, upd_rows))
+        sc = score_old_and_ref(run, packed, fresh, plan)
     qref = run.cache.ref_logp(c.prompt_idx, G, packed.P - 1).to(dev)
     rewards = c.rewards.to(dev)
     if algo.kl is not None and algo.kl_in == "reward":                   # RLOO: R - beta * sum_t KL_t
@@ -335,11 +388,59 @@ def rl_step(run, step):
     w = row_weights(run, c.prompt_idx, sc.prompt, qmask, valid, upd_rows)  # w(q)
     batch = UpdateBatch(packed, resp_mask, qmask, valid, sc, qref, adv, None if w is None else w.to(dev))
     with run.timer("update"):
-        upd = ppo_update(run, batch, upd_rows)
+        upd = ppo_update(run, batch, plan)
     m = metrics.rl_step(step, c, ro, sc, qref, qmask, resp_mask, w, upd, world=run.dist.world, lr=run.sched.get_last_lr()[0],
                         dynamic_sampling=run.algo.dynamic_sampling, seconds=run.timer.seconds,
                         update_tokens=packed.attention_mask.sum() * run.args.ppo_epochs)
     return {**m, "step_time": time.time() - t0}
+
+
+# ----------------------------------------------------------------------------------------------
+# The step's memory, measured by running it (memory_measure.py; --dry-run prints it beside the plan)
+
+
+def measure_memory(a, algo, world=1, fake=True, max_micro_batches=3) -> memory_measure.Measured:
+    """rl_step's phases on a worst-case rollout of a random model of --model's architecture:
+    fake tensors on `world` fake ranks (the paper's widths on a CPU, in seconds), or real tensors
+    in the process group this process is in. One optimizer step, of at most max_micro_batches
+    micro-batches (each of the config's size: gradients are sharded/reduced per micro-batch, so
+    more of them hold no more)."""
+    with memory_measure.fake_world(world) if fake else nullcontext((None, None)) as (mesh, _):
+        d = distributed.Dist(*distributed.rank_world(), torch.device("cpu"))
+        bf16 = distributed.uses_bf16(a.dtype, torch.device("cuda") if fake else d.device)  # fake: what a GPU runs
+        cfg = memory_measure.model_config(a.model)
+        attn = "sdpa_float32" if bf16 and not fake else "sdpa"                # as load_model on a CPU
+        policy = distributed.wrap_model(memory_measure.random_model(cfg, attn=attn), d.device, a.fsdp, bf16, a.grad_ckpt, mesh=mesh)
+        ref = None
+        if algo.kl is not None or a.measure_policy_kl:
+            ref = memory_measure.random_model(cfg, torch.bfloat16 if bf16 else torch.float32, attn).eval().requires_grad_(False)
+            ref = distributed.wrap_model(ref, d.device, a.fsdp, bf16, trainable=False, mesh=mesh)
+        opt = optimizer.adamw(policy, a.lr, a.weight_decay, foreach=True)     # torch's choice on CUDA
+        memory_measure.allocate_adam_state(policy, opt)                       # the steady state: after step 1
+        spec = rollout.SampleSpec(a.max_new_tokens, [0], 0, a.sampler, a.gen_batch, torch.bfloat16 if bf16 else None, a.kv_budget)
+        run = Run(a, algo, d, policy, ref, None, opt, optimizer.warmup_then_constant(opt, a.warmup), None, None, spec, timer.Phases("cpu"))
+        with memory_measure.real_tensors():                                   # the host-side plan: real masks
+            ro = memory_measure.worst_case_rollout(a, a.rollout_batch // d.world * a.group_size, cfg.vocab_size)
+            packed, B = ro.packed(), ro.response_ids.shape[0]
+            upd_rows = batching.microbatches(B, a.update_batch // d.world * a.group_size)[:1]
+            fresh = on_policy_rows(run, upd_rows)
+            plan = plan_step(run, packed, [1.0] * B, upd_rows, fresh)
+            for mbs in (plan.old, plan.ref, plan.updates[0].micro_batches):  # the longest come first
+                del mbs[max_micro_batches:]
+            prompts = ro.prompt_ids.tolist()
+            resp_mask, qmask, qref = ro.response_mask.float(), packed.prompt_tok_mask.float(), torch.zeros(B, packed.P - 1)
+        tracker = memory_measure.PhasePeaks()
+        with tracker, memory_measure.stub_scalar_reads() if fake else nullcontext(), distributed.precision(a.dtype, d.device)[1]():
+            tracker.track_external(policy, opt, *[ref] * (ref is not None), packed.input_ids, packed.attention_mask, resp_mask, qmask, qref)
+            tracker.optimizer_phase(opt)
+            with tracker.phase("rollout"):
+                memory_measure.decode_once(policy, spec, prompts, a.max_new_tokens)
+            with tracker.phase("score"):
+                sc = score_old_and_ref(run, packed, fresh, plan)
+            batch = UpdateBatch(packed, resp_mask, qmask, torch.ones(B), sc, qref, torch.randn(B), torch.ones(B))
+            with tracker.phase("update"):
+                ppo_update(run, batch, plan)
+    return memory_measure.Measured(tracker.peaks, d.world, fake, len(plan.updates[0].micro_batches))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,7 +468,7 @@ def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
     opt = optimizer.adamw(policy, a.lr, a.weight_decay)
     sched = optimizer.warmup_then_constant(opt, a.warmup)
     run_dir.restore(state, policy, opt, sched, a.out)                    # on --resume (state is None otherwise)
-    spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget, bf16)
+    spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget, bf16, opt)
     return Run(a, algo, d, policy, ref, tokenizer, opt, sched, data, cache, spec, timer.Phases(d.device))
 
 
@@ -390,7 +491,8 @@ def train_rl(run, evalsets, log, start, amp):
         bar.set_postfix({k: f"{m[k]:.3f}" for k in ("train_acc", "eval_acc", "query_kl", "policy_kl", "entropy") if k in m}
                         | {"s/step": f"{m['step_time']:.1f}"})
         if a.save_every and ((step + 1) % a.save_every == 0 or last):
-            run_dir.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step + 1, final=last)
+            run_dir.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step + 1, final=last,
+                                    export_dtype=a.export_dtype, bf16=distributed.uses_bf16(a.dtype, run.dist.device))
 
 
 def parse_args(argv=None):
@@ -418,9 +520,10 @@ def load_data(a, tokenizer):
 def main(argv=None):
     t0 = time.time()
     a, algo = parse_args(argv)                                          # bad options: argparse errors
-    if a.dry_run:
-        return print(memory_plan.report(a, a.plan_gpus, needs_ref=bool(algo) and (algo.kl is not None or a.measure_policy_kl)))
-    d = distributed.setup()
+    if a.dry_run:  # the plan's formulas, and the step's memory measured on fake tensors beside them
+        measured = measure_memory(a, algo, a.plan_gpus) if algo else None
+        return print(memory_plan.report(a, a.plan_gpus, bool(algo) and (algo.kl is not None or a.measure_policy_kl), measured))
+    d = distributed.setup(fsdp=a.fsdp, timeout_min=a.nccl_timeout)      # --fsdp at world size 1: a group of one
     batching.check(a, d.world) if algo else None                        # sizes that do not divide
     torch.manual_seed(a.seed), random.seed(a.seed)
     resuming = a.resume and run_dir.resumable(a.out)
@@ -429,6 +532,8 @@ def main(argv=None):
     model, tokenizer = load_model(run_dir.model_source(a.out, resuming, a.model), d, dtype, shard, bf16)
     print0(f"model {a.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {d.device}")
     evalsets, data = load_data(a, tokenizer)                            # bad data: one line, nothing written
+    with errors.one_line():                                             # prompts + responses within the positions
+        heldout.check_fits(model, evalsets, a.max_new_tokens)
     state = run_dir.load_state(a.out) if resuming else None
     log = run_dir.MetricsLog(a.out, state.step if state else 0, a.log, vars(a))  # --log's package: checked first
     run_dir.write_config(a.out, vars(a))
@@ -439,7 +544,7 @@ def main(argv=None):
             print0(f"algo {a.algo}: {options.algo_summary(algo)}")
             run = setup_rl(a, algo, d, model, tokenizer, data, state, resuming)
             train_rl(run, evalsets, log, state.step if state else 0, amp)
-            run_dir.export(run.policy, tokenizer, a.export)
+            run_dir.export(run.policy, tokenizer, a.export, a.export_dtype, bf16=bf16)
     finally:
         log.close()
     print0(run_dir.summary(a.out, time.time() - t0, list(evalsets), a.template))

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from errors import DataError
+
 # The instruction appended to every problem in the paper (method.md §5).
 PAPER_INSTRUCTION = (
     "You FIRST think about the reasoning process as an internal monologue and then provide the "
@@ -61,7 +63,7 @@ def load_prompt_set(source, tokenizer, template, max_prompt_len=None, limit=None
                     strict=False) -> PromptSet:
     """A benchmark or training set, encoded. Training sets skip (and count) rows without a problem
     or an answer unless strict; prompts longer than max_prompt_len are dropped, with a count."""
-    from data.benchmarks import DataError, load_benchmark, load_problems
+    from data.benchmarks import load_benchmark, load_problems
 
     rows = load_problems(source, limit=limit, strict=strict) if training else load_benchmark(source, limit=limit)
     ids = encode_prompts(tokenizer, rows, template)
@@ -72,6 +74,20 @@ def load_prompt_set(source, tokenizer, template, max_prompt_len=None, limit=None
     if len(keep) < len(rows):
         print(f"dropped {len(rows) - len(keep)} of {len(rows)} prompts longer than {max_prompt_len} tokens")
     return PromptSet([rows[i] for i in keep], [ids[i] for i in keep])
+
+
+def check_positions(name, ids, max_new_tokens, max_positions, flag="--max-new-tokens"):
+    """Raise DataError when some prompt plus `max_new_tokens` does not fit the model's
+    `max_positions` (config.max_position_embeddings: 4,096 for Qwen2.5-Math-7B): beyond it a model
+    decodes garbage without an error. None: no limit known."""
+    over = [len(x) for x in ids if len(x) + max_new_tokens > max_positions] if max_positions else []
+    if not over:
+        return
+    longest = max(over)
+    fix = (f"lower {flag} to {max_positions - longest}" if longest < max_positions else
+           f"drop those problems (a prompt of {longest} tokens alone exceeds the {max_positions} positions)")
+    raise DataError(f"{name}: {len(over)} of {len(ids)} prompts do not fit the model's {max_positions} positions "
+                    f"with {flag} {max_new_tokens} (longest prompt {longest} tokens): {fix}, or leave the set out")
 
 
 def step_indices(n_data, step, batch, seed) -> list[int]:

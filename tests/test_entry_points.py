@@ -25,6 +25,7 @@ COMMANDS = {
     "bench/bench_sampler.py": [["--help"]],
     "bench/bench_grader_pool.py": [["--help"]],
     "bench/gpu_check.py": [["--help"]],
+    "bench/memory_check.py": [["--help"]],
     "data/tinymath/prepare.py": [["--help"]],
     "tests/test_golden.py": [["--help"]],
 }

@@ -244,3 +244,54 @@ def test_torchrun_two_processes_give_the_one_process_sweep(tmp_path):
     assert len(recs["one"]) == 20 and recs["one"] == recs["two"]
     summaries = [json.loads((tmp_path / o / "summary.json").read_text()) for o in ("one", "two")]
     assert summaries[0] == summaries[1]
+
+
+def test_prompts_that_do_not_fit_the_models_positions_stop_before_any_sampling(tmp_path, monkeypatch, capsys,
+                                                                              tiny_model_dir):
+    """The tiny model has 256 positions (one per character here): a 200-character problem with 64 new
+    tokens, or a 300-character one alone, is named with the count, the longest prompt and the fix."""
+    rollout = pytest.importorskip("rollout")
+    monkeypatch.setattr(rollout, "sample", lambda *a, **k: pytest.fail("sampled"))
+    bench = tmp_path / "long.jsonl"
+    problems = ["1+1=?", "x" * 200, "y" * 150]
+    bench.write_text("".join(json.dumps({"id": f"p{i}", "problem": p, "answer": "2"}) + "\n"
+                             for i, p in enumerate(problems)))
+    argv = ["--model", tiny_model_dir, "--benchmarks", str(bench), "--temperatures", "1.0", "--n", "1",
+            "--max-new-tokens", "64", "--out", str(tmp_path / "o"), "--no-progress"]
+    with pytest.raises(SystemExit):
+        E.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]                # (after transformers' loading bar)
+    assert err.startswith("evaluate.py: error: benchmark long: 1 of 3 prompts")
+    assert "256 positions with --max-new-tokens 64 (longest prompt 201 tokens): lower --max-new-tokens to 55" in err
+    bench.write_text(bench.read_text() + json.dumps({"id": "p3", "problem": "z" * 300, "answer": "2"}) + "\n")
+    with pytest.raises(SystemExit):
+        E.main(argv[:-3] + ["--out", str(tmp_path / "o2"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert "2 of 4 prompts" in err and "drop those problems (a prompt of 301 tokens alone exceeds" in err
+    assert not (tmp_path / "o" / "samples.jsonl").exists() or not (tmp_path / "o" / "samples.jsonl").read_text()
+
+
+def test_heldout_sets_of_a_training_run_are_checked_against_the_positions():
+    """heldout_accuracy (train.py's periodic evaluation) refuses, before sampling, a set whose prompts
+    plus the rollout's new tokens exceed the model's max_position_embeddings (512 for the tiny model)."""
+    rollout = pytest.importorskip("rollout")
+    import heldout
+    from data.prompts import PromptSet
+    model, tok = rollout.load_policy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                  "data", "tinymath", "warmstart"))
+    sets = {"ok": PromptSet([{"answer": "1"}], [[5] * 400]),
+            "long": PromptSet([{"answer": "1"}] * 2, [[5] * 10, [5] * 480])}
+    spec = rollout.SampleSpec(48, [2], 0)
+    heldout.check_fits(model, {"ok": sets["ok"]}, 48)                  # 400 + 48 <= 512
+    with pytest.raises(SystemExit) as e:
+        heldout.heldout_accuracy(model, tok, sets, spec, temperature=1.0, seed=0)
+    assert e.value.code == ("error: held-out set long: 1 of 2 prompts do not fit the model's 512 positions with "
+                            "--max-new-tokens 48 (longest prompt 480 tokens): lower --max-new-tokens to 32, "
+                            "or leave the set out")
+
+
+def test_nccl_timeout_option():
+    assert E.parse_args(["--model", "data"]).nccl_timeout == 120.0
+    assert E.parse_args(["--model", "data", "--nccl-timeout", "30"]).nccl_timeout == 30.0
+    with pytest.raises(SystemExit):
+        E.parse_args(["--model", "data", "--nccl-timeout", "0"])

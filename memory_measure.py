@@ -1,0 +1,230 @@
+"""An RL step's memory measured from the code that runs it: the peak of live tensor bytes per phase.
+
+    python train.py --config configs/paper_qwen7b.json --dry-run     # 7B widths, 8 fake GPUs, seconds
+    python bench/memory_check.py                                     # 12 small CPU configurations, real tensors
+
+memory_plan.py says what an RL step should hold, as formulas; this module measures what the code
+holds. train.measure_memory runs the real phases of a step (the FSDP2 decoding copy with the
+sampler's prefill and one decode step, the no-grad scoring forwards, `train.ppo_update` with its
+micro-batches, gradient sync and optimizer step) under `PhasePeaks`, torch's MemTracker: every
+storage an op creates is followed by a weak reference until it is freed, so the measurement is
+everything alive at once, not a sum of named tensors. Two ways to run it:
+- real tensors, on a CPU: small models, any process group (1 process, DDP, FSDP2 over gloo);
+- fake tensors (FakeTensorMode: shapes and dtypes, no data, no arithmetic) with a fake process
+  group of N ranks: the paper's widths on a laptop, in seconds. Fake tensors have no values, so
+  every host-side decision of the step is planned first from the (small, real) masks
+  (train.plan_step), and the two reads of values after backward -- the step's scalars
+  (distributed.read_scalars) and their cross-rank sums (distributed.all_sums) -- are stubbed
+  (stub_scalar_reads; tests/test_memory.py lists them). Fake tensors stand for a GPU's: the
+  KV cache takes the compute dtype and LeanStep fuses no weights (what CPU tensors would do).
+Not measured, because they are not tensors: the CUDA context, NCCL's buffers, allocator
+fragmentation (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True keeps that small).
+"""
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import distributed
+import memory_plan
+import rollout
+
+PHASES = ("rollout", "score", "update", "optimizer")
+
+
+class PhasePeaks(MemTracker):
+    """torch's MemTracker with a peak per phase: `with tracker.phase(name)` restarts the peak at
+    the bytes alive on entry and keeps the largest total seen until its exit (a phase entered
+    again keeps its largest peak). `switch(name)` does the same from a hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.peaks: dict[str, int] = {}
+        self.at_peak: dict[str, dict[str, int]] = {}   # {phase: {kind of tensor: bytes}} at its peak
+        self._phase = None
+
+    # MemTracker's per-module statistics are not used here: its module hooks would put gradient
+    # hooks on parameters (failing on a no-grad decoding copy) and refuse a root module's second
+    # forward (every micro-batch is one). Parameters and buffers are still counted when a module runs.
+    def _pre_fw_hook(self, module, inputs):
+        self._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    def _post_fw_hook(self, module, inputs, outputs):
+        pass
+
+    def _pre_bw_hook(self, module, args):
+        pass
+
+    def _post_bw_hook(self, module, args):
+        pass
+
+    # Under FakeTensorMode, DTensor's sharding propagation runs each op once more on fake tensors
+    # of the GLOBAL shapes to learn the output's metadata, in the active fake mode: without this,
+    # clip_grad_norm_ over the sharded gradients would count the whole model's gradient, unsharded.
+    # Those tensors exist on no GPU; their ops are not counted.
+    def __enter__(self):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        self._propagating, self._saved_propagate = 0, ShardingPropagator._propagate_tensor_meta_non_cached
+        saved, tracker = self._saved_propagate, self
+
+        def propagate(prop, op_schema):
+            tracker._propagating += 1
+            try:
+                return saved(prop, op_schema)
+            finally:
+                tracker._propagating -= 1
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._saved_propagate
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._propagating:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def live(self) -> int:
+        return sum(snap["Total"] for snap in self.get_tracker_snapshot("current").values())
+
+    def switch(self, name):
+        if self._phase is not None:
+            peak = sum(self._peak_mem.values())
+            if peak > self.peaks.get(self._phase, 0):
+                self.peaks[self._phase] = peak
+                self.at_peak[self._phase] = {str(k): v for snap in self._peak_mem_snap.values() for k, v in snap.items() if v}
+        self._phase = name
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self.get_tracker_snapshot("current").items()}
+        self._peak_mem_snap = self.get_tracker_snapshot("current")
+
+    @contextmanager
+    def phase(self, name):
+        self.switch(name)
+        try:
+            yield
+        finally:
+            self.switch(None)
+
+    def optimizer_phase(self, opt):
+        """Mark every optimizer step of `opt` as the phase "optimizer" (then back to "update")."""
+        return (opt.register_step_pre_hook(lambda *_: self.switch("optimizer")),
+                opt.register_step_post_hook(lambda *_: self.switch("update")))
+
+
+@dataclass
+class Measured:
+    """Per-GPU (per-rank) peaks of live tensor bytes by phase, and what was run to get them."""
+    peaks: dict[str, int]
+    world: int
+    fake: bool
+    micro_batches: int                  # update micro-batches run (each of the config's size)
+    notes: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def fake_world(world: int):
+    """A fake process group of `world` ranks (this process is rank 0, collectives return at once)
+    and a device mesh over it, built outside fake mode, then FakeTensorMode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the fake-tensor measurement needs a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mesh, mode
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def stub_scalar_reads():
+    """Fake tensors have no values: the step's scalars read as 0 (and finite), their cross-rank
+    sums as the values given. Only these two reads are replaced."""
+    saved = distributed.read_scalars, distributed.all_sums
+    distributed.read_scalars = lambda values, finite=(): {k: 0.0 for k in values}
+    distributed.all_sums = lambda values: {k: float(v) if not torch.is_tensor(v) else 0.0 for k, v in values.items()}
+    try:
+        yield
+    finally:
+        distributed.read_scalars, distributed.all_sums = saved
+
+
+def model_config(model: str, layers: int = 0, **overrides):
+    """A transformers config of `model`'s architecture (memory_plan.arch_for finds it), optionally
+    with fewer decoder layers."""
+    from transformers import AutoConfig
+
+    path = memory_plan.config_path(model)
+    with open(path) as f:
+        c = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    c.update(overrides)
+    if layers:
+        c["num_hidden_layers"] = layers
+        c.pop("layer_types", None)
+    return AutoConfig.for_model(c.pop("model_type", "qwen2"), **c)
+
+
+def random_model(config, dtype=torch.float32, attn="sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+
+
+def allocate_adam_state(model, opt):
+    """One optimizer step on zero gradients: AdamW allocates its state at a parameter's first step,
+    and every step after the first holds it (weight decay moves the random weights a little)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def real_tensors():
+    """Real tensors inside FakeTensorMode (the host-side plan of the step); nothing outside it."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def worst_case_rollout(a, rows: int, vocab: int, seed=0) -> rollout.Rollout:
+    """`rows` rollout rows as long as the options allow: --max-prompt-len prompt tokens (groups of
+    --group-size rows share one), --max-new-tokens response tokens, none finished early: the
+    largest step the plan must hold. Random token ids (memory does not depend on them)."""
+    g = torch.Generator().manual_seed(seed)
+    G, P, R = a.group_size, a.max_prompt_len, a.max_new_tokens
+    prompts = torch.randint(2, vocab, (rows // G, P), generator=g).repeat_interleave(G, 0)
+    return rollout.Rollout(prompts, torch.ones(rows, P, dtype=torch.long), torch.randint(2, vocab, (rows, R), generator=g),
+                           torch.ones(rows, R, dtype=torch.long), torch.zeros(rows, R), torch.zeros(rows, dtype=torch.bool))
+
+
+def decode_once(policy, spec: rollout.SampleSpec, prompts: list[list[int]], max_new_tokens: int):
+    """The rollout phase's largest moment: the decoding copy (distributed.gathered), the prefill of
+    the first sampler call's rows into a cache of prompt + max_new_tokens positions, and one decode
+    step. (The rest of the loop writes into that cache: no new memory, but it needs real values.)"""
+    rows = spec.rows_per_call(max(map(len, prompts))) or len(prompts)
+    with torch.no_grad(), distributed.gathered(policy, spec.weights_dtype) as decoder:  # (rollout.sample is no-grad)
+        pre = rollout.prefill(decoder, prompts[:rows], spec.pad_id, max_new_tokens)
+        pre.step(pre.logits.argmax(-1), pre.pos[:, -1] + 1)
+        del pre
+
+
+def table(m: Measured, planned: dict[str, float], unit=2 ** 30, name="GiB") -> str:
+    """Plan vs measurement, one line per phase."""
+    lines = [f"  {'phase':10s} {'plan ' + name:>10s} {'measured ' + name:>14s} {'plan/measured':>14s}"]
+    for ph in PHASES:
+        got = m.peaks.get(ph, 0)
+        lines.append(f"  {ph:10s} {planned[ph] / unit:10.2f} {got / unit:14.2f} {planned[ph] / got if got else float('nan'):14.2f}")
+    return "\n".join(lines)
+

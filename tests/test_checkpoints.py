@@ -1,0 +1,186 @@
+"""Checkpoints as evaluate.py reads them: every checkpoint of an FSDP2 run (torch.distributed.checkpoint
+shards, no HF weights) loads on one process with the weights of the same step's HF export, an
+intermediate one too (a run killed mid-way); the dtype of exported HF folders."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import evaluate as E
+import heldout
+import rollout
+import run_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
+
+
+def train(out, data, *extra, fault=None):
+    """A 2-step GRPO run under FSDP2 on 2 CPU processes (gloo), a checkpoint after every step."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("ERPO_FAULT", None)
+    if fault:
+        env["ERPO_FAULT"] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-port",
+           str(29800 + os.getpid() % 100 + (50 if fault else 0)), os.path.join(ROOT, "train.py"), "--model", WARM,
+           "--train-data", data, "--out", str(out), "--steps", "2", "--algo", "grpo", "--rollout-batch", "8",
+           "--update-batch", "4", "--group-size", "4", "--micro-batch", "8", "--max-new-tokens", "48",
+           "--eval-every", "0", "--save-every", "1", "--fsdp", "true", "--lr", "1e-3", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """{"cut": a copy of the run killed at step 2 (its checkpoint: step 1, no HF export),
+        "run": the same run resumed to its end (ckpt/ and hf/ of step 2)}."""
+    d = tmp_path_factory.mktemp("fsdp")
+    with open(os.path.join(ROOT, "data", "tinymath", "train.jsonl")) as f:
+        (d / "train.jsonl").write_text("".join(next(f) for _ in range(64)))
+    run = d / "run"
+    r = train(run, str(d / "train.jsonl"), fault="metrics-write:2")     # rank 0 killed writing step 2's line
+    assert r.returncode != 0 and (run / "ckpt" / "dcp").is_dir() and not (run / "hf").exists(), r.stderr[-3000:]
+    shutil.copytree(run, d / "cut")
+    r = train(run, str(d / "train.jsonl"), "--resume")
+    assert r.returncode == 0 and "at step 1" in r.stdout, r.stderr[-3000:]
+    return {"cut": d / "cut", "run": run}
+
+
+def weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_sharded_checkpoint_loads_as_the_same_steps_hf_export(fsdp_run):
+    run = fsdp_run["run"]
+    assert not list((run / "ckpt").glob("*.safetensors")) and not (run / "ckpt" / "config.json").exists()
+    src = run_dir.find_model(str(run / "ckpt"))
+    assert src.model == WARM and src.dcp == str(run / "ckpt" / "dcp")                  # the run's --model
+    hf, tok_hf = rollout.load_policy(str(run / "hf"))
+    want = weights(hf)
+    ids = torch.tensor([tok_hf("Mia has 23 apples. Mia gives 5 apples to Tom.", add_special_tokens=False).input_ids])
+    for path in (run / "ckpt", run):                                     # the checkpoint, or its run folder
+        model, tok = heldout.load_model(str(path), "cpu", "auto")
+        got = weights(model)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()   # still tied
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, hf(input_ids=ids).logits)
+        assert tok(["a b"], padding=True).input_ids == tok_hf(["a b"], padding=True).input_ids
+        assert tok.padding_side == "left" and model.generation_config.eos_token_id == hf.generation_config.eos_token_id
+    # In the dtype evaluate asks for: the export loaded in bfloat16, bit for bit.
+    model, _ = heldout.load_model(str(run / "ckpt"), "cpu", "bfloat16")
+    hf16, _ = rollout.load_policy(str(run / "hf"), dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), hf16.state_dict().values()))
+
+
+def test_an_intermediate_checkpoint_loads_and_evaluates(fsdp_run, tmp_path):
+    """The checkpoint of step 1 of a run killed in step 2: no HF folder anywhere, yet evaluate.py
+    takes the run folder (or its ckpt/) and its weights are step 1's: neither the warm start's nor step 2's."""
+    cut, final = fsdp_run["cut"], fsdp_run["run"]
+    assert run_dir.load_state(str(cut)).step == 1 and not (cut / "hf").exists()
+    step1 = weights(heldout.load_model(str(cut / "ckpt"), "cpu", "auto")[0])
+    assert all(torch.equal(step1[k], v) for k, v in weights(heldout.load_model(str(cut), "cpu", "auto")[0]).items())
+    for other in (WARM, str(final / "hf")):
+        theirs = weights(rollout.load_policy(other)[0])
+        assert any(not torch.equal(step1[k], theirs[k]) for k in theirs), other
+    out = tmp_path / "eval"
+    summary = E.main(["--model", str(cut), "--labels", "step1", "--benchmarks", "tiny-test", "--limit", "2",
+                      "--temperatures", "1.0", "--n", "1", "--max-new-tokens", "8", "--out", str(out), "--no-progress"])
+    assert summary["results"]["step1"]["tiny-test"]["by_temperature"]["1"]["num_problems"] == 2
+    assert len(E.run_dir.read_jsonl(str(out / "samples.jsonl"))) == 2
+
+
+def test_a_folder_that_is_neither_a_model_nor_a_checkpoint_is_one_line(fsdp_run, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        run_dir.find_model(str(tmp_path))
+    msg = str(e.value.code)
+    assert msg.startswith(f"error: {tmp_path} is neither a model folder") and "\n" not in msg
+    with pytest.raises(SystemExit) as e:                                 # evaluate.py says so before anything else
+        E.main(["--model", str(tmp_path), "--benchmarks", "tiny-test", "--out", str(tmp_path / "o")])
+    assert "neither a model folder" in str(e.value.code) and not (tmp_path / "o").exists()
+    orphan = tmp_path / "orphan"                                         # a checkpoint without its run's config.json
+    shutil.copytree(fsdp_run["cut"] / "ckpt", orphan / "ckpt")
+    with pytest.raises(SystemExit) as e:
+        run_dir.find_model(str(orphan / "ckpt"))
+    assert "the architecture is the initial model named by" in str(e.value.code)
+    cfg = json.loads((fsdp_run["cut"] / "config.json").read_text())
+    (orphan / "config.json").write_text(json.dumps({**cfg, "model": str(tmp_path / "gone")}))
+    with pytest.raises(SystemExit) as e:
+        run_dir.find_model(str(orphan))
+    assert "is not a model folder from here" in str(e.value.code)
+
+
+# ----------------------------------------------------------------------------- export dtype
+
+
+def file_dtypes(folder):
+    out = set()
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as s:
+            out |= {s.get_slice(k).get_dtype() for k in s.keys()}
+    return out
+
+
+def test_export_dtype(tmp_path):
+    """auto: bfloat16 when the run computed in bf16, else the weights' own (float32: the tiny warm
+    start stays float32); or as asked. config.json names the files' dtype; the model is unchanged."""
+    model, tok = rollout.load_policy(WARM)
+    before = weights(model)
+    cases = {"fp32": (None, False, "F32", "float32"), "auto_bf16": ("auto", True, "BF16", "bfloat16"),
+             "fp16": ("float16", True, "F16", "float16"), "bf16": (torch.bfloat16, False, "BF16", "bfloat16")}
+    for name, (dtype, bf16, stored, config) in cases.items():
+        run_dir.export(model, tok, str(tmp_path / name), dtype, bf16=bf16)
+        assert file_dtypes(tmp_path / name) == {stored}, name
+        assert json.loads((tmp_path / name / "config.json").read_text())["dtype"] == config, name
+    assert all(torch.equal(v, model.state_dict()[k]) and v.dtype == torch.float32 for k, v in before.items())
+    for f in ("model.safetensors", "config.json"):                     # a float32 run's export: the warm start's bytes
+        assert (tmp_path / "fp32" / f).read_bytes() == open(os.path.join(WARM, f), "rb").read(), f
+    with safe_open(str(tmp_path / "auto_bf16" / "model.safetensors"), framework="pt") as s:
+        assert "lm_head.weight" not in s.keys()                           # tied weights stay tied
+    half = (tmp_path / "auto_bf16" / "model.safetensors").stat().st_size
+    assert half < 0.55 * (tmp_path / "fp32" / "model.safetensors").stat().st_size
+    loaded, _ = rollout.load_policy(str(tmp_path / "auto_bf16"), dtype="bfloat16")
+    assert all(torch.equal(loaded.state_dict()[k], v.to(torch.bfloat16)) for k, v in before.items())
+    with pytest.raises(ValueError):
+        run_dir.export_dtype("int8", False, torch.float32)
+
+
+FSDP_SAVE = r'''
+import json, os, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import distributed, optimizer, rollout, run_dir
+torch.set_num_threads(1)
+d = distributed.setup(fsdp=True)                      # world size 1: a process group of one
+out = sys.argv[3]
+model, tok = rollout.load_policy(sys.argv[2], shard=distributed.sharder(True, d.device, bf16=False))
+opt = optimizer.adamw(model, 1e-3, 0.0)
+sched = optimizer.warmup_then_constant(opt, 0)
+run_dir.write_config(out, {"model": sys.argv[2]})
+run_dir.save_checkpoint(out, model, tok, opt, sched, 1, final=True, export_dtype="auto", bf16=True)
+distributed.teardown()
+'''
+
+
+def test_the_final_export_of_an_fsdp2_run_takes_the_export_dtype(tmp_path):
+    """save_checkpoint(final=True, export_dtype="auto", bf16=True) of a sharded policy: <out>/hf in
+    bfloat16, the checkpoint's shards stay float32 (the master weights resume from), and both load
+    to the same bfloat16 model."""
+    (tmp_path / "w.py").write_text(FSDP_SAVE)
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(tmp_path / "w.py"), ROOT, WARM, str(out)], cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert file_dtypes(out / "hf") == {"BF16"} and run_dir.is_sharded(str(out))
+    import torch.distributed.checkpoint as dcp
+    md = dcp.FileSystemReader(str(out / "ckpt" / "dcp")).read_metadata().state_dict_metadata
+    assert {m.properties.dtype for k, m in md.items() if k.startswith("model.")} == {torch.float32}
+    a = heldout.load_model(str(out / "ckpt"), "cpu", "bfloat16")[0].state_dict()
+    b = rollout.load_policy(str(out / "hf"), dtype="bfloat16")[0].state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
