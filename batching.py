@@ -86,7 +86,8 @@ def microbatch_plan(lengths: list, size: int, max_tokens: int = 0, count: int = 
     order = sorted(range(len(lengths)), key=lambda i: -total[i])  # stable: ties keep row order
     plan, cur = [], []
     for i in order:
-        if cur and (len(cur) == size or (max_tokens and (len(cur) + 1) * padded_width(lengths, cur + [i]) > max_tokens)):
+        too_wide = max_tokens and (len(cur) + 1) * padded_width(lengths, cur + [i]) > max_tokens
+        if cur and (len(cur) == size or too_wide):
             plan.append(cur)
             cur = []
         cur.append(i)

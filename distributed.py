@@ -246,7 +246,7 @@ def grad_sync(model, sync):
     micro-batch: skipping it (set_requires_gradient_sync(False)) would keep each parameter's
     UNSHARDED float32 gradient until the synced micro-batch, a whole model's gradient per GPU
     (~28 GiB at 7B) where the sharded one is 1/world of it. One reduce-scatter per micro-batch is
-    the price (what torchtitan and verl's FSDP2 paths pay too)."""
+    the price."""
     if sync or not dist.is_initialized() or not hasattr(model, "no_sync"):
         yield
     else:

@@ -1,7 +1,7 @@
 """An RL step's memory measured from the code that runs it: the peak of live tensor bytes per phase.
 
-    python train.py --config configs/paper_qwen7b.json --dry-run     # 7B widths, 8 fake GPUs, seconds
-    python bench/memory_check.py                                     # 12 small CPU configurations, real tensors
+    python train.py --config configs/paper_qwen7b.json --dry-run     # 7B widths, 8 fake GPUs, ~30 s
+    python bench/memory_check.py                                      # 12 small CPU configurations, real tensors
 
 memory_plan.py says what an RL step should hold, as formulas; this module measures what the code
 holds. train.measure_memory runs the real phases of a step (the FSDP2 decoding copy with the
@@ -23,7 +23,7 @@ fragmentation (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True keeps that small
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import distributed
 import memory_plan
+import optimizer
 import rollout
-
-PHASES = ("rollout", "score", "update", "optimizer")
-
 
 class PhasePeaks(MemTracker):
     """torch's MemTracker with a peak per phase: `with tracker.phase(name)` restarts the peak at
@@ -92,15 +90,13 @@ class PhasePeaks(MemTracker):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def live(self) -> int:
-        return sum(snap["Total"] for snap in self.get_tracker_snapshot("current").values())
-
     def switch(self, name):
         if self._phase is not None:
             peak = sum(self._peak_mem.values())
             if peak > self.peaks.get(self._phase, 0):
                 self.peaks[self._phase] = peak
-                self.at_peak[self._phase] = {str(k): v for snap in self._peak_mem_snap.values() for k, v in snap.items() if v}
+                self.at_peak[self._phase] = {str(kind): n for snap in self._peak_mem_snap.values()
+                                             for kind, n in snap.items() if n}
         self._phase = name
         self._peak_mem = {dev: snap["Total"] for dev, snap in self.get_tracker_snapshot("current").items()}
         self._peak_mem_snap = self.get_tracker_snapshot("current")
@@ -126,7 +122,6 @@ class Measured:
     world: int
     fake: bool
     micro_batches: int                  # update micro-batches run (each of the config's size)
-    notes: list[str] = field(default_factory=list)
 
 
 @contextmanager
@@ -154,7 +149,7 @@ def stub_scalar_reads():
     sums as the values given. Only these two reads are replaced."""
     saved = distributed.read_scalars, distributed.all_sums
     distributed.read_scalars = lambda values, finite=(): {k: 0.0 for k in values}
-    distributed.all_sums = lambda values: {k: float(v) if not torch.is_tensor(v) else 0.0 for k, v in values.items()}
+    distributed.all_sums = lambda values: {k: 0.0 if torch.is_tensor(v) else float(v) for k, v in values.items()}
     try:
         yield
     finally:
@@ -180,6 +175,33 @@ def random_model(config, dtype=torch.float32, attn="sdpa"):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+
+
+@dataclass
+class StepModels:
+    """What a measured step trains with: the wrapped policy, the reference, AdamW with its state,
+    and how it decodes."""
+    policy: torch.nn.Module
+    ref: torch.nn.Module | None
+    opt: torch.optim.Optimizer
+    spec: rollout.SampleSpec
+
+
+def step_models(a, needs_ref: bool, device, bf16: bool, fake: bool, mesh=None) -> StepModels:
+    """Random models of --model's architecture, wrapped as train.py wraps them (DDP / FSDP2 over
+    `mesh`, --grad-ckpt), the reference in bf16 under bf16 compute, and AdamW (foreach: torch's
+    choice on CUDA) holding its state already, as after a run's first step."""
+    cfg = model_config(a.model)
+    attn = "sdpa_float32" if bf16 and not fake else "sdpa"            # as train.load_model on a CPU
+    policy = distributed.wrap_model(random_model(cfg, attn=attn), device, a.fsdp, bf16, a.grad_ckpt, mesh=mesh)
+    ref = None
+    if needs_ref:
+        ref = random_model(cfg, torch.bfloat16 if bf16 else torch.float32, attn).eval().requires_grad_(False)
+        ref = distributed.wrap_model(ref, device, a.fsdp, bf16, trainable=False, mesh=mesh)
+    opt = optimizer.adamw(policy, a.lr, a.weight_decay, foreach=True)
+    allocate_adam_state(policy, opt)
+    spec = rollout.SampleSpec(a.max_new_tokens, [0], 0, a.sampler, a.gen_batch, torch.bfloat16 if bf16 else None, a.kv_budget)
+    return StepModels(policy, ref, opt, spec)
 
 
 def allocate_adam_state(model, opt):
@@ -218,13 +240,3 @@ def decode_once(policy, spec: rollout.SampleSpec, prompts: list[list[int]], max_
         pre = rollout.prefill(decoder, prompts[:rows], spec.pad_id, max_new_tokens)
         pre.step(pre.logits.argmax(-1), pre.pos[:, -1] + 1)
         del pre
-
-
-def table(m: Measured, planned: dict[str, float], unit=2 ** 30, name="GiB") -> str:
-    """Plan vs measurement, one line per phase."""
-    lines = [f"  {'phase':10s} {'plan ' + name:>10s} {'measured ' + name:>14s} {'plan/measured':>14s}"]
-    for ph in PHASES:
-        got = m.peaks.get(ph, 0)
-        lines.append(f"  {ph:10s} {planned[ph] / unit:10.2f} {got / unit:14.2f} {planned[ph] / got if got else float('nan'):14.2f}")
-    return "\n".join(lines)
-

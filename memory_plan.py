@@ -1,16 +1,20 @@
-"""Per-GPU memory of a training run, term by term, from the architecture alone (`--dry-run`).
+"""Per-GPU memory of an RL step, phase by phase and term by term, from the architecture alone.
 
-    python train.py --config configs/paper_qwen7b.json --dry-run
+    python train.py --config configs/paper_qwen7b.json --dry-run     # beside it: the step measured
 
 No weights are loaded: the architecture is the model folder's config.json, or for a hub id the
-copy shipped in configs/models/ (Qwen2.5-Math-7B, Qwen2.5-32B). Every term is a formula over the
-config; tests/test_scale.py checks the parameter, gradient, optimizer and KV-cache terms against
-the bytes of real tensors of a ~100M-parameter model. The two phases of an RL step peak apart:
+copy shipped in configs/models/ (Qwen2.5-Math-7B, Qwen2.5-32B). Every term is a formula of the
+config and options; no constant is fitted to a configuration. A step's phases peak apart:
 
-    rollout: parameters + optimizer state + reference + the gathered bf16 decoding copy (FSDP2)
-             + the KV cache of one sampler chunk (gradients are freed after every step)
-    update:  parameters + gradients + optimizer state + reference + the activations of one
-             micro-batch + its logits
+    rollout    weights, Adam state, reference + the decoding copy (FSDP2), one sampler call's
+               KV cache, the prefill's working set
+    score      the same, less the rollout's + one no-grad micro-batch's logits (FSDP2: the
+               gathered root and two layers)
+    update     + the gradients, the micro-batch's saved activations, its logits and their gradient
+    optimizer  weights, Adam state, reference, gradients + foreach AdamW's temporaries
+
+memory_measure.py measures the same phases by running the step's code (real tensors on a CPU, or
+fake ones at the paper's size); tests/test_memory.py holds plan and measurement within 15%.
 """
 
 import json
@@ -40,18 +44,19 @@ class Arch:
                    bool(c.get("tie_word_embeddings", False)))
 
     def params(self) -> int:
+        return self.embedding_params() + self.layers * self.layer_params() + self.hidden
+
+    def embedding_params(self) -> int:
+        """The input embedding and (untied) lm_head: what FSDP2's root module holds."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    def layer_params(self) -> int:
         """Qwen2: q/k/v projections with bias, o without, SwiGLU MLP, two RMSNorms per layer."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        q = self.heads * self.head_dim
-        layer = (h * q + q) + 2 * (h * kv + kv) + q * h + 3 * h * self.inter + 2 * h
-        return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
+        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.heads * self.head_dim
+        return (h * q + q) + 2 * (h * kv + kv) + q * h + 3 * h * self.inter + 2 * h
 
     def qkv_params(self) -> int:
         return self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
-
-    def layer_params(self) -> int:
-        h, kv, q = self.hidden, self.kv_heads * self.head_dim, self.heads * self.head_dim
-        return (h * q + q) + 2 * (h * kv + kv) + q * h + 3 * h * self.inter + 2 * h
 
     def kv_bytes_per_position(self, dtype_bytes=2) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -111,56 +116,74 @@ class Precision:
 def terms(arch: Arch, a, gpus: int, needs_ref: bool, device="cuda") -> list[Term]:
     """What one GPU (rank) holds in each phase of an RL step under options `a` (train.py's) on
     `gpus` ranks (FSDP2 shards over all of them; DDP keeps full replicas). device "cpu": the
-    CPU's choices (LeanStep's fused weight copies, a float32 KV cache under autocast).
-    memory_measure measures the same phases from the code; tests/test_memory.py holds the two
-    within 15% of each other."""
-    p, P = Precision.of(a, device), arch.params()
-    fsdp, shard = bool(a.fsdp), (gpus if a.fsdp else 1)
-    h, V, L, I = arch.hidden, arch.vocab, arch.layers, arch.inter
-    f = forward_shape(a, V)
-    rows, seq = kv_rows(a, gpus), a.max_prompt_len + a.max_new_tokens
-    prefill_tokens = max(1, rows // a.group_size) * a.max_prompt_len
+    CPU's choices (LeanStep's fused weight copies, a float32 KV cache under autocast)."""
+    p = Precision.of(a, device)
+    return weight_terms(arch, a, gpus, needs_ref, p) + rollout_terms(arch, a, gpus, p, device) + forward_terms(arch, a, p)
+
+
+def weight_terms(arch: Arch, a, gpus, needs_ref, p: Precision) -> list[Term]:
+    """The weights, their gradients and optimizer state, the reference, and the copies of them."""
+    P, fsdp = arch.params(), bool(a.fsdp)
+    shard = gpus if fsdp else 1
+    ref_note = ("bf16" if p.mixed else "the weights' dtype") + (", sharded like the policy" if fsdp else ", a full copy")
     out = [
         Term("parameters", P * p.master / shard, ALL, f"{P / 1e9:.2f}B x {p.master} B / {shard}"),
         Term("Adam state", 2 * P * p.master / shard, ALL, "exp_avg + exp_avg_sq (allocated at the first step)"),
         Term("reference", P * p.compute / shard if needs_ref else 0, ALL,
-             ("bf16" if p.mixed else "the weights' dtype") + (", sharded like the policy" if fsdp else ", a full copy")
-             if needs_ref else "none (no Policy-KL used or measured)"),
-        Term("gradients", P * p.master / shard, ("update", "optimizer"), "sharded under FSDP2 (reduced every micro-batch); freed after each step"),
+             ref_note if needs_ref else "none (no Policy-KL used or measured)"),
+        Term("gradients", P * p.master / shard, ("update", "optimizer"),
+             "sharded under FSDP2 (reduced every micro-batch); freed after each step"),
+        Term("optimizer temporaries", P * p.master / shard, ("optimizer",), "foreach AdamW: sqrt(exp_avg_sq) of every parameter"),
     ]
     if p.mixed and not fsdp:  # autocast casts each float32 matmul weight once per region (the step)
-        matmul = P if arch.tied else P - V * h                            # the embedding is a lookup
+        matmul = P if arch.tied else P - arch.vocab * arch.hidden          # the input embedding is a lookup
         out.append(Term("autocast copies", matmul * 2, ALL, "bf16 copies of the matmul weights, kept until the optimizer step"))
     if fsdp:
-        out.append(Term("gathered layers", (2 * V * h + h + 2 * arch.layer_params()) * p.compute, ("score", "update"),
+        gathered = (arch.embedding_params() + arch.hidden + 2 * arch.layer_params()) * p.compute
+        out.append(Term("gathered layers", gathered, ("score", "update"),
                         "FSDP2: the root (embedding, lm_head) and two decoder layers unsharded at once"))
-    # Rollout: the decoding copy, the KV cache of one sampler call, the prefill's working set.
-    if fsdp:
-        out.append(Term("decoding copy", P * p.compute, ("rollout",), "distributed.gathered: the whole policy on every GPU, freed before scoring"))
-    if device == "cpu":
-        fused = L * (arch.qkv_params() + 2 * h * I) * (2 if p.mixed else 4)
-        out.append(Term("fused copies", fused, ("rollout",), "CPU only: LeanStep's concatenated q/k/v and gate/up weights"))
-    out += [
+    return out
+
+
+def rollout_terms(arch: Arch, a, gpus, p: Precision, device) -> list[Term]:
+    """The decoding copy, the KV cache of one sampler call, the prefill's working set."""
+    h, I = arch.hidden, arch.inter
+    rows, seq = kv_rows(a, gpus), a.max_prompt_len + a.max_new_tokens
+    prefill_tokens = max(1, rows // a.group_size) * a.max_prompt_len   # each distinct prompt once
+    out = [
         Term("KV cache", rows * seq * arch.kv_bytes_per_position(p.kv), ("rollout",), f"{rows} rows x {seq} positions, {p.kv} B"),
-        Term("prefill", prefill_tokens * (3 * I + 4 * h) * p.compute + rows * V * 4 * 2, ("rollout",),
+        Term("prefill", prefill_tokens * (3 * I + 4 * h) * p.compute + rows * arch.vocab * 4 * 2, ("rollout",),
              f"one layer's working set over {prefill_tokens} distinct prompt tokens"),
     ]
-    # Scoring and update: one micro-batch. _TokenLogprob's float32 blocks: the forward holds z =
-    # logits / T (bf16 logits: and their float32 copy), the backward about three blocks (and a bf16 cast).
-    block = 4 * f.block
+    if a.fsdp:
+        out.insert(0, Term("decoding copy", arch.params() * p.compute, ("rollout",),
+                           "distributed.gathered: the whole policy on every GPU, freed before scoring"))
+    if device == "cpu":
+        fused = arch.layers * (arch.qkv_params() + 2 * h * I) * (2 if p.mixed else 4)
+        out.append(Term("fused copies", fused, ("rollout",), "CPU only: LeanStep's concatenated q/k/v and gate/up weights"))
+    return out
+
+
+def forward_terms(arch: Arch, a, p: Precision) -> list[Term]:
+    """One micro-batch of scoring (no grad) and of the update. rollout._TokenLogprob works in
+    float32 blocks: its forward holds z = logits / T (with bf16 logits, also their float32 copy),
+    its backward about three blocks (and with bf16 logits, the block cast back)."""
+    h, V, L, I = arch.hidden, arch.vocab, arch.layers, arch.inter
+    f = forward_shape(a, V)
+    block, bf16 = 4 * f.block, p.compute == 2
     logits, grad = f.logit_tokens * V * p.compute, f.grad_tokens * V * p.compute
     per_layer = arch.activation_bytes_per_token_layer(p.compute)
     saved = f.act_tokens * (L * h * p.compute if a.grad_ckpt else L * per_layer)
-    out += [
-        Term("scoring forward", max(logits + block * (1 if p.compute == 4 else 2), f.act_tokens * (3 * I + 4 * h) * p.compute),
-             ("score",), f"{f.logit_tokens} tokens of logits + float32 log-softmax blocks (or a layer's working set)"),
-        Term("saved activations", saved, ("update",), ("checkpointed layer inputs" if a.grad_ckpt else "every layer's saved tensors")
-             + f" of {f.act_tokens} tokens"),
-        Term("update working set", max(logits + grad + block * (3 if p.compute == 4 else 3.5), f.act_tokens * per_layer * 2 if a.grad_ckpt else 0),
-             ("update",), "logits + their gradient + float32 blocks" + (" (or a recomputed layer and its gradients)" if a.grad_ckpt else "")),
-        Term("optimizer temporaries", P * p.master / shard, ("optimizer",), "foreach AdamW: sqrt(exp_avg_sq) of every parameter"),
+    layer_working_set = f.act_tokens * (3 * I + 4 * h) * p.compute
+    recomputed = f.act_tokens * per_layer * 2 if a.grad_ckpt else 0     # a layer and its gradients
+    return [
+        Term("scoring forward", max(logits + block * (2 if bf16 else 1), layer_working_set), ("score",),
+             f"{f.logit_tokens} tokens of logits + float32 log-softmax blocks (or a layer's working set)"),
+        Term("saved activations", saved, ("update",),
+             ("checkpointed layer inputs" if a.grad_ckpt else "every layer's saved tensors") + f" of {f.act_tokens} tokens"),
+        Term("update working set", max(logits + grad + block * (3.5 if bf16 else 3), recomputed), ("update",),
+             "logits + their gradient + float32 blocks" + (" (or a recomputed layer and its gradients)" if a.grad_ckpt else "")),
     ]
-    return out
 
 
 @dataclass(frozen=True)
@@ -211,27 +234,32 @@ def kv_rows(a, gpus) -> int:
     return rows
 
 
-NOT_COUNTED = "not counted (not tensors): the CUDA context (~0.5-1 GiB), NCCL buffers, allocator fragmentation"
+NOT_COUNTED = "not counted (not tensors): the CUDA context, NCCL buffers, allocator fragmentation"
 
 
 def report(a, gpus: int, needs_ref: bool, measured=None) -> str:
-    """The plan, term by term and per phase, and beside it the measurement (memory_measure.Measured) if given."""
+    """The plan, term by term and per phase, and beside it the measurement
+    (memory_measure.Measured) if given. The last line is for scripts: key=value pairs."""
     arch = arch_for(a.model)
     ts, plan = terms(arch, a, gpus, needs_ref), phases(arch, a, gpus, needs_ref)
     lines = [f"memory plan per GPU: {a.model} ({arch.params() / 1e9:.2f}B parameters), {gpus} GPU(s), "
              f"{'FSDP2' if a.fsdp else 'DDP'}{', activation checkpointing' if a.grad_ckpt else ''}"]
-    lines += [f"  {t.name:22s} {t.bytes / GIB:8.2f} GiB  [{', '.join(t.phases) if t.phases != ALL else 'all'}]  {t.note}" for t in ts if t.bytes]
+    for t in ts:
+        alive = "all" if t.phases == ALL else ", ".join(t.phases)
+        lines += [f"  {t.name:22s} {t.bytes / GIB:8.2f} GiB  [{alive}]  {t.note}"] if t.bytes else []
     lines.append(f"  {'phase':22s} {'plan GiB':>8s}" + (f" {'measured GiB':>13s}" if measured else ""))
     for ph in PHASES:
         got = f" {measured.peaks[ph] / GIB:13.2f}" if measured else ""
         lines.append(f"  {ph:22s} {plan[ph] / GIB:8.2f}{got}")
     if measured:
-        lines.append(f"  measured: {'fake' if measured.fake else 'real'} tensors on {measured.world} rank(s) running train.py's step "
-                     f"(memory_measure.py; {measured.micro_batches} update micro-batches)")
+        lines.append(f"  measured: {'fake' if measured.fake else 'real'} tensors on {measured.world} rank(s) running "
+                     f"train.py's step (memory_measure.py; {measured.micro_batches} update micro-batches)")
     lines.append(f"  {NOT_COUNTED}")
-    peak = max(plan, key=plan.get)
-    m = f" measured_update_gib_per_gpu={max(measured.peaks['update'], measured.peaks['optimizer']) / GIB:.1f}" \
-        f" measured_rollout_gib_per_gpu={measured.peaks['rollout'] / GIB:.1f}" if measured else ""
-    lines.append(f"plan: peak_gib_per_gpu={plan[peak] / GIB:.1f} update_gib_per_gpu={max(plan['update'], plan['optimizer']) / GIB:.1f}{m} "
+    peak, update = max(plan, key=plan.get), max(plan["update"], plan["optimizer"])
+    m = ""
+    if measured:
+        m = (f" measured_update_gib_per_gpu={max(measured.peaks['update'], measured.peaks['optimizer']) / GIB:.1f}"
+             f" measured_rollout_gib_per_gpu={measured.peaks['rollout'] / GIB:.1f}")
+    lines.append(f"plan: peak_gib_per_gpu={plan[peak] / GIB:.1f} update_gib_per_gpu={update / GIB:.1f}{m} "
                  f"gpus={gpus} phase={peak} decode_rows={kv_rows(a, gpus)} micro_tokens={micro_batch_tokens(a)}")
     return "\n".join(lines)

@@ -37,8 +37,7 @@ import sft
 import timer
 from data.prompts import PromptSet, load_prompt_set, step_indices
 from distributed import all_max, all_sum, print0
-import heldout
-from heldout import heldout_accuracy
+from heldout import check_fits, heldout_accuracy
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
 
@@ -93,8 +92,11 @@ OPTIONS = [
     ("save_every",        20,                                  "checkpoint every N steps and at the end (0 = never)", ">=0"),
     ("resume",            False,                               "continue the run in --out from its checkpoint"),
     ("export",            None,                                "after training, save the final model + tokenizer to this folder"),
-    ("export_dtype",      "auto",                              "dtype of exported HF folders (--export; an FSDP2 run's <out>/hf): auto = bfloat16 when the run computes in bf16, else the weights' own; checkpoints keep float32", list(run_dir.EXPORT_DTYPES)),
-    ("nccl_timeout",      120.0,                               "minutes a rank waits at a collective (NCCL's default 10 can fire during a long evaluation or export)", ">0"),
+    ("export_dtype",      "auto",                              "dtype of exported HF folders (--export; an FSDP2 run's <out>/hf): "
+                                                               "auto = bfloat16 when the run computes in bf16, else the weights' own; "
+                                                               "checkpoints keep float32", list(run_dir.EXPORT_DTYPES)),
+    ("nccl_timeout",      120.0,                               "minutes a rank waits at a collective (NCCL's default 10 can fire "
+                                                               "during a long evaluation or export)", ">0"),
     ("log",               "jsonl",                             "also mirror metrics.jsonl to TensorBoard or W&B", ["jsonl", "tensorboard", "wandb"]),
 ] + sft.OPTIONS  # --sft-data, --sft-steps, ...: the warm start's own options, in sft.py
 
@@ -233,15 +235,23 @@ def micro_batches(run, packed: rollout.Packed, rows: range) -> list[rollout.Micr
 
 
 def plan_step(run, packed: rollout.Packed, valid: list[float], upd_rows: list[slice], fresh: slice) -> StepPlan:
+    """The step's plan from the host lengths and validity of its rows: one collective for the
+    global counts, one per forward loop (the most micro-batches any rank runs), one host read
+    (do a group's rows share their prompt?)."""
     B, G = len(packed.lengths), run.args.group_size
-    counts = distributed.all_sums({f"{k}{u}": sum(r * v if k == "tok" else v for (_, r), v in zip(packed.lengths[rows], valid[rows]))
-                                   for u, rows in enumerate(upd_rows) for k in ("tok", "seq")})
-    updates = [UpdatePlan(micro_batches(run, packed, range(rows.start, rows.stop)), max(1.0, counts[f"tok{u}"]), counts[f"seq{u}"])
-               for u, rows in enumerate(upd_rows)]
+    local = {}
+    for u, rows in enumerate(upd_rows):
+        lengths, v = packed.lengths[rows], valid[rows]
+        local[f"tokens{u}"] = sum(r * ok for (_, r), ok in zip(lengths, v))   # valid response tokens
+        local[f"seqs{u}"] = sum(v)
+    counts = distributed.all_sums(local)
+    updates = [UpdatePlan(micro_batches(run, packed, range(rows.start, rows.stop)), max(1.0, counts[f"tokens{u}"]),
+                          counts[f"seqs{u}"]) for u, rows in enumerate(upd_rows)]
     group = batching.prompt_group(run.args)
-    group = group if group > 1 and rollout.shares_prompts(packed, G) else 1   # one host read
-    return StepPlan(micro_batches(run, packed, range(fresh.stop, B)), micro_batches(run, packed, range(fresh.start, fresh.stop)),
-                    micro_batches(run, packed, range(B)) if run.ref is not None else [], updates, group)
+    group = group if group > 1 and rollout.shares_prompts(packed, G) else 1
+    return StepPlan(old=micro_batches(run, packed, range(fresh.stop, B)),
+                    fresh=micro_batches(run, packed, range(fresh.start, fresh.stop)),
+                    ref=micro_batches(run, packed, range(B)) if run.ref is not None else [], updates=updates, group=group)
 
 
 @torch.no_grad()
@@ -408,19 +418,12 @@ def measure_memory(a, algo, world=1, fake=True, max_micro_batches=3) -> memory_m
     with memory_measure.fake_world(world) if fake else nullcontext((None, None)) as (mesh, _):
         d = distributed.Dist(*distributed.rank_world(), torch.device("cpu"))
         bf16 = distributed.uses_bf16(a.dtype, torch.device("cuda") if fake else d.device)  # fake: what a GPU runs
-        cfg = memory_measure.model_config(a.model)
-        attn = "sdpa_float32" if bf16 and not fake else "sdpa"                # as load_model on a CPU
-        policy = distributed.wrap_model(memory_measure.random_model(cfg, attn=attn), d.device, a.fsdp, bf16, a.grad_ckpt, mesh=mesh)
-        ref = None
-        if algo.kl is not None or a.measure_policy_kl:
-            ref = memory_measure.random_model(cfg, torch.bfloat16 if bf16 else torch.float32, attn).eval().requires_grad_(False)
-            ref = distributed.wrap_model(ref, d.device, a.fsdp, bf16, trainable=False, mesh=mesh)
-        opt = optimizer.adamw(policy, a.lr, a.weight_decay, foreach=True)     # torch's choice on CUDA
-        memory_measure.allocate_adam_state(policy, opt)                       # the steady state: after step 1
-        spec = rollout.SampleSpec(a.max_new_tokens, [0], 0, a.sampler, a.gen_batch, torch.bfloat16 if bf16 else None, a.kv_budget)
-        run = Run(a, algo, d, policy, ref, None, opt, optimizer.warmup_then_constant(opt, a.warmup), None, None, spec, timer.Phases("cpu"))
-        with memory_measure.real_tensors():                                   # the host-side plan: real masks
-            ro = memory_measure.worst_case_rollout(a, a.rollout_batch // d.world * a.group_size, cfg.vocab_size)
+        m = memory_measure.step_models(a, algo.kl is not None or a.measure_policy_kl, d.device, bf16, fake, mesh)
+        run = Run(a, algo, d, m.policy, m.ref, None, m.opt, optimizer.warmup_then_constant(m.opt, a.warmup),
+                  None, None, m.spec, timer.Phases("cpu"))
+        with memory_measure.real_tensors():                              # the host-side plan: from real masks
+            ro = memory_measure.worst_case_rollout(a, a.rollout_batch // d.world * a.group_size,
+                                                    distributed.unwrap(m.policy).config.vocab_size)
             packed, B = ro.packed(), ro.response_ids.shape[0]
             upd_rows = batching.microbatches(B, a.update_batch // d.world * a.group_size)[:1]
             fresh = on_policy_rows(run, upd_rows)
@@ -428,13 +431,16 @@ def measure_memory(a, algo, world=1, fake=True, max_micro_batches=3) -> memory_m
             for mbs in (plan.old, plan.ref, plan.updates[0].micro_batches):  # the longest come first
                 del mbs[max_micro_batches:]
             prompts = ro.prompt_ids.tolist()
-            resp_mask, qmask, qref = ro.response_mask.float(), packed.prompt_tok_mask.float(), torch.zeros(B, packed.P - 1)
+            resp_mask, qmask = ro.response_mask.float(), packed.prompt_tok_mask.float()
+            qref = torch.zeros(B, packed.P - 1)
         tracker = memory_measure.PhasePeaks()
-        with tracker, memory_measure.stub_scalar_reads() if fake else nullcontext(), distributed.precision(a.dtype, d.device)[1]():
-            tracker.track_external(policy, opt, *[ref] * (ref is not None), packed.input_ids, packed.attention_mask, resp_mask, qmask, qref)
-            tracker.optimizer_phase(opt)
+        stub = memory_measure.stub_scalar_reads() if fake else nullcontext()
+        with tracker, stub, distributed.precision(a.dtype, d.device)[1]():
+            tracker.track_external(m.policy, m.opt, *[m.ref] * (m.ref is not None),
+                                   packed.input_ids, packed.attention_mask, resp_mask, qmask, qref)
+            tracker.optimizer_phase(m.opt)
             with tracker.phase("rollout"):
-                memory_measure.decode_once(policy, spec, prompts, a.max_new_tokens)
+                memory_measure.decode_once(m.policy, m.spec, prompts, a.max_new_tokens)
             with tracker.phase("score"):
                 sc = score_old_and_ref(run, packed, fresh, plan)
             batch = UpdateBatch(packed, resp_mask, qmask, torch.ones(B), sc, qref, torch.randn(B), torch.ones(B))
@@ -533,7 +539,7 @@ def main(argv=None):
     print0(f"model {a.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {d.device}")
     evalsets, data = load_data(a, tokenizer)                            # bad data: one line, nothing written
     with errors.one_line():                                             # prompts + responses within the positions
-        heldout.check_fits(model, evalsets, a.max_new_tokens)
+        check_fits(model, evalsets, a.max_new_tokens)
     state = run_dir.load_state(a.out) if resuming else None
     log = run_dir.MetricsLog(a.out, state.step if state else 0, a.log, vars(a))  # --log's package: checked first
     run_dir.write_config(a.out, vars(a))

@@ -655,7 +655,7 @@ def erpo_update(model, ro, qref_logp, a, opt, amp, mem):
     w = losses.query_weights(nll, mean_nll=nll.mean().item(), clip=algo.weight_clip)
     resp_mask = ro.response_mask.float()
     num_tokens = resp_mask.sum().item()
-    plan = batching.microbatch_plan(packed.attention_mask.sum(1).tolist(), a.rows, a.micro_tokens)
+    plan = batching.microbatch_plan(packed.lengths, a.rows, a.micro_tokens)   # (prompt, response) widths
     mem.reset()
     for mb in plan:
         r = torch.tensor(mb, device=packed.input_ids.device)

@@ -1,6 +1,6 @@
 """Planned vs measured memory of an RL step, per phase, on a CPU with real tensors (12 configurations).
 
-    python bench/memory_check.py                       # all 12, ~2 minutes; writes bench/results/memory_check.json
+    python bench/memory_check.py                       # all 12, 2-3 minutes; writes bench/results/memory_check.json
     python bench/memory_check.py --only 1proc-fp32     # some of them (names: --list)
 
 Each configuration runs train.measure_memory (the step's real code under memory_measure.PhasePeaks)

