@@ -102,12 +102,16 @@ def nll_pairs(model, tokenizer, key, bench, rows, args):
 
 
 def analyze_nll(args):
-    """nll_pairs.jsonl, the Pearson correlation per model x benchmark, and a scatter plot."""
+    """nll_pairs.jsonl, the Pearson correlation per model x benchmark, and a scatter plot. Every
+    --model (an HF folder or hub id, a run folder, a checkpoint: heldout.load_model) is checked,
+    a local one's tokenizer included, before the first is loaded; --out is written only at the end."""
     benches = {benchmark_label(b): load_benchmark(b, limit=args.limit, data_dir=args.data_dir)
                for b in expand_benchmarks(args.benchmarks)}
+    for path in args.model:
+        heldout.model_source(path)
     pairs = []
-    for path, key in zip(args.model, args.labels or [os.path.normpath(m) for m in args.model]):
-        model, tokenizer = rollout.load_policy(path, device=args.device, dtype=args.dtype)
+    for path, key in zip(args.model, heldout.model_keys(args)):
+        model, tokenizer = heldout.load_model(path, device=args.device, dtype=args.dtype)
         for bench, rows in benches.items():
             pairs += nll_pairs(model.eval(), tokenizer, key, bench, rows, args)
     os.makedirs(args.out, exist_ok=True)
@@ -141,9 +145,28 @@ def parse_args(argv=None):
     heldout.add_sampling_args(n, benchmarks=["tiny-test"], out="results/nll")
     n.add_argument("--temperature", type=float, default=1.0)
     args = p.parse_args(argv)
-    if args.cmd == "nll" and args.max_new_tokens is None:
-        args.max_new_tokens = heldout.default_max_new_tokens(args.template)
+    if args.cmd == "nll":
+        try:
+            check_nll_args(args)
+        except ValueError as e:
+            fail(e)
     return args
+
+
+def check_nll_args(args):
+    """`nll`'s flag values (evaluate.py's shared checks, and --temperature), before anything is
+    loaded or written; fills in the --max-new-tokens default."""
+    heldout.check_sampling_args(args)
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be finite and >= 0, got {args.temperature}")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = heldout.default_max_new_tokens(args.template)
+
+
+def fail(msg):
+    """Bad input: one line on stderr and exit status 2, no traceback, no usage dump."""
+    print(f"analysis.py: error: {msg}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv=None):
@@ -151,10 +174,11 @@ def main(argv=None):
     try:
         if args.cmd == "runs":
             return analyze_runs(args.runs, args.out)
-        return analyze_nll(args)
-    except ValueError as e:  # a missing run folder or benchmark file: one line, no traceback
-        print(f"analysis.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        kept = "nothing written (the results are written at the end); rerun the command"
+        with heldout.exit_when_interrupted("analysis.py", lambda: kept):
+            return analyze_nll(args)
+    except (OSError, ValueError) as e:  # a missing run folder, benchmark file or model: one line
+        fail(heldout.first_line(e))
 
 
 if __name__ == "__main__":

@@ -79,9 +79,9 @@ def is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def print0(*a):
+def print0(*a, **kw):
     if is_main():
-        print(*a, flush=True)
+        print(*a, **{"flush": True, **kw})
 
 
 def barrier():

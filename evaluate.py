@@ -22,14 +22,23 @@ the model's positions (checked before it samples). Training-run plots and the Ap
 study are analysis.py. Sampling is seeded per sample: the seed of (salt, benchmark, problem,
 temperature, sample index) is rollout.row_seed, so a resumed or re-run evaluation draws the same
 samples, and all models see the same seeds.
+
+Resuming: --out/config.json is the folder's resume key, the settings that change what a sample is
+(GENERATION_KEYS, --dtype included) and a fingerprint of each model's weight files (a few KB read,
+no model loaded). A command whose key differs from the one its folder's samples were made under
+(another --top-p, a checkpoint retrained at the same path) is refused with one line; a folder
+with no samples of that model takes the new key, so a command that failed before sampling never
+blocks the corrected one. Bad flag values are refused before --out is made. Ctrl-C or SIGTERM:
+one line, exit status 130 / 143; every finished chunk is on disk and the same command continues.
 """
 
 import argparse
 import glob
+import hashlib
 import json
 import math
 import os
-import re
+import struct
 import sys
 from collections import Counter, defaultdict
 
@@ -50,11 +59,19 @@ DEFAULT_TEMPERATURES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1
 BUCKETS = {"all": (0.0, math.inf), "<=1.0": (0.0, 1.0), "1.2-1.5": (1.2, 1.5)}
 AVG = "Avg."
 SAMPLES_FILE = "samples.jsonl"
-# Settings that change what a sample is: a resumed run must use the same ones.
-GENERATION_KEYS = ["template", "max_new_tokens", "top_p", "seed", "sampler", "seed_scheme"]
+# Settings that change what a sample is: a resumed run must use the same ones (and the same weights:
+# weights_fingerprint). dtype is the one the models sample in, "auto" resolved.
+GENERATION_KEYS = ["template", "max_new_tokens", "top_p", "seed", "sampler", "seed_scheme", "dtype"]
 # How per-sample seeds are made; a folder sampled under another scheme (before: SHA-256 keys) must
 # not be resumed with new samples mixed in.
 SEED_SCHEME = "rollout.row_seed"
+# A model's weights are told apart, without loading them, by this many reads of this many bytes
+# spread evenly over the data of each weight file: retraining changes every weight, so every read
+# sees the change, and 4 KiB per file costs nothing even for a 7B checkpoint.
+FINGERPRINT_READS = 16
+FINGERPRINT_READ_BYTES = 256
+# The safetensors format's own limit on its JSON header: a longer "header" means a corrupt file.
+SAFETENSORS_MAX_HEADER = 100_000_000
 
 # ----------------------------------------------------------------------------- metrics (pure)
 
@@ -282,47 +299,31 @@ def evaluate_model(model, tokenizer, model_key, benches, temperatures, n, out_fi
     plan = [(b, t, missing_samples(rows, done, model_key, b, t, n))
             for b, rows in benches.items() for t in temperatures]
     total = sum(len(v) for _, _, todo in plan for v in todo.values())
-    bar = tqdm(total=total, desc=os.path.basename(os.path.normpath(model_key)), unit="sample",
-               disable=not progress or total == 0)
-    for bench, t, todo in plan:
-        rows = {p["id"]: p for p in benches[bench] if p["id"] in todo}
-        ids = list(rows)
-        per_chunk = max(1, (batch_size or 64) // n)
-        bar.set_postfix(bench=bench, T=f"{t:g}")
-        for s in range(0, len(ids), per_chunk):
-            chunk = [rows[i] for i in ids[s:s + per_chunk]]
-            samples, _ = heldout.generate_samples(
-                model, tokenizer, chunk, t, todo, benchmark=bench, template=template,
-                max_new_tokens=max_new_tokens, top_p=top_p, batch_size=batch_size, seed=seed,
-                sampler=sampler)
-            correct, extracted = heldout.grade([x["completion"] for x in samples],
-                                       [rows[x["id"]]["answer"] for x in samples], timeout)
-            for x, c, e in zip(samples, correct, extracted):
-                rec = {"model": model_key, "benchmark": bench, "id": x["id"], "temperature": t,
-                       "sample": x["sample"], "completion": x["completion"], "extracted": e,
-                       "answer": rows[x["id"]]["answer"], "correct": bool(c),
-                       "level": rows[x["id"]].get("level"),
-                       "num_tokens": x["num_tokens"], "finished": x["finished"]}
-                out_file.write(json.dumps(rec) + "\n")
-                done.add(record_key(rec))
-            out_file.flush()
-            bar.update(len(samples))
-    bar.close()
-
-
-def check_config(out_dir, args):
-    """Refuse to resume into a folder sampled with different generation settings."""
-    path = os.path.join(out_dir, "config.json")
-    now = {k: SEED_SCHEME if k == "seed_scheme" else getattr(args, k) for k in GENERATION_KEYS}
-    if os.path.isfile(path):
-        with open(path) as f:
-            before = json.load(f)
-        diff = {k: (before.get(k), now[k]) for k in GENERATION_KEYS if before.get(k) != now[k]}
-        if diff:
-            raise ValueError(f"{out_dir} holds samples made with other settings "
-                             f"(old, new): {diff}; use another --out")
-    with open(path, "w") as f:
-        json.dump(now, f, indent=1)
+    with tqdm(total=total, desc=os.path.basename(os.path.normpath(model_key)), unit="sample",
+              disable=not progress or total == 0) as bar:     # (closed on Ctrl-C too, before its one line)
+        for bench, t, todo in plan:
+            rows = {p["id"]: p for p in benches[bench] if p["id"] in todo}
+            ids = list(rows)
+            per_chunk = max(1, (batch_size or 64) // n)
+            bar.set_postfix(bench=bench, T=f"{t:g}")
+            for s in range(0, len(ids), per_chunk):
+                chunk = [rows[i] for i in ids[s:s + per_chunk]]
+                samples, _ = heldout.generate_samples(
+                    model, tokenizer, chunk, t, todo, benchmark=bench, template=template,
+                    max_new_tokens=max_new_tokens, top_p=top_p, batch_size=batch_size, seed=seed,
+                    sampler=sampler)
+                correct, extracted = heldout.grade([x["completion"] for x in samples],
+                                                   [rows[x["id"]]["answer"] for x in samples], timeout)
+                for x, c, e in zip(samples, correct, extracted):
+                    rec = {"model": model_key, "benchmark": bench, "id": x["id"], "temperature": t,
+                           "sample": x["sample"], "completion": x["completion"], "extracted": e,
+                           "answer": rows[x["id"]]["answer"], "correct": bool(c),
+                           "level": rows[x["id"]].get("level"),
+                           "num_tokens": x["num_tokens"], "finished": x["finished"]}
+                    out_file.write(json.dumps(rec) + "\n")
+                    done.add(record_key(rec))
+                out_file.flush()
+                bar.update(len(samples))
 
 
 def merge_shards(out_dir):
@@ -358,7 +359,7 @@ def run_sweep(args, benches, d: distributed.Dist):
         run_dir.drop_partial_line(path)
     distributed.barrier()
     done = {record_key(r) for r in run_dir.read_jsonl(path)}
-    keys = model_keys(args)
+    keys = heldout.model_keys(args)
     mine = os.path.join(args.out, f"samples.rank{d.rank}.jsonl") if d.world > 1 else path
     share = {b: rows[d.rank::d.world] for b, rows in benches.items()}
     with open(mine, "a") as f:
@@ -369,7 +370,7 @@ def run_sweep(args, benches, d: distributed.Dist):
                 distributed.print0(f"{key}: all samples already in {path}")
                 continue
             print(f"{key}: {todo} samples to generate" + (f" on rank {d.rank}" if d.world > 1 else ""))
-            model, tokenizer = heldout.load_model(model_path, d.device, args.dtype)
+            model, tokenizer = load_model(model_path, d.device, sampling_dtype(args.dtype, d.device))
             check_fits(model, tokenizer, benches, args)
             evaluate_model(model.eval(), tokenizer, key, share, args.temperatures, args.n, f, done,
                            template=args.template, max_new_tokens=args.max_new_tokens,
@@ -379,6 +380,14 @@ def run_sweep(args, benches, d: distributed.Dist):
             del model
     distributed.barrier()
     return write_results(args, benches) if d.main else None
+
+
+def load_model(path, device, dtype):
+    """heldout.load_model, its ValueError (files that looked like a model but do not load) one line."""
+    try:
+        return heldout.load_model(path, device, dtype)
+    except ValueError as e:
+        fail(e)
 
 
 def check_fits(model, tokenizer, benches, args):
@@ -394,7 +403,7 @@ def check_fits(model, tokenizer, benches, args):
 def write_results(args, benches):
     merge_shards(args.out)
     path = os.path.join(args.out, SAMPLES_FILE)
-    summary = summarize(run_dir.read_jsonl(path), ks=args.k, n=args.n, models=model_keys(args),
+    summary = summarize(run_dir.read_jsonl(path), ks=args.k, n=args.n, models=heldout.model_keys(args),
                         benchmarks=list(benches), temperatures=args.temperatures)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -404,18 +413,150 @@ def write_results(args, benches):
     return summary
 
 
+# ----------------------------------------------------------------------------- the resume key
+
+
+def sampling_dtype(dtype, device) -> str:
+    """The dtype the models sample in: --dtype, or for "auto" rollout.load_policy's choice
+    (bfloat16 on CUDA, float32 otherwise). It is passed to the loader resolved, so the resume key
+    names the dtype the samples were really made in."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def sample_settings(args, device) -> dict:
+    """The GENERATION_KEYS of this command: what every sample of one folder is made under."""
+    derived = {"seed_scheme": SEED_SCHEME, "dtype": sampling_dtype(args.dtype, device)}
+    return {k: derived[k] if k in derived else getattr(args, k) for k in GENERATION_KEYS}
+
+
+def weight_files(src: run_dir.ModelSource) -> list[str]:
+    """The files a --model's weights are read from: an FSDP2 checkpoint's dcp/ folder (its
+    .metadata and shards), or an HF folder's *.safetensors / pytorch_model*.bin; none for a hub id."""
+    if src.dcp:
+        names = [os.path.join(src.dcp, name) for name in os.listdir(src.dcp)]
+        return sorted(p for p in names if os.path.isfile(p))
+    if not os.path.isdir(src.model):
+        return []
+    patterns = ("*.safetensors", "pytorch_model*.bin")
+    return sorted(p for pattern in patterns for p in glob.glob(os.path.join(src.model, pattern)))
+
+
+def _safetensors_header_size(f, size) -> int:
+    """Bytes before the tensor data of a safetensors file: its 8-byte little-endian length, then
+    the JSON header of that length. 0 for a file too short or too corrupt to hold one."""
+    if size < 8:
+        return 0
+    (length,) = struct.unpack("<Q", f.read(8))
+    return 8 + length if length <= min(size - 8, SAFETENSORS_MAX_HEADER) else 0
+
+
+def file_fingerprint(path) -> bytes:
+    """One weight file's name, size, safetensors header (names, shapes, dtypes, offsets) and
+    FINGERPRINT_READS reads spread evenly over its data, first and last bytes included."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(f"{os.path.basename(path)}:{size}".encode())
+    with open(path, "rb") as f:
+        start = _safetensors_header_size(f, size) if path.endswith(".safetensors") else 0
+        f.seek(0)
+        h.update(f.read(start))
+        last = max(size - start - FINGERPRINT_READ_BYTES, 0)       # the offset of the last read
+        for i in range(FINGERPRINT_READS):
+            f.seek(start + last * i // (FINGERPRINT_READS - 1))
+            h.update(f.read(FINGERPRINT_READ_BYTES))
+    return h.digest()
+
+
+def weights_fingerprint(src: run_dir.ModelSource) -> str:
+    """A fingerprint of the weights a --model stands for, from a few KB of its files (no model is
+    loaded): a checkpoint retrained or replaced at the same path gets another one. A hub id is its
+    own fingerprint (the hub's copy is not read)."""
+    files = weight_files(src)
+    if not files:
+        return f"hub:{src.model}"
+    h = hashlib.sha256()
+    for path in files:
+        h.update(file_fingerprint(path))
+    return h.hexdigest()[:16]
+
+
+def sample_files(out_dir) -> list[str]:
+    """samples.jsonl, then the per-rank files of a torchrun sweep not merged yet (killed)."""
+    shards = sorted(glob.glob(os.path.join(out_dir, "samples.rank*.jsonl")))
+    return [os.path.join(out_dir, SAMPLES_FILE), *shards]
+
+
+def recorded_models(out_dir) -> set:
+    """The model keys that have samples in out_dir."""
+    return {r["model"] for path in sample_files(out_dir) for r in run_dir.read_jsonl(path)}
+
+
+def read_config(out_dir) -> dict | None:
+    """The resume key an output folder was sampled under: {} when it has none yet, None when its
+    config.json cannot be read (evaluate.py writes it whole: someone edited it)."""
+    path = os.path.join(out_dir, "config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except ValueError:
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _setting_name(key):
+    """How a user sets a GENERATION_KEYS entry (the seed scheme is the code's, not a flag)."""
+    return "the seed scheme" if key == "seed_scheme" else "--" + key.replace("_", "-")
+
+
+def check_config(out_dir, settings, fingerprints):
+    """The resume key: ValueError (one line, naming what differs) when out_dir already holds
+    samples made under other settings, or samples of one of `fingerprints`' model keys from other
+    weights. Only samples on disk make a folder refuse: a command that stopped before writing one
+    (a crash while loading, a prompt too long) leaves nothing a corrected command has to match.
+    Read only, so every rank of a torchrun sweep checks and all stop together. A config.json of an
+    older evaluate.py (no dtype, no fingerprints) accepts any value of what it does not hold."""
+    before = read_config(out_dir)
+    recorded = recorded_models(out_dir) if before != {} else set()
+    if not recorded:
+        return
+    if before is None:
+        raise ValueError(f"{out_dir}/config.json, the settings its samples were made under, cannot be read; "
+                         "use another --out")
+    changed = [k for k in GENERATION_KEYS if k in before and before[k] != settings[k]]
+    if changed:
+        diffs = ", ".join(f"{_setting_name(k)} {before[k]} (now {settings[k]})" for k in changed)
+        raise ValueError(f"{out_dir} holds samples made with other settings: {diffs}; use another --out")
+    known = before.get("models", {})
+    stale = [key for key, fp in fingerprints.items() if key in recorded and known.get(key, fp) != fp]
+    if stale:
+        raise ValueError(f"{out_dir} holds samples of {stale[0]} made from other weights (its weight files "
+                         "changed since: retrained?); use another --out, or another --labels name")
+
+
+def write_config(out_dir, settings, fingerprints):
+    """config.json = this command's settings and fingerprints (kept: those of models it does not
+    evaluate). Written whole or not at all (a kill mid-write must not leave it unreadable)."""
+    path = os.path.join(out_dir, "config.json")
+    known = (read_config(out_dir) or {}).get("models", {})
+    config = {**settings, "models": {**known, **fingerprints}}
+    with open(path + ".tmp", "w") as f:
+        json.dump(config, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def kept_samples(out_dir) -> str:
+    """What an interrupted sweep leaves behind, and how to go on (all of it is on disk: every
+    finished chunk was flushed)."""
+    paths = [p for p in sample_files(out_dir) if os.path.isfile(p)] or [os.path.join(out_dir, SAMPLES_FILE)]
+    count = sum(len(run_dir.read_jsonl(p)) for p in paths)
+    where = paths[0] if len(paths) == 1 else os.path.join(out_dir, "samples*.jsonl")
+    return f"{count} samples are in {where}; rerun the same command to continue"
+
+
 # ----------------------------------------------------------------------------- command line
-
-
-def model_keys(args):
-    """The name each model is stored under in samples.jsonl (--labels, else the path as given)."""
-    return args.labels or [os.path.normpath(m) for m in args.model]
-
-
-def looks_like_hub_id(path):
-    """org/name with no local meaning: let load_policy try the hub (on machines that have it)."""
-    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", path)) and not path.startswith(".") \
-        and not os.path.exists(path.split("/")[0])
 
 
 def fail(msg):
@@ -443,24 +584,25 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    """Parse and check the command line (bad input -> one line, not a traceback)."""
+    """Parse and check the command line (bad input -> one line, not a traceback), before anything
+    is loaded or written: a value outside its meaning never reaches --out."""
     args = build_parser().parse_args(argv)
-    for m in args.model:
-        if not os.path.exists(m) and not looks_like_hub_id(m):
-            fail(f"model path not found: {m}")
-    if args.labels and len(args.labels) != len(args.model):
-        fail(f"--labels needs one name per --model ({len(args.model)}), got {len(args.labels)}")
+    try:
+        heldout.check_sampling_args(args)
+    except ValueError as e:
+        fail(e)
     if args.n < 1:
-        fail("--n must be >= 1")
-    if args.nccl_timeout <= 0:
-        fail("--nccl-timeout must be > 0 (minutes)")
+        fail(f"--n must be >= 1, got {args.n}")
+    if not (math.isfinite(args.nccl_timeout) and args.nccl_timeout > 0):
+        fail(f"--nccl-timeout must be a finite number of minutes > 0, got {args.nccl_timeout}")
     if args.k is None:  # 1, 2, 4, ... up to n, and n itself
         args.k = sorted({args.n} | {2 ** i for i in range(args.n.bit_length()) if 2 ** i <= args.n})
     bad = [k for k in args.k if not 1 <= k <= args.n]
     if bad:
         fail(f"--k values must be in 1..n={args.n}, got {bad}")
-    if any(t < 0 for t in args.temperatures):
-        fail("temperatures must be >= 0")
+    bad = [t for t in args.temperatures if not (math.isfinite(t) and t >= 0)]
+    if bad:
+        fail(f"--temperatures must be finite and >= 0, got {bad}")
     args.temperatures = sorted({temp_key(t) for t in args.temperatures})
     if args.max_new_tokens is None:
         args.max_new_tokens = heldout.default_max_new_tokens(args.template)
@@ -482,23 +624,36 @@ def load_benchmarks(names, limit, data_dir) -> dict:
     return benches
 
 
+def check_models(args) -> list:
+    """Each --model's run_dir.ModelSource, once every one is known to be a model (or a checkpoint
+    of one) whose tokenizer loads: a bad one is one line before anything is written."""
+    try:
+        return [heldout.model_source(m) for m in args.model]
+    except ValueError as e:
+        fail(e)
+
+
 def main(argv=None):
     """One process, or `torchrun --nproc_per_node=N evaluate.py ...` (the problems split across
-    ranks, one merged samples.jsonl and summary)."""
+    ranks, one merged samples.jsonl and summary). Ctrl-C or SIGTERM: one line, status 130 / 143,
+    and the same command continues."""
     args = parse_args(argv)
-    benches = load_benchmarks(args.benchmarks, args.limit, args.data_dir)
-    for m in args.model:
-        run_dir.find_model(m)                       # neither a model nor a checkpoint: one line, now
-    d = distributed.setup(args.device, timeout_min=args.nccl_timeout)
-    os.makedirs(args.out, exist_ok=True)
-    if d.main:
+    with heldout.exit_when_interrupted("evaluate.py", lambda: kept_samples(args.out)):
+        benches = load_benchmarks(args.benchmarks, args.limit, args.data_dir)
+        sources = check_models(args)
+        d = distributed.setup(args.device, timeout_min=args.nccl_timeout)
+        settings = sample_settings(args, d.device)
+        fingerprints = {key: weights_fingerprint(src) for key, src in zip(heldout.model_keys(args), sources)}
         try:
-            check_config(args.out, args)
+            check_config(args.out, settings, fingerprints)          # every rank: all stop together
         except ValueError as e:
             fail(e)
-    distributed.barrier()
-    summary = run_sweep(args, benches, d)
-    distributed.teardown()
+        if d.main:
+            os.makedirs(args.out, exist_ok=True)
+            write_config(args.out, settings, fingerprints)
+        distributed.barrier()
+        summary = run_sweep(args, benches, d)
+        distributed.teardown()
     return summary
 
 

@@ -4,9 +4,23 @@ seeded samples evaluate.py (and the NLL study of analysis.py) grade.
 During training: one sample per problem at a fixed temperature, graded by reward.py, logged as
 eval_acc/<set> and eval_acc/<set>/L<level> (the paper's Tables 4-5 compare it with the training
 accuracy). The full protocol (temperature grid, n samples, pass@k) is evaluate.py.
+
+The two sampling scripts also share their command line here: the flags (add_sampling_args), the
+checks of their values (check_sampling_args) and of the models (model_source), and what Ctrl-C and
+SIGTERM do (exit_when_interrupted): both refuse the same bad input the same way, before writing.
 """
 
+import math
+import os
+import re
+import signal
+import sys
+import threading
+from collections import Counter
+from contextlib import contextmanager
+
 import torch
+from safetensors import SafetensorError
 
 import distributed
 import errors
@@ -37,14 +51,146 @@ def add_sampling_args(p, *, benchmarks, out, out_help="output folder", model_hel
     add("--no-progress", action="store_true")
 
 
+def model_keys(args):
+    """The name each model is stored under (--labels, else the path as given)."""
+    return args.labels or [os.path.normpath(m) for m in args.model]
+
+
+def looks_like_hub_id(path):
+    """org/name with no local meaning: let load_policy try the hub (on machines that have it)."""
+    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", path)) and not path.startswith(".") \
+        and not os.path.exists(path.split("/")[0])
+
+
+def check_sampling_args(args):
+    """The values of the shared flags, checked before anything is loaded or written: ValueError
+    with a one-line message (the script names itself) for the first that means nothing."""
+    for m in args.model:
+        if not os.path.exists(m) and not looks_like_hub_id(m):
+            raise ValueError(f"model path not found: {m}")
+    if args.labels and len(args.labels) != len(args.model):
+        raise ValueError(f"--labels needs one name per --model ({len(args.model)}), got {len(args.labels)}")
+    twice = [key for key, count in Counter(model_keys(args)).items() if count > 1]
+    if twice and args.labels:
+        raise ValueError(f"--labels gives two models the name {twice[0]!r}: each needs its own")
+    if twice:
+        raise ValueError(f"--model {twice[0]} is given twice (both would be stored under one name); "
+                         "drop one, or name them with --labels")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1 (leave it out for every problem), got {args.limit}")
+    if not 0 < args.top_p <= 1:                               # (nan fails too)
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not (math.isfinite(args.grade_timeout) and args.grade_timeout > 0):
+        raise ValueError(f"--grade-timeout must be a finite number of seconds > 0, got {args.grade_timeout}")
+    if args.device != "auto":
+        try:
+            torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device {args.device!r} is not a device (auto, cpu, cuda, cuda:1)") from None
+    why = out_dir_problem(args.out)
+    if why:
+        raise ValueError(why)
+
+
+def out_dir_problem(out):
+    """Why `out` cannot become the output folder (a file, or a folder that cannot be written or
+    made), or None. Nothing is created: a command refused later leaves no folder behind."""
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            return f"--out {out} is a file, not a folder"
+        if not os.access(out, os.W_OK | os.X_OK):
+            return f"--out {out} is a folder that cannot be written"
+        return None
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):                         # the folder makedirs would create it in
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"--out {out} cannot be made: {parent} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out} cannot be made: {parent} cannot be written"
+    return None
+
+
+def first_line(error) -> str:
+    """An exception's message as one line of a script's error (its type's name if it has none)."""
+    return (str(error).splitlines() or [type(error).__name__])[0]
+
+
+def model_source(path) -> run_dir.ModelSource:
+    """What a --model stands for (run_dir.find_model), the tokenizer of a local one loaded once to
+    be sure it can be: before anything is written, or minutes of loading a model that then fails.
+    ValueError with one line otherwise (a folder holding no model, a model folder without its
+    tokenizer). A hub id is left to the loader: a finished sweep rewrites its tables offline."""
+    try:
+        src = run_dir.find_model(path)
+    except SystemExit as e:                                   # find_model's one line, as this script's
+        raise ValueError(str(e.code).removeprefix("error: ")) from None
+    if not os.path.isdir(src.model):
+        return src
+    try:
+        rollout.load_tokenizer(src.model)
+    except (OSError, ValueError) as e:
+        why = first_line(e)
+        raise ValueError(why if src.model in why else f"--model {path}: {why}") from None   # (named once)
+    return src
+
+
+class Interrupted(BaseException):
+    """SIGTERM as an exception, as Python makes SIGINT a KeyboardInterrupt; a BaseException like
+    it, so that no `except Exception` on the way (the grader's) takes it for a failed sample."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def exit_when_interrupted(script, report):
+    """Ctrl-C or SIGTERM (a scheduler's pre-emption) inside the block: one line on stderr,
+    `<script>: interrupted (SIGINT): <report()>`, and exit status 128 + the signal (130, 143), what
+    a shell reports for a process a signal ended; no traceback. report() says what is kept."""
+    main_thread = threading.current_thread() is threading.main_thread()   # (signals: main thread only)
+
+    def on_sigterm(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    if main_thread:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        if main_thread:                                       # a second Ctrl-C must not cut the report short
+            for s in previous:
+                signal.signal(s, signal.SIG_IGN)
+        if distributed.is_main():
+            print(f"{script}: interrupted ({signal.Signals(signum).name}): {report()}", file=sys.stderr)
+        sys.exit(128 + signum)
+    finally:
+        if main_thread:
+            for s, handler in previous.items():
+                if handler is not None:                       # (None: a handler not set from Python)
+                    signal.signal(s, handler)
+
+
 def load_model(path, device="cpu", dtype=None):
     """(model, tokenizer) of a --model: an HF folder or hub id, a run folder, or any checkpoint
     (run_dir.find_model); the sharded checkpoint of an FSDP2 run is the run's initial model
     (architecture, tokenizer, generation config: what train.py resumes such a checkpoint on) with
     the checkpoint's weights, in `dtype` (rollout.load_policy's). (The initial weights are read
-    once and overwritten: a few seconds of disk at 7B, against hours of sampling.)"""
+    once and overwritten: a few seconds of disk at 7B, against hours of sampling.) Files that
+    looked like a model but do not load (a truncated safetensors, a broken config.json, a hub id
+    offline): ValueError with one line naming the --model."""
     src = run_dir.find_model(path)
-    model, tokenizer = rollout.load_policy(src.model, device=device, dtype=dtype)
+    try:
+        model, tokenizer = rollout.load_policy(src.model, device=device, dtype=dtype)
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ValueError(f"cannot load model {path!r}: {first_line(e)}") from None
     if src.dcp:
         run_dir.load_sharded_weights(model, src.dcp)
     return model, tokenizer

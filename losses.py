@@ -229,6 +229,28 @@ def ppo_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.
     return loss, clipped
 
 
+# What rl_loss reports about clipping, as fractions of the batch's valid response tokens: where a
+# clip was active (the gradient cut), where the ratio left [1 - eps_low, 1 + eps_high] whatever the
+# advantage's sign (the released ERPO code's clip_frac_low / clip_frac_high), where dual-clip bound it.
+CLIP_STATS = ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac")
+
+
+def clip_masks(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.0) -> dict[str, torch.Tensor]:
+    """(B, T) bool masks of where the ratio r = pi_theta / pi_old left the clip range, for the
+    statistics: "low" r < 1 - eps_low, "high" r > 1 + eps_high, "dual" A < 0 and the PPO loss
+    |A| max(r, clip(r)) above dual_clip * |A| (ppo_loss bounded it there)."""
+    if advantages.dim() == logp.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    masks = {"low": ratio < 1.0 - eps_low, "high": ratio > 1.0 + eps_high}
+    bounded = torch.maximum(ratio, ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
+    if dual_clip is None:
+        masks["dual"] = torch.zeros_like(masks["low"])
+    else:
+        masks["dual"] = (advantages < 0) & (bounded > dual_clip)
+    return masks
+
+
 def aggregate(values, mask=None, mode="token-mean", num_tokens=None, num_seqs=None, max_len=None):
     """Reduce per-token (B, T) or per-sequence (B,) values to the scalar this micro-batch adds.
 
@@ -425,8 +447,10 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights,
     pg_tok, clipped = ppo_loss(logp, old_logp, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
     pg = aggregate(pg_tok, resp_mask, algo.agg, **denom)                           # PG(A * w)
     loss = pg
-    stats = {"pg_loss": pg.detach(),
-             "clip_frac": aggregate(clipped.float(), resp_mask, "token-mean", num_tokens).detach()}
+    frac = lambda m: aggregate(m.float(), resp_mask, "token-mean", num_tokens).detach()  # noqa: E731
+    masks = clip_masks(logp.detach(), old_logp, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
+    stats = {"pg_loss": pg.detach(), "clip_frac": frac(clipped), "clip_frac_low": frac(masks["low"]),
+             "clip_frac_high": frac(masks["high"]), "dual_clip_frac": frac(masks["dual"])}
 
     if ref_logp is not None:
         kl = aggregate(policy_kl(logp, ref_logp, algo.kl or "k3", clamp=algo.kl_clamp), resp_mask, algo.agg, **denom)

@@ -33,9 +33,9 @@ def rl_step(step, c, ro, sc, qref, qmask, resp_mask, w, upd, *, world, lr, dynam
          "query_kl": s["qkl"] / max(1.0, s["valid"]), "entropy": s["ent"] / s["tok"],
          "response_len": s["tok"] / n, "response_tokens": s["tok"], "truncated_frac": s["trunc"] / n,
          "new_turn_frac": s["new_turn"] / n, "zero_var_frac": s["zero_var"] / world,
-         **{k: upd[k] for k in ("pg_loss", "clip_frac", "grad_norm", "loss") if k in upd},
-         **{f"loss_{k}": upd[k] for k in ("policy_kl", "query_kl") if k in upd},   # the loss's own KL terms
-         "skipped_steps": upd["skipped_steps"], "lr": lr,
+         # every statistic of the update (losses.rl_loss's, grad_norm, skipped_steps); its KL terms are
+         # named loss_* (the loss's own, over the update's policies; the monitors above are pi_old's)
+         **{f"loss_{k}" if k in ("policy_kl", "query_kl") else k: v for k, v in upd.items()}, "lr": lr,
          "gen_tok_per_s": s["tok"] / seconds["gen"], "update_tok_per_s": s["update_tokens"] / seconds["update"],
          **{k: s[k] for k in ("reward_timeout", "reward_error", "reward_no_answer")}}
     if sc.ref is not None:

@@ -34,3 +34,14 @@ def step(opt, sched):
     loop runs in one) would still see the weights of before the step."""
     opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
     torch.clear_autocast_cache()
+
+
+def set_hyperparameters(opt, sched, lr, weight_decay):
+    """A resumed run's --lr and --weight-decay, over the ones its optimizer and scheduler state
+    brought back (load_state_dict restores both, and LambdaLR's base_lrs is the old lr): the
+    schedule's position is kept, its base becomes `lr`."""
+    sched.base_lrs = [lr] * len(opt.param_groups)
+    for group, lmbda in zip(opt.param_groups, sched.lr_lambdas):
+        group["initial_lr"], group["weight_decay"] = lr, weight_decay
+        group["lr"] = lr * lmbda(sched.last_epoch)
+    sched._last_lr = [group["lr"] for group in opt.param_groups]

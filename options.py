@@ -1,13 +1,15 @@
 """Command-line options from one table, plus the loss knobs generated from `losses.Algo`.
 
 An entry script writes each option exactly once, as a row (name, default, help[, choices or a
-range like ">=1" or "(0,1]"]); the flag is --name-with-dashes, its type comes from the default. Every field of `losses.Algo` becomes a
-flag too (--adv, --kl, --weight-clip, ...): unset, it keeps the chosen algorithm's own value. A
-JSON --config file sets defaults (same keys); flags given on the command line override it.
+range like ">=1" or "(0,1]"]); the flag is --name-with-dashes, its type comes from the default.
+Every field of `losses.Algo` becomes a flag too (--adv, --kl, --weight-clip, ...): unset, it keeps
+the chosen algorithm's own value. A JSON --config file sets defaults (same keys); flags given on
+the command line override it. Every float, wherever it comes from, must be finite (`finite_float`).
 """
 
 import argparse
 import json
+import math
 import re
 from dataclasses import MISSING, dataclass, fields
 
@@ -22,6 +24,34 @@ def parse_bool(s):
     raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
 
 
+def finite_float(text):
+    """The argparse type of every float option (table rows, loss knobs, pairs, config values):
+    a float that is not nan or +-inf. A nan passes every range check (nan >= 0 and nan < 0 are
+    both False), so `--alpha nan` would switch the Query-KL term off without a word; and no
+    option means infinity: "no limit" is a large finite value."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if math.isnan(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    if math.isinf(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r} "
+                                         "(for no limit, give a large one such as 1e9)")
+    return x
+
+
+def _value_type(kind):
+    """The argparse type of a flag whose table default is of type `kind`."""
+    return finite_float if kind is float else kind
+
+
+def _is_float_pair(default):
+    """A (lo, hi) default such as losses.Algo.weight_clip: a flag of two numbers."""
+    pair = isinstance(default, (list, tuple)) and len(default) == 2
+    return pair and all(isinstance(x, float) for x in default)
+
+
 def _add(parser, name, default, help, choices=None, show_default=True):
     """One flag. Every flag's argparse default is None, so "given on the command line" is
     `value is not None`; the table default is applied after the config file."""
@@ -29,15 +59,16 @@ def _add(parser, name, default, help, choices=None, show_default=True):
     shown = f"default: {default}" if show_default else ""
     if isinstance(default, bool):          # --fsdp, --fsdp true, --fsdp false
         kwargs, note = dict(nargs="?", const=True, type=parse_bool), "true/false"
-    elif isinstance(default, (list, tuple)) and len(default) == 2 and all(isinstance(x, float) for x in default):
-        kwargs, note = dict(nargs=2, type=float, metavar=("LO", "HI")), ""
+    elif _is_float_pair(default):
+        kwargs, note = dict(nargs=2, type=finite_float, metavar=("LO", "HI")), ""
     elif isinstance(default, list):
         kwargs, note = dict(nargs="*"), ""
     elif isinstance(choices, str):         # a range such as ">=2", ">0", "(0,1]"
         kwargs = dict(type=_in_range(type(default), choices))
         note = "; ".join(filter(None, [shown, choices]))
     else:
-        kwargs, note = dict(type=str if default is None else type(default), choices=choices), shown
+        kind = str if default is None else _value_type(type(default))
+        kwargs, note = dict(type=kind, choices=choices), shown
     text = f"{help} ({note})" if note else help
     # argparse %-formats help text: a literal "40% of ..." would raise in --help
     parser.add_argument(flag, help=text.replace("%", "%%"), **kwargs)
@@ -50,7 +81,7 @@ def _in_range(kind, spec):
 
     def check(text):
         try:
-            x = kind(text)
+            x = _value_type(kind)(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
         if m:
@@ -91,26 +122,46 @@ def build_parser(table, description):
     return p
 
 
-def _check_config_value(parser, path, key, value):
-    """A config-file value goes through the same type, range and choice checks as its flag."""
-    action = next(a for a in parser._actions if a.dest == key)
+def _config_item(action, item):
+    """One config value (or one element of a list value), parsed by the flag's own type as the
+    same text on the command line would be."""
+    if action.type is None:        # names or paths (--eval-data): JSON strings, not numbers
+        if not isinstance(item, str):
+            raise argparse.ArgumentTypeError(f"expected a string, got {item!r}")
+        return item
     try:
-        if value is None or action.type is None:
-            ok = action.choices is None or value in action.choices
-        elif isinstance(value, list) and action.nargs not in (None, "?"):
-            value = [action.type(str(v)) for v in value]
-            ok = action.nargs in ("*", "+") or len(value) == action.nargs
-        else:
-            value = action.type(str(value))
-            ok = action.choices is None or value in action.choices
-    except (argparse.ArgumentTypeError, ValueError) as e:
+        return action.type(str(item))
+    except ValueError:             # int("nan"): Python's own message names no option
+        raise argparse.ArgumentTypeError(f"expected {action.type.__name__}, got {item!r}") from None
+
+
+def _check_config_value(parser, path, key, value, default):
+    """A config-file value goes through the same type, range and choice checks as its flag. null
+    is a value only where the table default is None too (a loss knob: the algorithm's own; --out,
+    --export): "steps": null would otherwise reach the training loop as None."""
+    action = next(a for a in parser._actions if a.dest == key)
+    if value is None:
+        if default is not None:
+            parser.error(f"{path}: {key}: null is not a value "
+                         f"(leave the key out for the default, {default!r})")
+        return None
+    many = action.nargs not in (None, "?")       # a list option (nargs "*") or a LO HI pair
+    if many != isinstance(value, list):
+        shape = "a JSON list" if many else "a single value, not a list"
+        parser.error(f"{path}: {key}: expected {shape}, got {value!r}")
+    try:
+        value = [_config_item(action, v) for v in value] if many else _config_item(action, value)
+    except argparse.ArgumentTypeError as e:
         parser.error(f"{path}: {key}: {e}")
-    if not ok:
-        parser.error(f"{path}: {key}: invalid value {value!r} (choose from {action.choices or action.nargs})")
+    if many and action.nargs != "*" and len(value) != action.nargs:
+        parser.error(f"{path}: {key}: expected {action.nargs} values, got {len(value)}")
+    if not many and action.choices is not None and value not in action.choices:
+        parser.error(f"{path}: {key}: invalid value {value!r} (choose from {action.choices})")
     return value
 
 
-def _read_config(path, known, parser):
+def _read_config(path, defaults, parser):
+    """The --config file's values, checked; `defaults`: option name -> its table default."""
     try:
         with open(path) as f:
             cfg = json.load(f)
@@ -120,10 +171,10 @@ def _read_config(path, known, parser):
         parser.error(f"{path}:{e.lineno}: not valid JSON: {e.msg} (check commas and quotes)")
     if not isinstance(cfg, dict):
         parser.error(f"{path}: expected a JSON object of option: value")
-    unknown = sorted(set(cfg) - known)
+    unknown = sorted(set(cfg) - set(defaults))
     if unknown:
         parser.error(f"{path}: unknown keys {unknown}")
-    return {k: _check_config_value(parser, path, k, v) for k, v in cfg.items()}
+    return {k: _check_config_value(parser, path, k, v, defaults[k]) for k, v in cfg.items()}
 
 
 @dataclass
@@ -143,7 +194,7 @@ def parse(argv, table, description) -> Parsed:
     ns = parser.parse_args(argv)
     cfg = {name: default for name, default, *_ in table}
     cfg.update({name: None for name, *_ in algo_knobs()})
-    from_file = _read_config(ns.config, set(cfg), parser) if ns.config else {}
+    from_file = _read_config(ns.config, cfg, parser) if ns.config else {}
     cfg.update(from_file)
     cli = {k for k, v in vars(ns).items() if v is not None and k != "config"}
     cfg.update({k: getattr(ns, k) for k in cli})

@@ -71,8 +71,22 @@ def _shared_path(shared_dir, meta) -> str:
 def _save(obj, path):
     """Written whole, then renamed: a kill never leaves half a cache."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save(obj, path + f".tmp{os.getpid()}")
-    os.replace(path + f".tmp{os.getpid()}", path)
+    tmp = path + f".tmp{os.getpid()}"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):       # a failed write (a full disk) leaves no partial file behind
+            os.remove(tmp)
+
+
+def _load_shared(path):
+    """A shared cache another run wrote, or None where it cannot be read (then it is rebuilt)."""
+    try:
+        return torch.load(path)
+    except Exception as e:  # a truncated or foreign file: torch raises anything from EOFError to RuntimeError
+        distributed.print0(f"query-KL reference cache: {path} unreadable ({type(e).__name__}), rebuilding it")
+        return None
 
 
 @torch.no_grad()
@@ -121,7 +135,7 @@ def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, ba
                              "use a fresh --out or delete the cache")
         return QueryCache.from_logp(saved["logp"])
     shared = _shared_path(shared_dir, meta) if shared_dir else None
-    found = torch.load(shared) if shared and os.path.exists(shared) else None
+    found = _load_shared(shared) if shared and os.path.exists(shared) else None
     if found is not None and {k: v for k, v in found["meta"].items() if k not in ("model", "data")} == \
             {k: v for k, v in meta.items() if k not in ("model", "data")}:
         logp = found["logp"]
@@ -131,8 +145,12 @@ def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, ba
         if shared and distributed.is_main():
             try:
                 _save({"meta": meta, "logp": logp}, shared)
-            except OSError as e:  # a read-only home is no reason to stop a run
-                distributed.print0(f"query-KL reference cache: not shared ({e})")
+            # a read-only or full disk (torch.save raises RuntimeError then) is no reason to stop a run
+            except (OSError, RuntimeError) as e:
+                distributed.print0(f"query-KL reference cache: not shared ({str(e).splitlines()[0]})")
     if distributed.is_main():
-        _save({"meta": meta, "logp": logp}, path)
+        try:
+            _save({"meta": meta, "logp": logp}, path)
+        except (OSError, RuntimeError) as e:
+            raise SystemExit(f"error: cannot write {path}: {str(e).splitlines()[0]} (a full disk?)") from None
     return QueryCache.from_logp(logp)

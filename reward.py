@@ -26,6 +26,8 @@ Public API: extract_boxed, normalize, gold_answer, grade, has_format, score, sco
 warmup, shutdown (the last two start and stop the math-verify pool), DEFAULT_TIMEOUT.
 """
 
+import json
+import math
 import re
 import sys
 from fractions import Fraction
@@ -211,15 +213,24 @@ _E_NOTATION_RE = re.compile(r"([+-]?\d+(?:\.\d+)?)[eE]([+-]?\d+)")   # Minerva "
 
 
 def gold_answer(value) -> str:
-    """The gold answer as the grader reads it: a raw dataset value (None, bool, int, float,
-    list/tuple, str) as answer text. 27.0 / "27.0" -> "27"; "025" -> "25"; ["$3$"] -> "3";
+    """The gold answer as the grader reads it: a raw dataset value (None, int, float, str, or a
+    flat list/tuple of those) as answer text. 27.0 / "27.0" -> "27"; "025" -> "25"; ["$3$"] -> "3";
     ["1", "2"] -> "1, 2"; "$x$" -> "x"; "4.5e33" -> "4.5 \\times 10^{33}" (math-verify misreads
-    e-notation). Anything else (units, intervals, "58,500") is returned stripped, for grade()."""
+    e-notation). Anything else (units, intervals, "58,500") is returned stripped, for grade().
+    A value the grader cannot read (a dict, a bool, a nested list, nan or inf) raises ValueError:
+    its text ("{'value': 3}", "True", "nan") matches no boxed answer, so every response would
+    score 0 and the row would be dead weight for a whole run."""
+    if isinstance(value, (list, tuple)):   # OlympiadBench final_answer: one element, or several
+        nested = [part for part in value if isinstance(part, (list, tuple, dict))]
+        if nested:
+            raise ValueError(_unreadable_gold(value, f"a list holding a {type(nested[0]).__name__}"))
+        return ", ".join(p for p in map(gold_answer, value) if p)
+    what = _unreadable_kind(value)
+    if what:
+        raise ValueError(_unreadable_gold(value, what))
     if value is None:
         return ""
-    if isinstance(value, (list, tuple)):   # OlympiadBench final_answer: one element, or several
-        return ", ".join(p for p in map(gold_answer, value) if p)
-    if isinstance(value, (bool, int)):
+    if isinstance(value, int):
         return str(value)
     # a float goes through its repr: 27.0 -> "27", 4.5e33 -> "4.5e+33" -> "4.5 \\times 10^{33}"
     # (str(int(4.5e33)) would print float noise in the low digits)
@@ -233,6 +244,26 @@ def gold_answer(value) -> str:
     if m:
         text = f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}"
     return text
+
+
+def _unreadable_kind(value):
+    """What a raw gold value is when the grader cannot read it ("a bool", "a dict", ...), else None."""
+    if isinstance(value, bool):    # before int: True is an int, and would be graded as "True"
+        return "a bool"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "a non-finite float"
+    if value is None or isinstance(value, (str, int, float)):
+        return None
+    return f"a {type(value).__name__}"
+
+
+def _unreadable_gold(value, what):
+    """The message of an unreadable gold value, showing it as the data file writes it."""
+    shown = json.dumps(value, ensure_ascii=False, default=repr)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return (f"the answer is {what} ({shown}), which the grader cannot read "
+            "(give it as text or a number; several answers as a flat list of those)")
 
 
 # -----------------------------------------------------------------------------

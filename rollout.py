@@ -92,23 +92,46 @@ def _register_attention():
 _register_attention()
 
 
-def _load_tokenizer(path):
-    """transformers 5.x: AutoTokenizer in a folder with a Qwen2 config.json returns Qwen2Tokenizer
+def load_tokenizer(path):
+    """The tokenizer of a model folder or hub id, with a pad token and left padding (see
+    load_policy), or OSError / ValueError with a message naming the folder.
+
+    transformers 5.x: AutoTokenizer in a folder with a Qwen2 config.json returns Qwen2Tokenizer
     and silently replaces a custom tokenizer's normalizer/pre-tokenizer (method.md §9). A tokenizer
     saved as a plain PreTrainedTokenizerFast is therefore loaded as exactly that; anything else
-    (e.g. Qwen2.5-Math's own Qwen2Tokenizer) goes through AutoTokenizer."""
+    (e.g. Qwen2.5-Math's own Qwen2Tokenizer) goes through AutoTokenizer. In a folder without any
+    tokenizer file AutoTokenizer builds an empty one (every prompt encodes to no tokens) instead of
+    failing: such a folder is refused here."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    # What a saved tokenizer is made of: the fast one's file, or a slow one's vocabulary.
+    vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in vocab_files):
+        raise OSError(f"{path} holds no tokenizer (none of {', '.join(vocab_files)}): copy the "
+                      "tokenizer files of the model it was trained from into it")
     tok_json = os.path.join(str(path), "tokenizer.json")
     cfg_json = os.path.join(str(path), "tokenizer_config.json")
-    cls = None
-    if os.path.isfile(tok_json) and os.path.isfile(cfg_json):
-        with open(cfg_json) as f:
-            cls = json.load(f).get("tokenizer_class")
-    # transformers 5.x saves a PreTrainedTokenizerFast (an alias) as "TokenizersBackend".
-    if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        cls = None
+        if os.path.isfile(tok_json) and os.path.isfile(cfg_json):
+            with open(cfg_json) as f:
+                cls = json.load(f).get("tokenizer_class")
+        # transformers 5.x saves a PreTrainedTokenizerFast (an alias) as "TokenizersBackend".
+        if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError:
+        raise                           # transformers' own message (no such folder or hub id)
+    except Exception as e:              # a truncated tokenizer.json: JSON's or the tokenizers library's error
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot read the tokenizer in {path}: {why}") from e
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer in {path} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
 
 
 def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None, shard=None):
@@ -117,11 +140,13 @@ def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None, sha
     device: a torch device, or "auto" (CUDA when available).
     dtype: bfloat16 on CUDA devices, float32 otherwise, unless given ("auto" = not given).
     attn_implementation: "flash_attention_2" when CUDA is available and flash_attn imports, else
-    "sdpa", unless given. The tokenizer gets a pad token (eos if missing) and left padding, which
-    is what batched decoding needs.
+    "sdpa", unless given. The tokenizer (load_tokenizer) gets a pad token (eos if missing) and
+    left padding, which is what batched decoding needs; it is loaded first, so a folder without
+    one fails in a second, not after the weights are read.
     shard: a function that shards a model in place (FSDP2's fully_shard, distributed.wrap_model);
     then the model is built on the meta device, sharded, and each rank reads only its shard of each
     tensor from the safetensors files: no rank ever holds the whole model.
+    Bad folders raise OSError or ValueError (train.py and evaluate.py turn them into one line).
     """
     from transformers import AutoModelForCausalLM
 
@@ -136,16 +161,11 @@ def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None, sha
         dtype = getattr(torch, dtype)
     if attn_implementation is None:
         attn_implementation = _default_attn_implementation(dtype) if device.type == "cuda" else "sdpa"
+    tokenizer = load_tokenizer(path)
     if shard is not None:
         model = _load_sharded(path, device, dtype, attn_implementation, shard)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation).to(device)
-    tokenizer = _load_tokenizer(path)
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ValueError(f"tokenizer in {path} has neither a pad nor an eos token")
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
     return model, tokenizer
 
 

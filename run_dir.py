@@ -6,8 +6,12 @@
       query_cache.pt   the Query-KL reference (query_cache.py)
       ckpt/            save_pretrained folder + state.pt (optimizer, scheduler, step, RNG);
                        under FSDP2: dcp/ (torch.distributed.checkpoint shards), tokenizer, state.pt
+      ckpt.prev/       the checkpoint before it (the fallback: see "Checkpoints" below)
       hf/              FSDP2 runs: the final save's Hugging Face folder
+      .lock            held (an OS lock) by the run that uses the folder
 
+A folder holds one run: a fresh run into a folder that holds one is an error (`claim`), and
+`--resume` may change only the options that do not change what the run is (`config_changes`).
 A checkpoint is written to ckpt.tmp and renamed into place, so a run killed mid-save keeps its
 previous one; `--resume` continues from ckpt/ and drops the metrics lines after its step.
 `find_model` + `load_sharded_weights` let evaluate.py load any of these (a run folder, its ckpt/,
@@ -19,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import warnings
 from dataclasses import dataclass
 
@@ -33,6 +38,166 @@ def write_config(out, cfg: dict):
     if distributed.is_main():
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
+
+
+def with_resume_record(out, cfg: dict, step, changed: dict) -> dict:
+    """config.json of a run: its options, and under "resumed" every --resume with what it changed
+    ({"at_step": 20, "changed": {"lr": [2e-4, 1e-4]}}), so the file says how the run was made."""
+    history = (read_config(out) or {}).get("resumed", []) if step is not None else []
+    if step is not None:
+        history = history + [{"at_step": step, "changed": {k: list(v) for k, v in changed.items()}}]
+    return {**cfg, "resumed": history} if history else cfg
+
+
+def read_config(out) -> dict | None:
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# One run per folder: never silently overwritten, never two processes at once
+
+# What a run writes into its folder (--overwrite removes these and nothing else: a folder may hold
+# the user's own files, e.g. evaluate.py's results of the run).
+RUN_FILES = ("config.json", "metrics.jsonl", "metrics.jsonl.old", "query_cache.pt", "ckpt", "ckpt.tmp",
+             "ckpt.prev", "ckpt.old", "ckpt.diverged", "ckpt.corrupt", "hf", "tensorboard", "wandb_id.txt")
+
+
+def what_run_is_here(out) -> str | None:
+    """A short description of the run `out` holds ("a checkpoint at step 20, metrics up to step
+    21"), or None when it holds none (missing, empty, or only files a run does not write)."""
+    if not os.path.isdir(out):
+        return None
+    found = []
+    for ckpt in (checkpoint_dir(out), checkpoint_dir(out) + ".prev"):
+        step = _saved_step(ckpt)
+        if step is not None:
+            found.append(f"a checkpoint at step {step} ({os.path.basename(ckpt)}/)")
+            break
+    steps = [r.get("step", 0) for r in read_jsonl(os.path.join(out, "metrics.jsonl"))]
+    if steps:
+        found.append(f"metrics up to step {max(steps)}")
+    if not found and any(os.path.exists(os.path.join(out, f)) for f in RUN_FILES):
+        found.append("the files of a run that stopped before its first step")
+    return ", ".join(found) or None
+
+
+def _saved_step(ckpt) -> int | None:
+    try:
+        return int(torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)["step"])
+    except Exception:  # missing or unreadable: no checkpoint to speak of (resume says more)
+        return None
+
+
+class RunLock:
+    """An OS lock on <out>/.lock (flock), held by rank 0 while the run uses the folder. A killed
+    process's lock goes with it (the kernel drops it), so a stale lock file never blocks a resume.
+    (On network file systems flock may be local to one machine: run one job per folder.)"""
+
+    def __init__(self, out):
+        self.out, self.f = out, None
+
+    def acquire(self) -> str | None:
+        """Take the lock (idempotent); -> None, or why it cannot be taken (one line)."""
+        if self.f is not None or not distributed.is_main():
+            return None
+        import fcntl
+
+        os.makedirs(self.out, exist_ok=True)
+        f = open(os.path.join(self.out, ".lock"), "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            return f"{self.out} is in use by another run ({holder}); wait for it, or use another --out"
+        f.seek(0), f.truncate(), f.write(f"pid {os.getpid()} on {socket.gethostname()}\n"), f.flush()
+        self.f = f
+        return None
+
+    def release(self):
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def check_writable(out) -> str | None:
+    """Why --out cannot be a run folder (a file, not writable), or None."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"--out {out} is a file, not a folder"
+    parent = out if os.path.isdir(out) else _existing_parent(out)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out}: {parent} is not writable"
+    return None
+
+
+def _existing_parent(path):
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def refusal(out, *, resume, overwrite) -> str | None:
+    """Why a run may not start in `out` (read-only: main asks before loading anything, and again
+    under the lock): not a writable folder, or a fresh run over a run without --overwrite."""
+    why = check_writable(out)
+    here = None if why or resume or overwrite else what_run_is_here(out)
+    if here:
+        why = (f"{out} holds a run ({here}); continue it with --resume, choose another --out, "
+               "or replace it with --overwrite")
+    return why
+
+
+def claim(out, lock: RunLock, *, resume, overwrite) -> None:
+    """Before a run writes anything to `out`: take the lock, check `refusal` again under it, and
+    with --overwrite remove the run that is there (its files only). Rank 0 decides; every rank
+    exits with the one line."""
+    why = None
+    if distributed.is_main():
+        why = check_writable(out) or lock.acquire() or refusal(out, resume=resume, overwrite=overwrite)
+        here = None if why or resume or not overwrite else what_run_is_here(out)
+        if here:
+            for name in RUN_FILES:
+                path = os.path.join(out, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+            print(f"--overwrite: removed the run that was in {out} ({here})", flush=True)
+    why = distributed.all_gather_list([why])[0]
+    if why:
+        lock.release()
+        raise SystemExit(f"error: {why}")
+
+
+def config_changes(saved: dict, now: dict, keys) -> dict:
+    """{key: (saved value, new value)} for the `keys` whose value differs (a key the saved config
+    lacks, an option newer than the run, is not compared). Paths that name the same file are equal."""
+    out = {}
+    for k in keys:
+        if k in saved and not _same(saved[k], now.get(k)):
+            out[k] = (saved[k], now.get(k))
+    return out
+
+
+def _same(a, b) -> bool:
+    if a == b:
+        return True
+    if isinstance(a, str) and isinstance(b, str) and os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b) and \
+        all(_same(x, y) for x, y in zip(a, b))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,12 +361,13 @@ def save_checkpoint(out, model, tokenizer, opt, sched, step, final=False, export
     gathered, and the final save also exports a HF folder to <out>/hf (in `export_dtype`, see
     `export`); otherwise a HF folder (save_pretrained) of the float32 master weights with the
     optimizer state. Both with the scheduler/step/RNG state, written to ckpt.tmp and renamed into
-    place."""
+    place; the checkpoint it replaces becomes ckpt.prev/ if it was checked (see `mark_checked`).
+    Two checkpoints on disk: at 7B without FSDP2, ~90 GB each (float32 weights + Adam state)."""
     if final and distributed.is_fsdp(model):
         export(model, tokenizer, os.path.join(out, "hf"), export_dtype, bf16=bf16)
     tmp = os.path.join(out, "ckpt.tmp")
     if distributed.is_main():
-        for leftover in (tmp, checkpoint_dir(out) + ".old"):  # from a run killed mid-save
+        for leftover in (tmp, checkpoint_dir(out) + ".drop"):  # from a run killed mid-save
             shutil.rmtree(leftover, ignore_errors=True)
     distributed.barrier()
     if distributed.is_fsdp(model):
@@ -218,41 +384,141 @@ def save_checkpoint(out, model, tokenizer, opt, sched, step, final=False, export
 
 
 def _write_checkpoint(out, model, model_sd, opt_sd, tokenizer, sched, step):
-    tmp, final = os.path.join(out, "ckpt.tmp"), checkpoint_dir(out)
+    tmp, final, prev = os.path.join(out, "ckpt.tmp"), checkpoint_dir(out), checkpoint_dir(out) + ".prev"
     if model_sd is not None:
         distributed.unwrap(model).save_pretrained(tmp, state_dict=model_sd)
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, "opt": opt_sd, "sched": sched.state_dict(),
                 "rng": torch.get_rng_state(), "py_rng": random.getstate()}, os.path.join(tmp, "state.pt"))
     if os.path.exists(final):
-        os.replace(final, final + ".old")
+        if is_checked(out):         # it has given a finite loss: it becomes the fallback
+            shutil.rmtree(prev, ignore_errors=True)
+            os.replace(final, prev)
+        else:                       # never checked: the fallback stays the (checked) one before it
+            shutil.rmtree(final + ".drop", ignore_errors=True)
+            os.replace(final, final + ".drop")
         faults.point("ckpt-rename")  # the window recover_checkpoint() closes
     os.replace(tmp, final)
-    shutil.rmtree(final + ".old", ignore_errors=True)
+    shutil.rmtree(final + ".drop", ignore_errors=True)
 
 
-def resumable(out) -> bool:
-    """--resume: is there a complete checkpoint to continue from? Recovers one a kill left
-    between the two renames of a save; says so when there is none (the run then starts fresh)."""
-    if distributed.is_main() and recover_checkpoint(out):
-        print(f"--resume: {checkpoint_dir(out)}.old was complete and {checkpoint_dir(out)} missing "
-              "(a save was killed between its two renames): restored it", flush=True)
+# A checkpoint is trusted once the weights it holds have given a finite loss: the first finite
+# optimizer step after the save (`mark_checked`). Until then the one before it is kept as
+# ckpt.prev, and a run that diverges before that step sets the unchecked one aside (`roll_back`):
+# with --lr 1e6 a step's loss is still finite (it is computed before the update), its update
+# writes weights of ~1e6, and only the next step's loss says so.
+CHECKED = "loss_checked"
+
+
+def is_checked(out) -> bool:
+    return os.path.exists(os.path.join(checkpoint_dir(out), CHECKED))
+
+
+def mark_checked(out):
+    """The latest checkpoint's weights have given a finite loss (rank 0 writes the marker)."""
+    if distributed.is_main() and has_checkpoint(out):
+        with open(os.path.join(checkpoint_dir(out), CHECKED), "w") as f:
+            f.write("its weights have given a finite loss\n")
+
+
+def roll_back(out) -> int | None:
+    """After a divergence: an unchecked latest checkpoint goes to ckpt.diverged/ and the one
+    before it (ckpt.prev/) becomes ckpt/ again. -> the step --resume now continues from (None:
+    no checkpoint before the divergence; --resume starts from the initial model)."""
+    final, prev = checkpoint_dir(out), checkpoint_dir(out) + ".prev"
+    if distributed.is_main() and has_checkpoint(out) and not is_checked(out):
+        shutil.rmtree(final + ".diverged", ignore_errors=True)
+        os.replace(final, final + ".diverged")
+        if os.path.exists(os.path.join(prev, "state.pt")):
+            os.replace(prev, final)
+    distributed.barrier()
+    return _saved_step(final)
+
+
+def resume_point(out) -> TrainState | None:
+    """--resume: the training state to continue from, or None (no checkpoint: the run starts from
+    scratch, saying so). Recovers a checkpoint a kill left between the two renames of a save, and
+    falls back to ckpt.prev/ where ckpt/ is corrupt (a truncated file), saying so; a corrupt
+    checkpoint with nothing to fall back to is an error, not a fresh start."""
+    final, prev = checkpoint_dir(out), checkpoint_dir(out) + ".prev"
+    if distributed.is_main():
+        if recover_checkpoint(out):
+            print(f"--resume: {final} was missing and {prev} complete (a save was killed between its two "
+                  "renames): continuing from it", flush=True)
+        why = damage(final) if has_checkpoint(out) else None
+        if why and damage(prev) is None:
+            shutil.rmtree(final + ".corrupt", ignore_errors=True)
+            os.replace(final, final + ".corrupt")
+            os.replace(prev, final)
+            print(f"--resume: {final} is corrupt ({why}; kept as {final}.corrupt): continuing from the checkpoint "
+                  f"before it, step {_saved_step(final)}", flush=True)
+        elif why:
+            raise SystemExit(f"error: --resume: {final} is corrupt ({why}) and there is no intact checkpoint "
+                             "before it; start the run again (--overwrite)")
     distributed.barrier()
     if not has_checkpoint(out):
-        distributed.print0(f"--resume: no complete checkpoint in {checkpoint_dir(out)}, starting from scratch")
-        return False
-    return True
+        distributed.print0(f"--resume: no complete checkpoint in {final}, starting from scratch")
+        return None
+    return load_state(out)
 
 
 def recover_checkpoint(out):
-    """A kill between the two renames of a save leaves ckpt.old (complete) and no ckpt: put it
-    back. (ckpt.tmp is never trusted: it may be half-written.) Returns True if it did."""
-    final = checkpoint_dir(out)
-    if not has_checkpoint(out) and os.path.exists(os.path.join(final + ".old", "state.pt")):
+    """A kill between the two renames of a save leaves no ckpt/ and a complete ckpt.prev/ (the
+    latest, or the checked one before an unchecked latest): put it back. (ckpt.tmp is never
+    trusted: it may be half-written.) Returns True if it did."""
+    final, prev = checkpoint_dir(out), checkpoint_dir(out) + ".prev"
+    if not has_checkpoint(out) and os.path.exists(os.path.join(prev, "state.pt")):
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(final + ".old", final)
+        os.replace(prev, final)
         return True
     return False
+
+
+def damage(ckpt) -> str | None:
+    """Why the checkpoint folder cannot be resumed from (state.pt unreadable, a weights file
+    shorter than its header says, a missing shard), or None. Reads headers and sizes, not the
+    weights (seconds at 7B), and state.pt whole (the resume reads it anyway)."""
+    try:
+        torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
+    except Exception as e:
+        return f"state.pt: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'}"
+    for path in sorted(glob.glob(os.path.join(ckpt, "*.safetensors"))):
+        why = _safetensors_damage(path)
+        if why:
+            return f"{os.path.basename(path)}: {why}"
+    if os.path.isdir(os.path.join(ckpt, "dcp")):
+        return _dcp_damage(os.path.join(ckpt, "dcp"))
+    if not glob.glob(os.path.join(ckpt, "*.safetensors")) and not glob.glob(os.path.join(ckpt, "pytorch_model*.bin")):
+        return "no weights"
+    return None
+
+
+def _safetensors_damage(path) -> str | None:
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 8 + n <= size else None
+    except (OSError, ValueError) as e:
+        return f"unreadable header ({e})"
+    if header is None:
+        return f"{size} bytes, shorter than its header"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    return None if size >= 8 + n + end else f"{size} bytes, its header needs {8 + n + end} (truncated)"
+
+
+def _dcp_damage(dcp_dir) -> str | None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        md = FileSystemReader(dcp_dir).read_metadata()
+    except Exception as e:
+        return f"dcp/.metadata: {type(e).__name__}"
+    for info in md.storage_data.values():
+        path = os.path.join(dcp_dir, info.relative_path)
+        if not os.path.exists(path) or os.path.getsize(path) < info.offset + info.length:
+            return f"dcp/{info.relative_path}: missing or truncated"
+    return None
 
 
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -36,6 +36,11 @@ def load_sequences(path, tokenizer, template, max_seq_len) -> list[list[int]]:
     if path.endswith(".jsonl") and not os.path.exists(path):
         raise DataError(f"{path}: not found (run `python -m data.tinymath.prepare` to make the tiny world's)")
     rows = load_benchmark(path)
+    has_solution = [isinstance(r.get("solution"), str) and bool(r["solution"].strip()) for r in rows]
+    if not all(has_solution):                        # the solution is what SFT learns: no row goes without
+        bad = has_solution.index(False)
+        raise DataError(f"{path}: row {bad + 1} has no \"solution\" text (an SFT row is a problem and its "
+                        "worked solution)")
     eos = tokenizer.eos_token
     seqs = [tokenizer(build_prompt(tokenizer, r["problem"], template) + r["solution"] + eos,
                       add_special_tokens=False).input_ids for r in rows]

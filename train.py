@@ -23,6 +23,7 @@ import batching
 import distributed
 import errors
 import faults
+import interrupts
 import losses
 import memory_measure
 import memory_plan
@@ -90,7 +91,9 @@ OPTIONS = [
     ("eval_temperature",  1.0,                                 "held-out sampling temperature", ">=0"),
     ("eval_limit",        200,                                 "problems per held-out set (0 = all)", ">=0"),
     ("save_every",        20,                                  "checkpoint every N steps and at the end (0 = never)", ">=0"),
-    ("resume",            False,                               "continue the run in --out from its checkpoint"),
+    ("resume",            False,                               "continue the run in --out from its checkpoint (options that fix the run must "
+                                                               "not change; those in RESUME_MAY_CHANGE may)"),
+    ("overwrite",         False,                               "replace the run already in --out (a fresh run into it is an error otherwise)"),
     ("export",            None,                                "after training, save the final model + tokenizer to this folder"),
     ("export_dtype",      "auto",                              "dtype of exported HF folders (--export; an FSDP2 run's <out>/hf): "
                                                                "auto = bfloat16 when the run computes in bf16, else the weights' own; "
@@ -99,6 +102,15 @@ OPTIONS = [
                                                                "during a long evaluation or export)", ">0"),
     ("log",               "jsonl",                             "also mirror metrics.jsonl to TensorBoard or W&B", ["jsonl", "tensorboard", "wandb"]),
 ] + sft.OPTIONS  # --sft-data, --sft-steps, ...: the warm start's own options, in sft.py
+
+# --resume continues the run its config.json describes: these options may change (they apply from
+# the resumed step and are recorded in config.json's "resumed"); every other option and loss knob
+# fixes what the run is (the algorithm, the data and its order, the sampled rows) and must not.
+RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_bad_steps", "eval_every",
+                     "save_every", "log", "export", "export_dtype", "nccl_timeout", "query_cache_dir",
+                     "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
+                     "measure_policy_kl"}
+NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus"}   # how this command runs, not what
 
 
 @dataclass
@@ -117,6 +129,7 @@ class Run:
     spec: rollout.SampleSpec
     timer: timer.Phases                 # seconds per phase of a step (time_gen, time_update, ...)
     bad_streak: int = 0                 # optimizer steps skipped in a row (non-finite loss or gradient)
+    ckpt_checked: bool = True           # the latest checkpoint's weights have given a finite loss
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,9 +352,11 @@ def ppo_update(run, b: UpdateBatch, plan: StepPlan):
     accumulation. Every loss term is divided by the GLOBAL count of its update batch (tokens or
     sequences over all micro-batches and ranks), so the gradient equals that of one big batch at
     any micro-batch size and world size (DDP averages over ranks, hence the `* world`). A step
-    whose loss or gradient is not finite on any rank is skipped on every rank."""
+    whose loss or gradient is not finite on any rank is skipped on every rank. -> the statistics
+    of rl_loss averaged over the applied steps; the clip fractions over those that can clip: until
+    a step is applied the policy is the rollout's (ratio 1, nothing clipped)."""
     a = run.args
-    stats, norms, skipped = {}, [], 0
+    stats, clip_stats, norms, skipped = {}, {}, [], 0
     for epoch in range(a.ppo_epochs):
         for u, upd in enumerate(plan.updates):
             fresh = epoch == u == 0 and b.sc.fresh.stop > 0              # this forward is pi_old's too
@@ -352,22 +367,44 @@ def ppo_update(run, b: UpdateBatch, plan: StepPlan):
             norm = optimizer.clip_grad(run.policy, a.grad_clip)
             host = distributed.read_scalars({**step_stats, "grad_norm": norm}, finite=("loss", "grad_norm"))
             if host is None:
-                run.opt.zero_grad(set_to_none=True)                      # the weights stay as they were
-                skipped, run.bad_streak = skipped + 1, run.bad_streak + 1
-                if run.bad_streak >= a.max_bad_steps:
-                    raise SystemExit(f"error: {run.bad_streak} optimizer steps in a row had a non-finite loss or gradient "
-                                     f"(--max-bad-steps); the last good checkpoint: {run_dir.checkpoint_dir(a.out)} (try a lower --lr)")
+                skip_bad_step(run)
+                skipped += 1
                 continue
             run.bad_streak = 0
+            if not run.ckpt_checked:                                     # its weights gave this finite loss
+                run_dir.mark_checked(a.out)
+                run.ckpt_checked = True
+            can_clip = len(norms) > 0                                    # an earlier step moved the policy
             norms.append(host.pop("grad_norm"))
             for key, v in host.items():
-                stats[key] = stats.get(key, 0.0) + v
+                into = clip_stats if key in losses.CLIP_STATS else stats
+                if into is stats or can_clip:
+                    into[key] = into.get(key, 0.0) + v
             optimizer.step(run.opt, run.sched)
-    n_opt = max(1, len(norms))
-    out = {k: v / n_opt for k, v in distributed.all_sums(stats).items()}
+    n_opt, n_clip = max(1, len(norms)), len(norms) - 1
+    sums = distributed.all_sums({**stats, **clip_stats})
+    out = {k: v / (n_clip if k in losses.CLIP_STATS else n_opt) for k, v in sums.items()}
     out["grad_norm"] = sum(norms) / n_opt if norms else None  # None: every optimizer step was skipped
     out["skipped_steps"] = skipped
     return out
+
+
+def skip_bad_step(run):
+    """An optimizer step whose loss or gradient is not finite is not applied. --max-bad-steps of
+    them in a row end the run; a checkpoint saved since the last finite loss holds the weights that
+    diverged (their loss was never finite), so it is set aside and --resume continues from the one
+    before it (run_dir.roll_back)."""
+    run.opt.zero_grad(set_to_none=True)                                  # the weights stay as they were
+    run.bad_streak += 1
+    if run.bad_streak < run.args.max_bad_steps:
+        return
+    unchecked, step = not run.ckpt_checked, run_dir.roll_back(run.args.out)
+    ckpt = run_dir.checkpoint_dir(run.args.out)
+    where = f"--resume continues from step {step} ({ckpt}/)" if step is not None else \
+        "--resume starts from the initial model (no checkpoint before the divergence)"
+    aside = f" (the checkpoint saved after it diverged: {ckpt}.diverged/)" if unchecked else ""
+    raise SystemExit(f"error: {run.bad_streak} optimizer steps in a row had a non-finite loss or gradient "
+                     f"(--max-bad-steps); {where}{aside}; resume with a lower --lr")
 
 
 def rollouts(run, step) -> Collected:
@@ -454,12 +491,15 @@ def measure_memory(a, algo, world=1, fake=True, max_micro_batches=3) -> memory_m
 
 
 def load_model(path, d: distributed.Dist, dtype, shard=None, bf16=False):
+    if (os.path.isabs(path) or path.startswith(".")) and not os.path.exists(path):   # not a hub id either
+        hint = " (the tiny world's: python -m data.tinymath.prepare)" if path.startswith(TINY) else ""
+        raise SystemExit(f"error: model folder {path} not found{hint}")
     attn = "sdpa_float32" if bf16 and d.device.type == "cpu" else None  # why: rollout._sdpa_float32
     with errors.one_line((OSError, ValueError), f"cannot load model {path!r}"):  # no folder, no usable config
         return rollout.load_policy(path, device=d.device, dtype=dtype, shard=shard, attn_implementation=attn)
 
 
-def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
+def setup_rl(a, algo, d, model, tokenizer, data, state) -> Run:
     """The reference (if a Policy-KL is used or measured), the wrapped policy, its Query-KL cache, the optimizer."""
     print0(batching.describe(a, d.world, len(data)))
     # ERPO with --measure-policy-kl false keeps no reference model: Query-KL reads the cache.
@@ -470,15 +510,20 @@ def setup_rl(a, algo, d, model, tokenizer, data, state, resuming) -> Run:
         ref = load_model(a.model, d, torch.bfloat16 if bf16 else dtype, shard, bf16)[0].eval().requires_grad_(False)
     policy = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16, grad_ckpt=a.grad_ckpt)
     with distributed.precision(a.dtype, d.device)[1]():  # the training forward: wrapper, dtype, autocast
-        cache = query_cache.for_run(a, d, policy, data.ids, tokenizer.pad_token_id, resuming)
+        cache = query_cache.for_run(a, d, policy, data.ids, tokenizer.pad_token_id, state is not None)
     opt = optimizer.adamw(policy, a.lr, a.weight_decay)
     sched = optimizer.warmup_then_constant(opt, a.warmup)
     run_dir.restore(state, policy, opt, sched, a.out)                    # on --resume (state is None otherwise)
+    if state is not None:                                                # the new --lr, not the saved one
+        optimizer.set_hyperparameters(opt, sched, a.lr, a.weight_decay)
     spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget, bf16, opt)
-    return Run(a, algo, d, policy, ref, tokenizer, opt, sched, data, cache, spec, timer.Phases(d.device))
+    return Run(a, algo, d, policy, ref, tokenizer, opt, sched, data, cache, spec, timer.Phases(d.device),
+               ckpt_checked=state is None or run_dir.is_checked(a.out))
 
 
 def train_rl(run, evalsets, log, start, amp):
+    """Steps start..--steps, each logged, with held-out evaluations and checkpoints at their
+    cadence. Ctrl-C / SIGTERM end the run at the next step boundary, with a checkpoint."""
     a = run.args
     if start == 0 and a.eval_every:                                      # the starting point
         with amp():
@@ -486,19 +531,32 @@ def train_rl(run, evalsets, log, start, amp):
         log(m)
         print0(f"step 0: eval_acc {m.get('eval_acc', float('nan')):.3f}")
     bar = tqdm(range(start, a.steps), desc=a.algo, initial=start, total=a.steps, disable=not run.dist.main)
-    for step in bar:
-        with amp():
-            m = rl_step(run, step)
-        last = step + 1 == a.steps
-        if a.eval_every and ((step + 1) % a.eval_every == 0 or last):
-            with amp(), run.timer("eval"):
-                m.update(heldout_accuracy(run.policy, run.tokenizer, evalsets, run.spec, a.eval_temperature, a.seed))
-        log({**m, **run.timer.metrics()})                                  # + time_gen, time_reward, time_score, ...
-        bar.set_postfix({k: f"{m[k]:.3f}" for k in ("train_acc", "eval_acc", "query_kl", "policy_kl", "entropy") if k in m}
-                        | {"s/step": f"{m['step_time']:.1f}"})
-        if a.save_every and ((step + 1) % a.save_every == 0 or last):
-            run_dir.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step + 1, final=last,
-                                    export_dtype=a.export_dtype, bf16=distributed.uses_bf16(a.dtype, run.dist.device))
+    with interrupts.deferred() as stop:
+        for step in bar:
+            with amp():
+                m = rl_step(run, step)
+            last = step + 1 == a.steps
+            if a.eval_every and ((step + 1) % a.eval_every == 0 or last):
+                with amp(), run.timer("eval"):
+                    m.update(heldout_accuracy(run.policy, run.tokenizer, evalsets, run.spec, a.eval_temperature, a.seed))
+            log({**m, **run.timer.metrics()})                              # + time_gen, time_reward, time_score, ...
+            bar.set_postfix({k: f"{m[k]:.3f}" for k in ("train_acc", "eval_acc", "query_kl", "policy_kl", "entropy")
+                             if k in m} | {"s/step": f"{m['step_time']:.1f}"})
+            saved = a.save_every and ((step + 1) % a.save_every == 0 or last)
+            if saved:
+                save(run, step + 1, final=last)
+            if not last and stop.requested():                              # every rank: the same step
+                if not saved:
+                    save(run, step + 1, final=False)
+                bar.close()
+                raise stop.exit(f"saved the checkpoint of step {step + 1} ({run_dir.checkpoint_dir(a.out)}/); "
+                                "continue with --resume")
+
+
+def save(run, step, final):
+    run_dir.save_checkpoint(run.args.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
+                            export_dtype=run.args.export_dtype, bf16=distributed.uses_bf16(run.args.dtype, run.dist.device))
+    run.ckpt_checked = False                                             # until the next finite loss
 
 
 def parse_args(argv=None):
@@ -509,7 +567,40 @@ def parse_args(argv=None):
     if a.algo == "sft" and "model" not in parsed.cli | parsed.config_keys:
         a.model = os.path.join(TINY, "base")  # the warm start trains the untrained base model
     a.out = a.out or os.path.join("runs", a.algo)
+    saved = run_dir.read_config(a.out) if a.resume else None
+    for k, v in (saved or {}).items():   # --resume: what the command does not say, the run's config.json does
+        if hasattr(a, k) and k not in parsed.cli | parsed.config_keys | NOT_THE_RUN:
+            setattr(a, k, v)
+    if a.resume and a.overwrite:
+        parsed.error("--resume continues the run in --out, --overwrite replaces it: choose one")
+    if a.resume and a.algo == "sft":
+        parsed.error("--resume: the SFT warm start does not resume (it saves HF folders, sft-<step>/, not "
+                     "training state); start it again (--overwrite)")
     return a, options.make_algo(parsed)                                 # None for sft
+
+
+def resume_changes(a, algo, state) -> dict:
+    """--resume against the run's config.json (whose values the options not given took, in
+    parse_args): {option: (saved, new)} of the options given another value that may change
+    (RESUME_MAY_CHANGE); any other change is an error, before anything is loaded."""
+    saved = run_dir.read_config(a.out)
+    if state is None or saved is None:                                   # from scratch: every option applies
+        return {}
+    now, knobs = vars(a), {name for name, *_ in options.algo_knobs()}
+    fixed = run_dir.config_changes(saved, now, sorted(set(now) - RESUME_MAY_CHANGE - NOT_THE_RUN - knobs))
+    if algo is not None and not fixed and "algo" in saved:               # the knobs as the loss resolves them
+        before = losses.make_algo(saved["algo"], **{k: saved.get(k) for k in knobs})
+        fixed = run_dir.config_changes(vars(before), vars(algo), knobs)
+    if fixed:
+        what = "; ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in fixed.items())
+        raise SystemExit(f"error: --resume: {what}: the run in {a.out} was made with the first (config.json), "
+                         "and these options fix what a run is; resume with its values, or start a new run "
+                         "(another --out)")
+    changed = run_dir.config_changes(saved, now, sorted(RESUME_MAY_CHANGE))
+    if changed:
+        print0("--resume: from step {}: ".format(state.step) +
+               ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+    return changed
 
 
 def load_data(a, tokenizer):
@@ -524,37 +615,56 @@ def load_data(a, tokenizer):
 
 
 def main(argv=None):
+    try:
+        return train(*parse_args(argv))                                 # bad options: argparse errors
+    except KeyboardInterrupt:                                           # Ctrl-C outside the steps (or twice)
+        raise interrupts.keyboard_exit() from None
+
+
+def train(a, algo):
     t0 = time.time()
-    a, algo = parse_args(argv)                                          # bad options: argparse errors
     if a.dry_run:  # the plan's formulas, and the step's memory measured on fake tensors beside them
         measured = measure_memory(a, algo, a.plan_gpus) if algo else None
         return print(memory_plan.report(a, a.plan_gpus, bool(algo) and (algo.kl is not None or a.measure_policy_kl), measured))
+    why = run_dir.refusal(a.out, resume=a.resume, overwrite=a.overwrite)  # before minutes of loading
+    if why:
+        raise SystemExit(f"error: {why}")
     d = distributed.setup(fsdp=a.fsdp, timeout_min=a.nccl_timeout)      # --fsdp at world size 1: a group of one
     batching.check(a, d.world) if algo else None                        # sizes that do not divide
     torch.manual_seed(a.seed), random.seed(a.seed)
-    resuming = a.resume and run_dir.resumable(a.out)
+    with run_dir.RunLock(a.out) as lock:                                # released on any exit (a kill too)
+        evalsets = train_in_folder(a, algo, d, lock)
+    print0(run_dir.summary(a.out, time.time() - t0, list(evalsets), a.template))
+    distributed.teardown()
+
+
+def train_in_folder(a, algo, d, lock):
+    """Load, check, claim --out, train; -> the held-out sets (for the summary)."""
+    if a.resume:                                                        # resuming may repair ckpt/: lock first
+        run_dir.claim(a.out, lock, resume=True, overwrite=False)
+    state = run_dir.resume_point(a.out) if a.resume else None
+    changed = resume_changes(a, algo, state)
     (dtype, amp), bf16 = distributed.precision(a.dtype, d.device), distributed.uses_bf16(a.dtype, d.device)
     shard = distributed.sharder(a.fsdp, d.device, bf16, a.grad_ckpt)
-    model, tokenizer = load_model(run_dir.model_source(a.out, resuming, a.model), d, dtype, shard, bf16)
+    model, tokenizer = load_model(run_dir.model_source(a.out, state is not None, a.model), d, dtype, shard, bf16)
     print0(f"model {a.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {d.device}")
     evalsets, data = load_data(a, tokenizer)                            # bad data: one line, nothing written
     with errors.one_line():                                             # prompts + responses within the positions
         check_fits(model, evalsets, a.max_new_tokens)
-    state = run_dir.load_state(a.out) if resuming else None
+    run_dir.claim(a.out, lock, resume=a.resume, overwrite=a.overwrite)  # the lock; --overwrite removes the old run
     log = run_dir.MetricsLog(a.out, state.step if state else 0, a.log, vars(a))  # --log's package: checked first
-    run_dir.write_config(a.out, vars(a))
+    run_dir.write_config(a.out, run_dir.with_resume_record(a.out, vars(a), state and state.step, changed))
     try:
         if a.algo == "sft":
             sft.run(a, d, model, tokenizer, data, evalsets, log, amp)
         else:
             print0(f"algo {a.algo}: {options.algo_summary(algo)}")
-            run = setup_rl(a, algo, d, model, tokenizer, data, state, resuming)
+            run = setup_rl(a, algo, d, model, tokenizer, data, state)
             train_rl(run, evalsets, log, state.step if state else 0, amp)
             run_dir.export(run.policy, tokenizer, a.export, a.export_dtype, bf16=bf16)
     finally:
         log.close()
-    print0(run_dir.summary(a.out, time.time() - t0, list(evalsets), a.template))
-    distributed.teardown()
+    return evalsets
 
 
 if __name__ == "__main__":

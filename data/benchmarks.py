@@ -27,6 +27,11 @@ e-notation "4.5e33" -> "4.5 \\times 10^{33}", list answers (OlympiadBench `final
 single element, or ", "-joined when there are several, surrounding $...$ removed; anything else,
 such as units, intervals or "58,500", is left to the grader). A row without an answer field
 takes the last \\boxed{} of its solution, found by `reward.extract_boxed`, as grading does.
+A blank field ("", whitespace, []) counts as missing, and an answer the grader cannot read (a dict,
+a bool, a nested list, NaN) is an error naming the file and line. A problem may be a chat of one
+user message ([{"role": "user", "content": ...}], as verl-style files store prompts): its content
+is the question; any other chat (a system prompt, earlier turns) is an error, since the prompt
+template writes the chat itself (data/prompts.py).
 
 The embedded tiny world (data/tinymath/, made by data/tinymath/prepare.py) is registered too:
 
@@ -126,14 +131,37 @@ def expand_benchmarks(names):
     return out
 
 
+class MissingField(DataError):
+    """A row without a problem or an answer (or with a blank one): a training set skips it and
+    names it, unless --strict-data; in a benchmark it is an error."""
+
+
+def _lookup(row, key):
+    """row[key], where "a.b" is a nested field (verl parquet: extra_info.answer); None if absent."""
+    v = row
+    for part in key.split("."):
+        v = v.get(part) if isinstance(v, dict) else None
+    return v
+
+
+def _blank(v):
+    """No value, or one that holds nothing: None, "", whitespace, []. A blank problem asks the model
+    nothing, and a blank answer matches no response: both are treated as a missing field."""
+    return v is None or (isinstance(v, str) and not v.strip()) or (isinstance(v, (list, tuple)) and not v)
+
+
 def _first(row, keys):
+    """(top-level field, value) of the first key of `keys` with a non-blank value, else (None, None)."""
     for k in keys:
-        v = row
-        for part in k.split("."):
-            v = v.get(part) if isinstance(v, dict) else None
-        if v is not None and v != "" and v != []:
+        v = _lookup(row, k)
+        if not _blank(v):
             return k.split(".")[0], v
     return None, None
+
+
+def _present(row, keys):
+    """The keys of `keys` the row has (blank, as _first found nothing), for the message."""
+    return [k for k in keys if _lookup(row, k) is not None]
 
 
 def _jsonable(v):
@@ -142,32 +170,104 @@ def _jsonable(v):
     ) or (isinstance(v, dict) and all(isinstance(k, str) and _jsonable(x) for k, x in v.items()))
 
 
+def _shown(value):
+    """A raw value for a message, as the data file writes it, cut to 60 characters."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_chat(value):
+    """A list of chat messages ({"role": ..., "content": ...}), as verl-style files store prompts."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(m, dict) and "role" in m for m in value)
+
+
+def _chat_question(messages, source):
+    """The question of a problem given as chat messages. Only a single user message with text is
+    unambiguous: the prompt template writes the chat itself (data/prompts.py), so a system prompt or
+    an earlier turn would be dropped without a word, and no template has a place for them."""
+    roles = [str(m["role"]) for m in messages]
+    content = messages[0].get("content")
+    if roles != ["user"]:
+        raise DataError(f"{source}: the problem is a chat of {len(roles)} messages (roles "
+                        f"{', '.join(roles)}), but only one user message can be a problem, as "
+                        "--template writes the chat itself (give the question alone, as text or as "
+                        "the one user message)")
+    if not isinstance(content, str):
+        raise DataError(f"{source}: the problem's user message has content {_shown(content)}, not text "
+                        "(give the question as a string in \"content\")")
+    if not content.strip():
+        raise MissingField(f"{source}: no problem: its user message is empty or whitespace "
+                           "(fill it in, or drop the row)")
+    return content.strip()
+
+
+def _problem_text(value, source="?"):
+    """The question of a row's problem field: a string, or a chat of one user message (see
+    _chat_question). Anything else is a DataError: str() of it would reach the model as a repr."""
+    if isinstance(value, str):
+        return value.strip()
+    if _is_chat(value):
+        return _chat_question(value, source)
+    raise DataError(f"{source}: the problem is of type {type(value).__name__} ({_shown(value)}), not text "
+                    "(give the question as a string)")
+
+
+def _no_problem(row, source):
+    """The MissingField of a row without a problem: a blank field is named, else the fields tried."""
+    blank = _present(row, PROBLEM_KEYS)
+    if blank:
+        return MissingField(f"{source}: no problem: {blank[0]!r} is empty or whitespace "
+                            "(fill it in, or drop the row)")
+    return MissingField(f"{source}: no problem field (tried {PROBLEM_KEYS}; the row's fields "
+                        f"are {sorted(row)})")
+
+
+def _no_answer(row, source):
+    """The MissingField of a row without an answer: a blank field is named, else the fields tried."""
+    blank = _present(row, ANSWER_KEYS)
+    if blank:
+        return MissingField(f"{source}: no answer: {blank[0]!r} is {_shown(_lookup(row, blank[0]))} "
+                            "and no solution has a \\boxed{} (fill it in, or drop the row)")
+    return MissingField(f"{source}: no answer (tried {ANSWER_KEYS} and a \\boxed{{}} in the "
+                        f"solution; the row's fields are {sorted(row)})")
+
+
+def _gold(answer, source):
+    """reward.gold_answer(answer); an answer the grader cannot read is a DataError naming the row."""
+    try:
+        return gold_answer(answer)
+    except ValueError as e:
+        raise DataError(f"{source}: {e}") from None
+
+
 def normalize_row(row, index, source="?"):
     """Raw dataset row -> {"id": str, "problem": str, "answer": str, "solution"?, ...extras}.
 
     Extras (level, subject, url, ...) are kept when JSON-serializable (images are dropped). A row
-    with no answer field falls back to the last \\boxed{} of its solution.
+    with no answer field falls back to the last \\boxed{} of its solution. A row without a problem
+    or an answer (blank counts as without) raises MissingField; a problem or an answer the model or
+    the grader cannot read (a dict answer, a chat with a system prompt, ...) raises DataError.
     """
     pkey, problem = _first(row, PROBLEM_KEYS)
     if problem is None:
-        raise ValueError(f"{source}: no problem field (tried {PROBLEM_KEYS}; the row's fields "
-                         f"are {sorted(row)})")
+        raise _no_problem(row, source)
+    problem = _problem_text(problem, source)
     akey, answer = _first(row, ANSWER_KEYS)
     skey, solution = _first(row, SOLUTION_KEYS)
     if isinstance(solution, (list, tuple)):
         solution = "\n\n".join(str(s) for s in solution)
-    if answer is None and solution:
+    norm = _gold(answer, source)
+    if not norm and solution:    # no answer, or one that reads as nothing (["", null], "$ $"): the box
         answer = extract_boxed(str(solution))
-    if answer is None:
-        raise ValueError(f"{source}: no answer (tried {ANSWER_KEYS} and a \\boxed{{}} in the "
-                         f"solution; the row's fields are {sorted(row)})")
+        norm = _gold(answer, source)
+    if not norm:
+        raise _no_answer(row, source)
     ikey, pid = _first(row, ID_KEYS)
     out = {k: v for k, v in row.items() if k not in (pkey, akey, skey, ikey) and _jsonable(v)}
-    norm = gold_answer(answer)
     if not isinstance(answer, str) or norm != answer.strip():
         out["answer_raw"] = answer if _jsonable(answer) else str(answer)
-    out.update(id=str(pid if pid is not None else index), problem=str(problem).strip(),
-               answer=norm)
+    out.update(id=str(pid if pid is not None else index), problem=problem, answer=norm)
     if solution:
         out["solution"] = str(solution)
     return out
@@ -277,8 +377,9 @@ def load_benchmark(name_or_path, limit=None, data_dir=None, skip_bad=False):
     limit: keep the first `limit` rows (quick runs). data_dir: folder with local copies of the
     hub benchmarks (e.g. aime2024.jsonl), tried before the hub; default $ERPO_DATA_DIR.
     Raises DataError (a ValueError whose message names the file and line) for an unknown name, a
-    missing, empty or malformed file, or rows without problem/answer -- unless skip_bad, which drops such rows with a printed count (real training sets have a few:
-    2 of the 8,523 MATH L3-5 rows have an empty answer).
+    missing, empty or malformed file, a problem or answer the model or grader cannot read, or rows
+    without problem/answer -- unless skip_bad, which drops the last with a printed count (real
+    training sets have a few: 2 of the 8,523 MATH L3-5 rows have an empty answer).
     """
     data_dir = data_dir if data_dir is not None else os.environ.get("ERPO_DATA_DIR")
     key = canonical_name(name_or_path)
@@ -321,9 +422,9 @@ def _normalize_rows(raw, where, source, skip_bad):
     for i, r in enumerate(raw):
         try:
             rows.append(normalize_row(r, i, where[i]))
-        except ValueError as e:
+        except MissingField:
             if not skip_bad:
-                raise DataError(str(e)) from None
+                raise
             bad.append(where[i])
     if bad:
         print(f"{source}: skipped {len(bad)} of {len(raw)} rows without a problem or an answer "

@@ -35,7 +35,14 @@ def build_prompt(tokenizer, problem: str, template: str = "paper") -> str:
     """
     if template not in TEMPLATES:
         raise ValueError(f"unknown prompt template {template!r}; choose from {sorted(TEMPLATES)}")
-    user = TEMPLATES[template].format(problem=problem.strip())
+    if not isinstance(problem, str) or not problem.strip():
+        # rows from data.benchmarks are text already; anything else would reach the model as a
+        # Python repr (a chat-message list) or as a prompt that asks nothing (a blank problem)
+        raise DataError(f"a problem must be non-empty text, got {problem!r:.60} "
+                        "(load rows with data.benchmarks, which reads chat-message problems)")
+    # replace, not str.format: the paper's instruction holds a literal "\\boxed{}", which format
+    # reads as a positional field (IndexError on every --template paper prompt)
+    user = TEMPLATES[template].replace("{problem}", problem.strip())
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(
             [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True

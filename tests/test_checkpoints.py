@@ -103,7 +103,8 @@ def test_a_folder_that_is_neither_a_model_nor_a_checkpoint_is_one_line(fsdp_run,
     assert msg.startswith(f"error: {tmp_path} is neither a model folder") and "\n" not in msg
     with pytest.raises(SystemExit) as e:                                 # evaluate.py says so before anything else
         E.main(["--model", str(tmp_path), "--benchmarks", "tiny-test", "--out", str(tmp_path / "o")])
-    assert "neither a model folder" in str(e.value.code) and not (tmp_path / "o").exists()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "neither a model folder" in err and not (tmp_path / "o").exists()
     orphan = tmp_path / "orphan"                                         # a checkpoint without its run's config.json
     shutil.copytree(fsdp_run["cut"] / "ckpt", orphan / "ckpt")
     with pytest.raises(SystemExit) as e:

@@ -10,6 +10,7 @@ import pytest
 import data.benchmarks as B
 import reward
 from data.benchmarks import load_benchmark, load_problems
+from data.prompts import PAPER_INSTRUCTION, build_prompt
 from reward import gold_answer
 
 # the shared benchmark files beside the checkout (../shared), as on CI; tests skip without them
@@ -29,12 +30,22 @@ def test_gold_answer():
     assert gold_answer("\\left( 3, \\frac{\\pi}{2} \\right)") == \
         "\\left( 3, \\frac{\\pi}{2} \\right)"
     # and the edges of a raw value
-    assert gold_answer(None) == "" and gold_answer(True) == "True" and gold_answer(7) == "7"
+    assert gold_answer(None) == "" and gold_answer(7) == "7"
     assert gold_answer(("1", None, "")) == "1"
     assert gold_answer(4.5e33) == "4.5 \\times 10^{33}"     # not the float's noisy int digits
     assert gold_answer(" $x$ ") == "x"
     assert gold_answer("66.450") == "66.450"                # stated precision kept; grade() copes
     assert reward.grade("66.45", gold_answer("66.450"))
+
+
+@pytest.mark.parametrize("value,what", [
+    ({"value": 3}, "a dict"), (True, "a bool"), ([["1", "2"]], "a list holding a list"),
+    (["1", {"a": 1}], "a list holding a dict"), (float("nan"), "a non-finite float"),
+    (float("inf"), "a non-finite float"), ([False], "a bool"), ({1, 2}, "a set")])
+def test_gold_answer_refuses_values_the_grader_cannot_read(value, what):
+    # as text ("{'value': 3}", "True", "nan") they match no boxed answer: every reward would be 0
+    with pytest.raises(ValueError, match=f"the answer is {what} .*which the grader cannot read"):
+        gold_answer(value)
 
 
 def test_benchmarks_has_no_normaliser_or_boxed_extractor_of_its_own(tmp_path):
@@ -74,6 +85,14 @@ def test_load_benchmark_fields_and_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
     with pytest.raises(ValueError, match="no problem field"):
         load_benchmark(str(tmp_path / "bad.jsonl"))
+
+
+def test_paper_template_keeps_its_literal_boxed():
+    # str.format read the instruction's "\\boxed{}" as a field: every --template paper prompt raised
+    text = build_prompt(None, " What is 1+1? ", "paper")
+    assert text == "What is 1+1? " + PAPER_INSTRUCTION + "\n" and text.count("\\boxed{}") == 1
+    with pytest.raises(ValueError, match="a problem must be non-empty text"):
+        build_prompt(None, [{"role": "user", "content": "What is 1+1?"}], "plain")
 
 
 def test_tiny_benchmarks_load():

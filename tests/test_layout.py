@@ -3,8 +3,9 @@
 Entry scripts (train.py, evaluate.py, analysis.py) import the floor; no module imports an entry
 script; there are no import cycles; losses.py imports only torch and the standard library; no
 function outside tests/ and bench/ is longer than 60 lines; train.py stays a script one reads top
-to bottom (<= 600 lines: 450 until the measured memory step, #19; the cap is a guard against
-a 3,000-line trainer, not a target to compress code into); and every option is written once (the parser is the options table).
+to bottom (<= 700 lines: 450 until the measured memory step, #19, 600 until the run folder's
+protection, resume checks and signal stops, #20; the cap is a guard against a 3,000-line
+trainer, not a target to compress code into); and every option is written once (the parser is the options table).
 """
 
 import ast
@@ -56,7 +57,7 @@ def test_no_module_imports_an_entry_script():
 
 # The floor (plumbing, losses) imports nothing above it; the task layer imports no entry script.
 FLOOR = {"losses", "distributed", "run_dir", "optimizer", "options", "batching", "faults", "plots",
-         "mathverify_pool", "errors"}
+         "mathverify_pool", "errors", "interrupts"}
 
 
 def test_imports_point_down_the_layers():
@@ -105,7 +106,7 @@ def test_no_function_longer_than_60_lines():
 
 def test_train_py_reads_top_to_bottom():
     src = open(os.path.join(ROOT, "train.py")).read()
-    assert len(src.splitlines()) <= 600
+    assert len(src.splitlines()) <= 700
     assert "def rl_step(" in src and "def ppo_update(" in src and "def train_rl(" in src  # the story stays
 
 

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from losses import (AGG_MODES, ALGOS, Algo, aggregate, group_advantages, kl_penalized_rewards, make_algo,
-                    nonconstant_groups, overlong_penalty, policy_kl, ppo_loss, query_kl,
+from losses import (AGG_MODES, ALGOS, Algo, aggregate, clip_masks, group_advantages, kl_penalized_rewards,
+                    make_algo, nonconstant_groups, overlong_penalty, policy_kl, ppo_loss, query_kl,
                     query_weights, rl_loss)
 
 # -----------------------------------------------------------------------------
@@ -301,6 +301,22 @@ def test_ppo_loss_cases():
     assert _ppo(100.0, -1.5) == (pytest.approx(4.5), True, 0.0)
     assert _ppo(100.0, -1.5, dual_clip=None)[:2] == (pytest.approx(150.0), False)
     assert _ppo(100.0, 1.5)[:2] == (pytest.approx(-1.95), True)        # dual clip is for A < 0 only
+
+
+def test_clip_masks_mark_the_ratio_outside_the_range_whatever_the_advantage():
+    ratio = torch.tensor([[0.5, 0.79, 0.81, 1.0, 1.29, 1.31, 2.0, 3.5]], dtype=torch.float64)
+    logp, old = ratio.log(), torch.zeros_like(ratio)
+    for A in (1.0, -1.0):                    # low / high do not depend on the advantage's sign
+        m = clip_masks(logp, old, torch.tensor([A], dtype=torch.float64), eps_low=0.2, eps_high=0.3, dual_clip=3.0)
+        assert m["low"].tolist() == [[True, True, False, False, False, False, False, False]]
+        assert m["high"].tolist() == [[False, False, False, False, False, True, True, True]]
+        assert m["dual"].tolist() == [[False] * 7 + [A < 0]]       # r = 3.5 > c = 3, and only for A < 0
+    # the dual mask is where ppo_loss bounded the loss at c * |A|
+    for r in (2.0, 2.9, 3.1, 10.0):
+        loss, _ = ppo_loss(torch.tensor([[math.log(r)]]), torch.zeros(1, 1), torch.tensor([-1.5]))
+        dual = clip_masks(torch.tensor([[math.log(r)]]), torch.zeros(1, 1), torch.tensor([-1.5]))["dual"]
+        assert bool(dual) == (loss.item() == pytest.approx(4.5) and r > 3)
+    assert not clip_masks(logp, old, torch.tensor([-1.0], dtype=torch.float64), dual_clip=None)["dual"].any()
 
 
 def test_ppo_advantage_broadcast():

@@ -4,15 +4,22 @@ with a summary; metrics can be mirrored to TensorBoard.
 The fault tests run train.py in a subprocess that a failpoint (faults.py) SIGKILLs at a named
 place, then `--resume` it, and require the metrics of an uninterrupted run."""
 
+import glob
 import json
+import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 import evaluate
+import query_cache
+import run_dir
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,12 +48,12 @@ def metrics(out):
         return [json.loads(line) for line in f]
 
 
-def same_metrics(a, b):
+def same_metrics(a, b, rel=1e-4, abs=1e-6):
     assert [m["step"] for m in a] == [m["step"] for m in b]
     for x, y in zip(a, b):
         for k, v in x.items():
             if not (k == "step_time" or k.startswith("time_") or k.endswith("_per_s")):
-                assert y[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (x["step"], k)
+                assert y[k] == pytest.approx(v, rel=rel, abs=abs), (x["step"], k)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -174,17 +181,23 @@ def run_proc(argv, fault=None):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, data):
+def uninterrupted_run(tmp_path_factory, data):
+    """The 4-step run the fault tests must reproduce: checkpoints of steps 4 (ckpt/) and 2 (ckpt.prev/)."""
     out = tmp_path_factory.mktemp("full") / "run"
     r = run_proc(small(out, data[0] / "train.jsonl"))
     assert r.returncode == 0, r.stderr[-2000:]
-    return metrics(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run):
+    return metrics(uninterrupted_run)
 
 
 @pytest.mark.parametrize("fault,leftover", [
     ("query-cache", None),          # inside the Query-KL cache build of a fresh run: no checkpoint yet
     ("mid-step:10", "ckpt"),        # step 3, after a backward, before its optimizer step
-    ("ckpt-rename:1", "ckpt.old"),  # the save at step 4, between moving ckpt aside and ckpt.tmp in
+    ("ckpt-rename:1", "ckpt.prev"), # the save at step 4, between moving ckpt aside and ckpt.tmp in
     ("metrics-write:4", "ckpt"),    # half of step 3's metrics line on disk
 ])
 def test_a_kill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, data, uninterrupted, fault, leftover):
@@ -203,7 +216,7 @@ def test_a_kill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, d
     else:  # it continued (a fresh start would also reproduce the metrics: check it did not)
         assert f"resumed from {out}/ckpt at step 2" in r.stdout, r.stdout[-2000:]
     if fault == "ckpt-rename:1":
-        assert "restored it" in r.stdout
+        assert f"{out}/ckpt was missing and {out}/ckpt.prev complete" in r.stdout
     same_metrics(uninterrupted, metrics(out))
 
 
@@ -249,16 +262,26 @@ def test_a_non_finite_step_is_skipped_and_counted(tmp_path, monkeypatch, data, k
     assert {int(s["step"]) for s in opt["state"].values()} == {7}     # 8 optimizer steps, 1 never applied
 
 
-def test_max_bad_steps_in_a_row_end_the_run_with_the_checkpoint_intact(tmp_path, monkeypatch, data, capsys):
-    poisoned_rl_loss(monkeypatch, set(range(3, 100)), "loss")   # from step 2 on, every step is bad
+def saved_step(ckpt):
+    return torch.load(ckpt / "state.pt", weights_only=False)["step"]
+
+
+def test_max_bad_steps_in_a_row_end_the_run_and_set_aside_the_unchecked_checkpoint(tmp_path, monkeypatch, data):
+    # 2 optimizer steps per RL step, a checkpoint after each; from step 3 on every step is bad. The
+    # weights saved at step 2 never gave a finite loss (step 3's steps were bad), so when step 3's
+    # save replaces that checkpoint, ckpt.prev/ stays step 1's (checked by step 2's first loss); at the
+    # end, ckpt/ (step 3's save, those weights again) goes to ckpt.diverged/ and step 1's is ckpt/.
+    poisoned_rl_loss(monkeypatch, set(range(5, 100)), "loss")
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
         train.main(small(out, data[0] / "train.jsonl", "--micro-batch", "16", "--eval-every", "0",
                          "--save-every", "1"))
     assert "3 optimizer steps in a row had a non-finite loss or gradient" in str(e.value.code)
-    state = torch.load(out / "ckpt" / "state.pt", weights_only=False)
-    assert state["step"] == 2                 # step 2 (two skips) was saved; step 3's third skip ended it
-    assert [m["skipped_steps"] for m in metrics(out) if m["step"] > 0] == [0, 2]
+    assert f"--resume continues from step 1 ({out}/ckpt/)" in str(e.value.code)
+    assert f"{out}/ckpt.diverged/" in str(e.value.code)
+    assert saved_step(out / "ckpt") == 1 and saved_step(out / "ckpt.diverged") == 3
+    assert not (out / "ckpt.prev").exists()
+    assert [m["skipped_steps"] for m in metrics(out) if m["step"] > 0] == [0, 0, 2]
 
 
 # ----------------------------------------------------------------------------- the end of a run
@@ -292,3 +315,206 @@ def test_bad_benchmark_files_for_evaluate(tmp_path, capsys, content, needle):
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"evaluate.py: error: {bench}{needle}" in err, err
     assert "Traceback" not in err and not (tmp_path / "e").exists()
+
+
+# ----------------------------------------------------------------------------- run folders
+
+
+def fingerprint(folder):
+    """{relative path: (size, mtime_ns)} of every file under `folder`: did anything change?"""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def exit_line(capsys, fn, *argv):
+    """fn(argv) must exit non-zero with one line and no traceback -> that line."""
+    with pytest.raises(SystemExit) as e:
+        fn(list(argv))
+    err = capsys.readouterr().err
+    assert e.value.code not in (0, None) and "Traceback" not in err, err[-2000:]
+    return e.value.code if isinstance(e.value.code, str) else err.strip().splitlines()[-1]
+
+
+def test_a_fresh_run_never_replaces_a_run(tmp_path, capsys, data, uninterrupted_run):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted_run, out)
+    before = fingerprint(out)
+    msg = exit_line(capsys, train.main, *small(out, data[0] / "train.jsonl"))
+    assert msg == (f"error: {out} holds a run (a checkpoint at step 4 (ckpt/), metrics up to step 4); continue it "
+                   "with --resume, choose another --out, or replace it with --overwrite")
+    assert fingerprint(out) == before
+    (out / "notes.txt").write_text("the user's own file")
+    train.main(small(out, data[0] / "train.jsonl", "--steps", "1", "--eval-every", "0", "--overwrite"))
+    assert "--overwrite: removed the run that was in" in capsys.readouterr().out
+    assert [m["step"] for m in metrics(out)] == [1] and saved_step(out / "ckpt") == 1
+    assert not (out / "ckpt.prev").exists() and (out / "notes.txt").exists()
+    for argv, needle in ((["--resume", "--overwrite"], "--resume continues the run in --out, --overwrite replaces it"),
+                         (["--algo", "sft", "--resume"], "the SFT warm start does not resume")):
+        assert needle in exit_line(capsys, train.main, "--out", str(out), *argv)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert exit_line(capsys, train.main, "--out", str(afile)) == f"error: --out {afile} is a file, not a folder"
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    readonly.chmod(0o500)
+    try:
+        if not os.access(readonly, os.W_OK):      # (root can write anywhere)
+            assert exit_line(capsys, train.main, "--out", str(readonly / "run")) == \
+                f"error: --out {readonly / 'run'}: {readonly} is not writable"
+    finally:
+        readonly.chmod(0o700)
+
+
+def test_one_process_per_run_folder_and_a_kill_releases_it(tmp_path, capsys, data):
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, run_dir; lock = run_dir.RunLock(sys.argv[1]); "
+                               "assert lock.acquire() is None; print('held', flush=True); time.sleep(600)", str(out)],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        msg = exit_line(capsys, train.main, *small(out, data[0] / "train.jsonl"))
+        assert msg.startswith(f"error: {out} is in use by another run (pid {holder.pid} on ") and \
+            msg.endswith("wait for it, or use another --out")
+        assert not (out / "config.json").exists() and not (out / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = run_dir.RunLock(str(out))          # SIGKILL released it: the next run takes it
+    assert lock.acquire() is None
+    lock.release()
+
+
+# ----------------------------------------------------------------------------- --resume and its options
+
+
+def test_resume_refuses_what_fixes_the_run_applies_the_rest_and_recovers_from_a_divergence(tmp_path, capsys, data):
+    out = tmp_path / "run"
+    base = small(out, data[0] / "train.jsonl", "--steps", "2", "--eval-every", "0")
+    train.main(base)
+    config = (out / "config.json").read_text()
+    for argv, needle in ((["--algo", "grpo"], "--algo 'erpo' -> 'grpo'"), (["--alpha", "0.05"], "--alpha 0.01 -> 0.05"),
+                         (["--seed", "1", "--group-size", "2"], "--group-size 4 -> 2; --seed 0 -> 1"),
+                         (["--train-data", TRAIN], "--train-data")):
+        msg = exit_line(capsys, train.main, "--out", str(out), "--resume", *argv)
+        assert msg.startswith(f"error: --resume: {needle}") and "fix what a run is" in msg, msg
+    assert (out / "config.json").read_text() == config      # refused: nothing rewritten
+    # --lr 1e6: step 3's first loss is finite (step 2's weights: checked), its update destroys the
+    # weights, and the next losses are not finite: the run stops and sets step 3's checkpoint aside
+    msg = exit_line(capsys, train.main, "--out", str(out), "--resume", "--steps", "6", "--lr", "1e6", "--save-every", "1")
+    assert msg.startswith("error: 3 optimizer steps in a row had a non-finite loss or gradient") and \
+        f"--resume continues from step 2 ({out}/ckpt/)" in msg and msg.endswith("resume with a lower --lr")
+    assert saved_step(out / "ckpt") == 2 and saved_step(out / "ckpt.diverged") == 3
+    # the advice, followed: the options not given are the run's (config.json), the new lr is applied
+    train.main(["--out", str(out), "--resume", "--steps", "4", "--lr", "1e-4"])
+    printed = capsys.readouterr().out
+    assert "--resume: from step 2: lr 1000000.0 -> 0.0001, steps 6 -> 4" in printed
+    ms = {m["step"]: m for m in metrics(out)}
+    assert sorted(ms) == [1, 2, 3, 4] and [ms[s]["lr"] for s in (3, 4)] == [1e-4, 1e-4]
+    assert all(ms[s]["skipped_steps"] == 0 and math.isfinite(ms[s]["grad_norm"]) for s in (3, 4))
+    assert ms[4]["entropy"] < 3 * ms[2]["entropy"]           # not the uniform distribution (entropy ~6.5)
+    state = torch.load(out / "ckpt" / "state.pt", weights_only=False)
+    assert state["step"] == 4 and {g["lr"] for g in state["opt"]["param_groups"]} == {1e-4}
+    assert [r["at_step"] for r in json.loads((out / "config.json").read_text())["resumed"]] == [2, 2]
+
+
+# ----------------------------------------------------------------------------- signals, corrupt checkpoints
+
+
+def test_sigint_stops_at_the_step_boundary_with_a_checkpoint_and_resume_reproduces(tmp_path, monkeypatch, capsys,
+                                                                                   data, uninterrupted):
+    real, calls = train.rl_step, []
+
+    def ctrl_c_in_step_3(run, step):
+        calls.append(step)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)    # arrives mid-step: the step still finishes
+        return real(run, step)
+    monkeypatch.setattr(train, "rl_step", ctrl_c_in_step_3)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main(small(out, data[0] / "train.jsonl"))
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and calls == [0, 1, 2] and "Traceback" not in err
+    assert f"interrupted (SIGINT): saved the checkpoint of step 3 ({out}/ckpt/); continue with --resume" in err
+    assert saved_step(out / "ckpt") == 3 and [m["step"] for m in metrics(out)] == [0, 1, 2, 3]   # (3: not a
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler    # save step) handlers restored
+    monkeypatch.setattr(train, "rl_step", real)
+    train.main(small(out, data[0] / "train.jsonl", "--resume"))
+    same_metrics(uninterrupted, metrics(out))
+
+
+def worker_pids(parent):
+    """{RANK: pid} of the torchrun workers under `parent` (read from /proc)."""
+    found = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            pid, ppid = int(stat.split("/")[2]), int(open(stat).read().rsplit(")", 1)[1].split()[1])
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if ppid == parent else []
+        except (OSError, ValueError, IndexError):
+            continue
+        rank = [e[5:].decode() for e in env if e.startswith(b"RANK=")]
+        if rank:
+            found[int(rank[0])] = pid
+    return found
+
+
+def test_sigterm_to_one_rank_stops_both_and_the_run_resumes(tmp_path, data):
+    """Two DDP processes (gloo); SIGTERM reaches rank 1 only, mid-run: both ranks stop after the same
+    step (one all-reduce of the flag), rank 0 saves, and --resume finishes the run on one process.
+    (That a resumed run reproduces the uninterrupted one is the SIGINT test's and the kill tests': a
+    2-rank step rounds differently from a 1-rank one, and a flipped sampled token then moves metrics.)"""
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("ERPO_FAULT", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-port",
+           str(29700 + os.getpid() % 200), os.path.join(ROOT, "train.py"),
+           *small(out, data[0] / "train.jsonl", "--save-every", "0")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not any(m["step"] >= 1 and "reward" in m for m in run_dir.read_jsonl(str(out / "metrics.jsonl"))):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    stopped = saved_step(out / "ckpt")
+    assert 2 <= stopped < 4 and [m["step"] for m in metrics(out) if "reward" in m] == list(range(1, stopped + 1))
+    assert f"interrupted (SIGTERM): saved the checkpoint of step {stopped}" in err, err[-3000:]
+    r = run_proc(small(out, data[0] / "train.jsonl", "--resume"))
+    assert r.returncode == 0 and f"resumed from {out}/ckpt at step {stopped}" in r.stdout, r.stderr[-2000:]
+    assert [m["step"] for m in metrics(out) if "reward" in m] == [1, 2, 3, 4]
+
+
+def test_a_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path, capsys, data, uninterrupted_run, uninterrupted):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted_run, out)
+    for victim in ("model.safetensors", "state.pt"):
+        assert saved_step(out / "ckpt") == 4 and saved_step(out / "ckpt.prev") == 2
+        path = out / "ckpt" / victim
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])     # a disk that filled up, say
+        train.main(small(out, data[0] / "train.jsonl", "--resume"))
+        printed = capsys.readouterr().out
+        assert f"--resume: {out}/ckpt is corrupt ({victim}: " in printed, printed[-2000:]
+        assert "continuing from the checkpoint before it, step 2" in printed
+        same_metrics(uninterrupted, metrics(out))
+    for ckpt in ("ckpt", "ckpt.prev"):
+        (out / ckpt / "state.pt").write_bytes(b"")
+    msg = exit_line(capsys, train.main, *small(out, data[0] / "train.jsonl", "--resume"))
+    assert msg.startswith(f"error: --resume: {out}/ckpt is corrupt (state.pt: ") and "no intact checkpoint" in msg
+
+
+def test_a_full_query_cache_disk_does_not_stop_a_run(tmp_path, monkeypatch, capsys, data):
+    real_save, shared = query_cache.torch.save, tmp_path / "shared"
+
+    def full_disk(obj, path, *a, **k):
+        if str(path).startswith(str(shared)):     # what torch raises when the disk fills mid-write
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 512 vs 448")
+        return real_save(obj, path, *a, **k)
+    monkeypatch.setattr(query_cache.torch, "save", full_disk)
+    out = tmp_path / "run"
+    train.main(small(out, data[0] / "train.jsonl", "--steps", "1", "--eval-every", "0", "--save-every", "0",
+                     "--query-cache-dir", str(shared)))
+    assert "query-KL reference cache: not shared ([enforce fail" in capsys.readouterr().out
+    assert [m["step"] for m in metrics(out)] == [1] and not list(shared.rglob("*.tmp*"))

@@ -43,8 +43,34 @@ KEYS = {"step", "reward", "train_acc", "query_kl", "policy_kl", "entropy", "resp
         "time_gen", "time_reward", "time_score", "time_update", "gen_tok_per_s", "update_tok_per_s"}
 
 
-def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data):
+def rl_loss_statistics(algo):
+    """The names of the statistics losses.rl_loss returns for `algo` called as train.py calls it,
+    as metrics.jsonl names them."""
+    B, T = 2, 3
+    _, stats = train.losses.rl_loss(
+        algo, logp=torch.zeros(B, T), old_logp=torch.zeros(B, T),
+        ref_logp=torch.zeros(B, T) if algo.has_policy_kl_loss else None,
+        resp_mask=torch.ones(B, T), advantages=torch.ones(B), weights=None if algo.weights == "none" else torch.ones(B),
+        prompt_logp=torch.zeros(B, T), prompt_ref_logp=torch.zeros(B, T), prompt_mask=torch.ones(B, T),
+        num_tokens=B * T, num_seqs=B, max_len=T)
+    return {f"loss_{k}" if k in ("policy_kl", "query_kl") else k for k in stats}
+
+
+def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeypatch):
     before = {k: v.clone() for k, v in train.rollout.load_policy(WARM)[0].state_dict().items()}
+    real, real_clip, opt_steps = train.losses.rl_loss, train.optimizer.clip_grad, [{}]
+
+    def spy(algo, **kw):                       # each optimizer step's clip statistics, micro-batches summed
+        loss, st = real(algo, **kw)
+        for k in train.losses.CLIP_STATS:
+            opt_steps[-1][k] = opt_steps[-1].get(k, 0.0) + st[k].item()
+        return loss, st
+
+    def next_step(*a):                         # clip_grad: once per optimizer step, after its backwards
+        opt_steps.append({})
+        return real_clip(*a)
+    monkeypatch.setattr(train.losses, "rl_loss", spy)
+    monkeypatch.setattr(train.optimizer, "clip_grad", next_step)
     ms = run(tmp_path, small_data, "--algo", "erpo", "--lr", "1e-3", steps=4)
     assert ms[0]["step"] == 0 and "eval_acc" in ms[0]           # evaluation before training
     steps = [m for m in ms if m["step"] > 0]
@@ -53,6 +79,14 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data):
         assert KEYS <= set(m), KEYS - set(m)
         assert m["query_kl"] >= 0 and m["policy_kl"] >= 0 and 0 <= m["train_acc"] <= 1
         assert 0 < m["weight_min"] <= m["weight_mean"] <= m["weight_max"] <= 2  # paper weights
+    # every statistic of rl_loss reaches metrics.jsonl; the clip fractions are the second optimizer
+    # step's (2 per RL step): the first is on-policy, nothing to clip
+    assert all(rl_loss_statistics(train.losses.ALGOS["erpo"]) <= set(m) for m in steps)
+    opt_steps.pop()                            # (opened by the last clip_grad)
+    assert len(opt_steps) == 2 * 4 and all(v == 0 for first in opt_steps[0::2] for v in first.values())
+    for m, second in zip(steps, opt_steps[1::2]):
+        assert all(m[k] == pytest.approx(second[k], abs=1e-12) for k in train.losses.CLIP_STATS)
+    assert max(m["clip_frac"] for m in steps) > 0 and max(m["clip_frac_high"] for m in steps) > 0
     assert steps[0]["query_kl"] < 1e-6          # step 1 samples from the reference itself
     assert steps[-1]["query_kl"] > 0            # ... and the queries drift once it trains
     assert "eval_acc" in steps[1] and "eval_acc" in steps[3]

@@ -1,0 +1,1022 @@
+"""The reliability sweep of issue #20: every fault and bad input the issue names, and more, tried
+the way a user would try them -- real `python train.py / evaluate.py / analysis.py` processes on
+the tiny embedded model (data/tinymath/warmstart), tiny sizes -- each checked mechanically.
+
+    python bench/reliability_sweep.py                     # every case (about 5 min on 2 CPU cores)
+    python bench/reliability_sweep.py --list              # the cases: name, script, what each checks
+    python bench/reliability_sweep.py --only resume-new-lr lr-1e6-then-lower-lr
+    python bench/reliability_sweep.py --keep              # keep the temporary folder to look at
+
+Every case expects one of four outcomes:
+  refused      a non-zero exit, no traceback, the last stderr line one `error:` line (the script's own
+               or argparse's), and the files it must protect (a run's ckpt/ and metrics.jsonl,
+               evaluate's --out) byte-identical before and after, or --out not created
+  works        exit 0 and a stated postcondition (metrics has steps 0..4, the new lr is the one
+               logged, samples.jsonl holds the expected count, ...)
+  interrupted  SIGINT / SIGTERM while it runs: exit 130 / 143 with one line, the checkpoint of the
+               last step saved; the command a user runs next (--resume, the same command) finishes
+  recovered    after a fault (a truncated checkpoint, a kill mid-save, a divergence) the next command
+               says how it recovered (fallback, rollback) and finishes the run
+Cases share one finished 4-step run (copied into each case's folder) and one Query-KL cache. The
+table is printed and written to bench/results/reliability_sweep.md; the exit status is 1 if any
+case fails. Only the "full query-cache disk" case patches anything: torch.save raises in the shared
+cache folder as on a full disk (a prelude run before train.py, in the same process).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+WARM = ROOT / "data" / "tinymath" / "warmstart"
+TRAIN = ROOT / "data" / "tinymath" / "train.jsonl"
+RESULTS = ROOT / "bench" / "results" / "reliability_sweep.md"
+TIMEOUT = 300                       # seconds any one command may take
+TRAIN_ROWS = 64                     # rows of the tiny world's training set the runs use
+
+# A case's argv is a template: {c} is its own folder, {data} the 64-row training file, {warm} the
+# warm-start model, {cache} the shared Query-KL cache folder, {ro} a folder nobody may write.
+# train.py's tiny sizes (2 optimizer steps per RL step, a checkpoint and an evaluation every 2 steps).
+SMALL = ["--model", "{warm}", "--train-data", "{data}", "--rollout-batch", "8", "--update-batch", "4",
+         "--group-size", "4", "--micro-batch", "8", "--max-new-tokens", "24", "--eval-data", "tiny-test",
+         "--eval-limit", "4", "--eval-every", "2", "--save-every", "2", "--query-cache-dir", "{cache}"]
+# evaluate.py's: 2 problems x 2 samples at one temperature.
+EVAL = ["--benchmarks", "tiny-test", "--limit", "2", "--n", "2", "--max-new-tokens", "16",
+        "--temperatures", "1.0", "--no-progress"]
+# An error line: "error: ..." (train.py) or "<script>.py: error: ..." (argparse, evaluate, analysis).
+ERROR_LINE = re.compile(r"^([\w.-]+\.py: )?error: \S")
+
+
+def train(out="{c}/run", steps=4, *extra):
+    """train.py's argv: the tiny sizes, `steps` RL steps into `out`, then `extra`."""
+    return [*SMALL, "--out", out, "--steps", str(steps), *extra]
+
+
+def evaluate(model="{warm}", out="{c}/eval", *extra):
+    return ["--model", model, *EVAL, "--out", out, *extra]
+
+
+# ----------------------------------------------------------------------------------------------
+# Running a command
+
+
+@dataclass
+class Proc:
+    """A finished command: what the table and the checks read."""
+    cmd: str
+    code: int
+    out: str
+    err: str
+
+    def last_err_line(self) -> str:
+        lines = [ln for ln in self.err.splitlines() if ln.strip()]
+        return lines[-1].strip() if lines else ""
+
+    def tail(self, n=15) -> str:
+        return "\n".join((self.out + "\n" + self.err).strip().splitlines()[-n:])
+
+
+# torch.save raising in one folder as it does on a full disk (the "full query-cache disk" case)
+FULL_DISK = """
+import os, torch
+_save, _full = torch.save, os.environ["SWEEP_FULL_DIR"]
+def _save_or_full(obj, f, *a, **k):
+    if str(f).startswith(_full):
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 512 vs 448")
+    return _save(obj, f, *a, **k)
+torch.save = _save_or_full
+"""
+# Runs a prelude, then the script as `python script.py argv` would.
+WITH_PRELUDE = ("import os, runpy, sys; exec(os.environ['SWEEP_PRELUDE']); sys.argv = sys.argv[1:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def default_signals():
+    """In the child, before exec: SIGINT/SIGTERM as from a terminal (a driver started in the
+    background would pass SIGINT on ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@dataclass
+class Env:
+    """What a case works in: its own folder, and what the sweep shares."""
+    dir: Path
+    sweep: "Sweep"
+    name: str
+    script: str                                     # the case's script: what run_script runs
+    procs: list = field(default_factory=list)      # (Popen, stdout path, stderr path, cmd)
+    background: list = field(default_factory=list)  # processes a setup left running
+
+    def fill(self, text: str) -> str:
+        s = self.sweep
+        return text.format(c=self.dir, data=s.data, warm=WARM, cache=s.cache, ro=s.readonly or "")
+
+    def path(self, rel: str) -> Path:
+        return Path(self.fill(rel)) if "{" in rel else self.dir / rel
+
+    def start(self, script, argv, env=None, prelude=None) -> subprocess.Popen:
+        """Start `python script argv` in the repository, its output to files (polled by the signal cases)."""
+        k = len(self.procs)
+        out, err = (self.sweep.root / "logs" / f"{self.name}.{k}.{ext}" for ext in ("out", "err"))
+        full = {k: v for k, v in os.environ.items() if k != "ERPO_FAULT"}   # failpoints: only where asked
+        full.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{k: self.fill(v) for k, v in (env or {}).items()})
+        args = [self.fill(a) for a in argv]
+        cmd = [sys.executable, script, *args]
+        if prelude:
+            full["SWEEP_PRELUDE"] = prelude
+            cmd = [sys.executable, "-c", WITH_PRELUDE, script, *args]
+        with open(out, "w") as fo, open(err, "w") as fe:
+            p = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=fo, stderr=fe, preexec_fn=default_signals)
+        self.procs.append((p, out, err, " ".join([script, *args])))
+        return p
+
+    def finish(self, p: subprocess.Popen, timeout=TIMEOUT) -> Proc:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        _, out, err, cmd = next(x for x in self.procs if x[0] is p)
+        return Proc(cmd, p.returncode, out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+    def run(self, script, argv, env=None, prelude=None) -> Proc:
+        return self.finish(self.start(script, argv, env, prelude))
+
+    def run_script(self, argv, env=None, prelude=None) -> Proc:
+        """Run the case's own script."""
+        return self.run(self.script, argv, env, prelude)
+
+    def stop_background(self):
+        for p in self.background:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def wait_for(cond: Callable[[], bool], p: subprocess.Popen, timeout=120.0) -> bool:
+    """Poll `cond` until it holds (True), or the process ends or time runs out (False)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        if p.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+# ----------------------------------------------------------------------------------------------
+# What is on disk: the checks read files, never the project's code
+
+
+def digest(path: Path) -> dict | None:
+    """{relative path: sha256} of every file under `path` (a file: its own), None if missing.
+    The run folder's .lock is left out: any command that takes the lock rewrites it."""
+    if not path.exists():
+        return None
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and p.name != ".lock")
+    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def metrics(run: Path) -> list[dict]:
+    return read_jsonl(run / "metrics.jsonl")
+
+
+def saved_step(ckpt: Path) -> int | None:
+    """The step of a checkpoint's state.pt, None if there is none (or it does not load)."""
+    import torch
+    try:
+        return int(torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)["step"])
+    except Exception:
+        return None
+
+
+def complete_lines(path: Path) -> int:
+    try:
+        return sum(1 for ln in path.read_text().splitlines(keepends=True) if ln.endswith("\n"))
+    except FileNotFoundError:
+        return 0
+
+
+# Postconditions: env -> None (holds) or why not, in a few words. Built by these factories.
+Check = Callable[[Env], "str | None"]
+
+
+def all_of(*checks: Check) -> Check:
+    def check(env):
+        return next((why for why in (c(env) for c in checks) if why), None)
+    return check
+
+
+def steps_are(want, run="run") -> Check:
+    """metrics.jsonl holds exactly these steps, each once, in order."""
+    def check(env):
+        got = [m.get("step") for m in metrics(env.path(run))]
+        return None if got == list(want) else f"metrics steps {got}, expected {list(want)}"
+    return check
+
+
+def ckpt_at(step, ckpt="run/ckpt") -> Check:
+    def check(env):
+        got = saved_step(env.path(ckpt))
+        return None if got == step else f"{ckpt} holds step {got}, expected {step}"
+    return check
+
+
+def exists(rel, yes=True) -> Check:
+    def check(env):
+        there = env.path(rel).exists()
+        return None if there == yes else f"{rel} {'missing' if yes else 'exists'}"
+    return check
+
+
+def samples(count, out="eval") -> Check:
+    """samples.jsonl holds `count` records, no two of the same sample."""
+    def check(env):
+        rows = read_jsonl(env.path(out) / "samples.jsonl")
+        keys = {(r["model"], r["benchmark"], str(r["id"]), r["temperature"], r["sample"]) for r in rows}
+        ok = len(rows) == count and len(keys) == count
+        return None if ok else f"{len(rows)} samples ({len(keys)} distinct), expected {count}"
+    return check
+
+
+def metric(key, want: dict, run="run") -> Check:
+    """metrics.jsonl's `key` at these steps: {step: value}."""
+    def check(env):
+        got = {m["step"]: m.get(key) for m in metrics(env.path(run)) if m.get("step") in want}
+        return None if got == want else f"{key} at steps {got}, expected {want}"
+    return check
+
+
+# ----------------------------------------------------------------------------------------------
+# The four expectations
+
+
+@dataclass
+class Then:
+    """The command a user runs next (the resume, the corrected command): it must work."""
+    argv: list[str]
+    says: str = ""                      # in its output
+    post: Check | None = None
+    setup: Callable[[Env], None] | None = None  # what the user does first (repairs a file)
+
+
+@dataclass
+class Refused:
+    says: str                           # in the one error line (placeholders filled in)
+    protect: tuple = ()                 # paths that must be byte-identical after
+    absent: tuple = ()                  # paths that must not exist after (--out not created)
+    then: Then | None = None            # the corrected command then works
+    after: Check | None = None          # e.g. the run that held the folder finished unharmed
+    kind = "refused"
+
+
+@dataclass
+class Works:
+    says: str = ""                      # in stdout or stderr
+    post: Check | None = None
+    kind = "works"
+
+
+@dataclass
+class Interrupted:
+    signals: tuple                      # sent in order (0.05 s apart) once `ready` holds
+    ready: Check                        # None: now is the moment
+    code: int                           # 130 or 143
+    says: str                           # in the last stderr line
+    then: Then                          # the resume or the rerun
+    post: Check | None = None           # right after the interrupt (the checkpoint saved)
+    kind = "interrupted"
+
+
+@dataclass
+class Recovered:
+    says: str                           # the recovery message of the case's command
+    post: Check | None = None
+    fault: list[str] | None = None      # argv of the command that meets the fault first
+    fault_env: dict | None = None       # e.g. ERPO_FAULT=ckpt-rename:1
+    fault_code: int | None = None       # its exit status (-9: a failpoint's SIGKILL)
+    fault_says: str = ""                # in its last stderr line
+    fault_post: Check | None = None
+    kind = "recovered"
+
+
+@dataclass
+class Case:
+    name: str
+    script: str                         # train.py, evaluate.py or analysis.py
+    checks: str                         # what it checks, one line
+    argv: list[str]
+    expect: Refused | Works | Interrupted | Recovered
+    setup: Callable[[Env], None] | None = None
+    prelude: str | None = None          # python run before the script (the full-disk case only)
+    env: dict | None = None
+    uses_base: bool = False             # its setup copies the shared finished run
+
+    def short(self) -> str:
+        """The command without the shared tiny sizes, paths relative to the case folder."""
+        common = {(a, b) for lst in (SMALL, EVAL) for a, b in zip(lst, lst[1:]) if a.startswith("--")}
+        out, skip = [], False
+        for a, b in zip(self.argv, self.argv[1:] + [""]):
+            if skip:
+                skip = False
+            elif (a, b) in common:
+                skip = True
+            else:
+                out.append(a)
+        flags = [a for a in self.argv if a in ("--no-progress",)]
+        text = " ".join(a for a in out if a not in flags)
+        return f"{self.script} {text}".replace("{c}/", "").replace("{", "").replace("}", "").strip()
+
+
+@dataclass
+class Outcome:
+    case: Case
+    passed: bool | None                 # None: skipped
+    why: str                            # one line
+    codes: list = field(default_factory=list)
+    seconds: float = 0.0
+    commands: list = field(default_factory=list)    # every command it ran, placeholders filled in
+    tail: str = ""                                  # the last command's output tail, if it failed
+
+
+class Fail(Exception):
+    """A check that does not hold: its message is the table's reason."""
+
+
+def need(ok, why):
+    if not ok:
+        raise Fail(why)
+
+
+def no_traceback(p: Proc):
+    need("Traceback" not in p.err, f"traceback: {p.last_err_line()[:120]}")
+
+
+def works(env, p: Proc, says="", post=None):
+    no_traceback(p)
+    need(p.code == 0, f"exit {p.code}: {p.last_err_line()[:120]}")
+    says = env.fill(says)
+    need(says in p.out + p.err, f"did not say {says!r}")
+    why = post(env) if post else None
+    need(why is None, why)
+
+
+def run_then(env, then: Then, codes):
+    if then.setup:
+        then.setup(env)
+    p = env.run_script(then.argv)
+    codes.append(p.code)
+    works(env, p, then.says, then.post)
+
+
+def check_refused(env, case, e: Refused, codes):
+    before = {rel: digest(env.path(rel)) for rel in e.protect}
+    p = env.run_script(case.argv, case.env, case.prelude)
+    codes.append(p.code)
+    no_traceback(p)
+    need(p.code > 0, f"exit {p.code}, expected a refusal")
+    line = p.last_err_line()
+    need(ERROR_LINE.match(line), f"last line is not an error line: {line[:120]!r}")
+    need(env.fill(e.says) in line, f"said {line[:160]!r}")
+    for rel in e.protect:
+        need(digest(env.path(rel)) == before[rel], f"{rel} changed")
+    for rel in e.absent:
+        need(not env.path(rel).exists(), f"{rel} was created")
+    if e.after:
+        why = e.after(env)
+        need(why is None, why)
+    if e.then:
+        run_then(env, e.then, codes)
+
+
+def check_works(env, case, e: Works, codes):
+    p = env.run_script(case.argv, case.env, case.prelude)
+    codes.append(p.code)
+    works(env, p, e.says, e.post)
+
+
+def check_interrupted(env, case, e: Interrupted, codes):
+    p = env.start(case.script, case.argv, case.env, case.prelude)
+    need(wait_for(lambda: e.ready(env) is None, p), "the moment to signal never came (the command ended)")
+    for k, sig in enumerate(e.signals):
+        time.sleep(0.05 if k else 0)
+        p.send_signal(sig)
+    done = env.finish(p)
+    codes.append(done.code)
+    no_traceback(done)
+    need(done.code != -(e.code - 128), f"killed by the signal (exit {done.code}), no handler and no line")
+    need(done.code == e.code, f"exit {done.code}, expected {e.code}: {done.last_err_line()[:120]}")
+    need(env.fill(e.says) in done.last_err_line(), f"said {done.last_err_line()[:160]!r}")
+    why = e.post(env) if e.post else None
+    need(why is None, why)
+    run_then(env, e.then, codes)
+
+
+def check_recovered(env, case, e: Recovered, codes):
+    if e.fault:
+        f = env.run_script(e.fault, e.fault_env)
+        codes.append(f.code)
+        no_traceback(f)
+        need(f.code == e.fault_code, f"the faulty command: exit {f.code}, expected {e.fault_code}")
+        need(env.fill(e.fault_says) in f.last_err_line(), f"the faulty command said {f.last_err_line()[:160]!r}")
+        why = e.fault_post(env) if e.fault_post else None
+        need(why is None, why)
+    p = env.run_script(case.argv, case.env, case.prelude)
+    codes.append(p.code)
+    works(env, p, e.says, e.post)
+
+
+CHECKERS = {"refused": check_refused, "works": check_works, "interrupted": check_interrupted,
+            "recovered": check_recovered}
+
+
+# ----------------------------------------------------------------------------------------------
+# Set-ups: what a case's folder holds before its command
+
+
+def copy_base(env):
+    shutil.copytree(env.sweep.base, env.dir / "run", symlinks=True)
+
+
+def rows():
+    with open(TRAIN) as f:
+        return [json.loads(next(f)) for _ in range(TRAIN_ROWS)]
+
+
+def write_jsonl(path: Path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def train_file_with(name, i, **fields):
+    """A set-up: {c}/<name>, the 64 training rows with row i's fields replaced."""
+    def setup(env):
+        rs = rows()
+        rs[i] = {**rs[i], **fields}
+        write_jsonl(env.dir / name, rs)
+    return setup
+
+
+def write_text(name, text):
+    def setup(env):
+        (env.dir / name).write_text(text)
+    return setup
+
+
+def both(*setups):
+    def setup(env):
+        for s in setups:
+            s(env)
+    return setup
+
+
+def bare_model(env):
+    """A model folder without tokenizer files (weights and configs only)."""
+    (env.dir / "bare").mkdir()
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(WARM / f, env.dir / "bare" / f)
+
+
+def empty_folder(env):
+    (env.dir / "empty").mkdir()
+
+
+def truncate(*rels):
+    def setup(env):
+        for rel in rels:
+            path = env.path(rel)
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return setup
+
+
+def chat_rows(env):
+    """The 64 training rows as chats of one user message each (verl-style prompts)."""
+    write_jsonl(env.dir / "chat.jsonl", [{**r, "problem": [{"role": "user", "content": r["problem"]}]}
+                                         for r in rows()])
+
+
+def evaluated(model="{warm}", *extra):
+    """A set-up: a finished evaluate.py sweep of `model` in {c}/eval."""
+    def setup(env):
+        p = env.run("evaluate.py", ["--model", model, *EVAL, "--out", "{c}/eval", *extra])
+        need(p.code == 0 and samples(4)(env) is None, f"set-up sweep failed: {p.last_err_line()[:120]}")
+    return setup
+
+
+def retrain_ckpt(env):
+    """What retraining does to a checkpoint folder: other weights at the same path (step 2's)."""
+    shutil.copy(env.dir / "run" / "ckpt.prev" / "model.safetensors", env.dir / "run" / "ckpt" / "model.safetensors")
+
+
+def broken_copy_of_warm(env):
+    shutil.copytree(WARM, env.dir / "model")
+    truncate("model/model.safetensors")(env)
+
+
+def repair_model(env):
+    shutil.copy(WARM / "model.safetensors", env.dir / "model" / "model.safetensors")
+
+
+HOLDER = ["--model", "{warm}", "--train-data", "{data}", "--rollout-batch", "8", "--update-batch", "4",
+          "--group-size", "4", "--micro-batch", "8", "--max-new-tokens", "24", "--eval-every", "0",
+          "--save-every", "10", "--query-cache-dir", "{cache}", "--steps", "60", "--out", "{c}/run"]
+
+
+def running_run(env):
+    """Another train.py training in {c}/run (it holds the folder's lock) while the case's command runs."""
+    p = env.start("train.py", HOLDER)
+    env.background.append(p)
+    ok = wait_for(lambda: any("reward" in m for m in metrics(env.dir / "run")), p)
+    need(ok, "set-up: the first run did not start training")
+
+
+def first_run_unharmed(env):
+    """The run that held the folder, stopped with Ctrl-C now, saved its own step and config."""
+    p = env.background[0]
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+    done = env.finish(p)
+    if done.code != 130:
+        return f"the first run: exit {done.code} (expected 130 after its Ctrl-C): {done.last_err_line()[:100]}"
+    cfg = json.loads((env.dir / "run" / "config.json").read_text())
+    steps = [m["step"] for m in metrics(env.dir / "run")]
+    if cfg.get("seed") != 0 or cfg.get("steps") != 60:
+        return "the first run's config.json was rewritten by the second"
+    if steps != list(range(1, len(steps) + 1)):
+        return f"the first run's metrics are mixed: steps {steps}"
+    return ckpt_at(steps[-1])(env)
+
+
+def readonly_required(env):
+    need(env.sweep.readonly, "skip: no folder this user cannot write (root, and /proc/sys writable)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Postconditions of the longer cases
+
+
+def in_training(env) -> str | None:
+    """Ready to signal: the run has logged at least 2 training steps."""
+    return None if sum("reward" in m for m in metrics(env.dir / "run")) >= 2 else "not yet"
+
+
+def saved_where_it_stopped(env) -> str | None:
+    """The interrupt's checkpoint is the last logged step (nothing trained is lost)."""
+    steps = [m["step"] for m in metrics(env.dir / "run")]
+    return ckpt_at(steps[-1] if steps else None)(env)
+
+
+def learns_after_rollback(env) -> str | None:
+    """Steps 5, 6 at the new lr, nothing skipped, finite, entropy not that of the uniform distribution."""
+    ms = {m["step"]: m for m in metrics(env.dir / "run")}
+    bad = [s for s in (5, 6) if ms.get(s, {}).get("skipped_steps") != 0 or ms[s].get("grad_norm") is None]
+    if bad:
+        return f"skipped or non-finite optimizer steps at {bad}"
+    if not ms[6]["entropy"] < max(1.0, 3 * ms[4]["entropy"]):
+        return f"entropy {ms[6]['entropy']:.2f} at step 6 (the uniform distribution's is ~6.5): not learning"
+    return None
+
+
+def optimizer_lr(value, ckpt="run/ckpt") -> Check:
+    def check(env):
+        import torch
+        state = torch.load(env.path(ckpt) / "state.pt", map_location="cpu", weights_only=False)
+        lrs = {g["lr"] for g in state["opt"]["param_groups"]}
+        return None if lrs == {value} else f"the optimizer's lr is {lrs}, expected {value}"
+    return check
+
+
+def resume_recorded(env) -> str | None:
+    resumed = json.loads((env.dir / "run" / "config.json").read_text()).get("resumed", [])
+    return None if resumed and resumed[-1]["at_step"] == 4 else f"config.json's resumed record: {resumed}"
+
+
+def same_prompts_as_base(env) -> str | None:
+    """The chat run's Query-KL cache (the prompt log-probs) equals the plain-text base run's."""
+    import torch
+    a = torch.load(env.dir / "run" / "query_cache.pt", weights_only=False)["logp"]
+    b = torch.load(env.sweep.base / "query_cache.pt", weights_only=False)["logp"]
+    same = len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+    return None if same else "the chat prompts are not the plain-text prompts"
+
+
+def clip_stats_logged(env) -> str | None:
+    ms = [m for m in metrics(env.dir / "run") if "reward" in m]
+    missing = [k for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac") if k not in ms[-1]]
+    return f"metrics lack {missing}" if missing else None
+
+
+def no_tmp_left(env) -> str | None:
+    left = list((env.dir / "shared").rglob("*.tmp*")) if (env.dir / "shared").exists() else []
+    return f"left {left[0].name}" if left else None
+
+
+def recovered_kill_mid_save(env) -> str | None:
+    if (env.dir / "run" / "ckpt").exists():
+        return "ckpt/ exists: the failpoint did not fire between the renames"
+    return ckpt_at(2, "run/ckpt.prev")(env)
+
+
+def nll_pairs(count) -> Check:
+    def check(env):
+        got = len(read_jsonl(env.dir / "nll" / "nll_pairs.jsonl"))
+        return None if got == count else f"{got} NLL pairs, expected {count}"
+    return check
+
+
+# ----------------------------------------------------------------------------------------------
+# The cases: first those the issue names, then our own
+
+
+ISSUE_TRAIN = [
+    Case("base-run", "train.py", "the shared 4-step run: checkpoints at 4 and 2, every clip statistic logged",
+         train(), Works(post=all_of(steps_are(range(5)), ckpt_at(4), ckpt_at(2, "run/ckpt.prev"),
+                                    clip_stats_logged))),
+    Case("fresh-over-run", "train.py", "a fresh run into a folder holding a run leaves it untouched",
+         train(), Refused("{c}/run holds a run (a checkpoint at step 4 (ckpt/), metrics up to step 4); "
+                          "continue it with --resume", protect=("run",)), copy_base, uses_base=True),
+    Case("overwrite", "train.py", "--overwrite replaces the run (its files only; the user's stay)",
+         train("{c}/run", 1, "--eval-every", "0", "--overwrite"),
+         Works("--overwrite: removed the run that was in", all_of(
+             steps_are([1]), ckpt_at(1), exists("run/ckpt.prev", False), exists("run/notes.txt"))),
+         both(copy_base, write_text("run/notes.txt", "the user's own file")), uses_base=True),
+    Case("second-process", "train.py", "a second train.py on a folder in use (with --overwrite) is refused",
+         train("{c}/run", 2, "--seed", "1", "--overwrite"),
+         Refused("{c}/run is in use by another run (pid", after=first_run_unharmed), running_run),
+    Case("resume-new-algo", "train.py", "--resume with another --algo is refused, nothing rewritten",
+         train("{c}/run", 4, "--resume", "--algo", "grpo"),
+         Refused("error: --resume: --algo 'erpo' -> 'grpo'", protect=("run",)), copy_base, uses_base=True),
+    Case("resume-new-alpha", "train.py", "--resume with another loss knob is refused",
+         train("{c}/run", 4, "--resume", "--alpha", "0.05"),
+         Refused("--resume: --alpha 0.01 -> 0.05", protect=("run",)), copy_base, uses_base=True),
+    Case("resume-new-sizes", "train.py", "--resume with another seed and group size is refused",
+         train("{c}/run", 4, "--resume", "--seed", "1", "--group-size", "2"),
+         Refused("--resume: --group-size 4 -> 2; --seed 0 -> 1", protect=("run",)), copy_base, uses_base=True),
+    Case("resume-new-lr", "train.py", "--resume with only --out: the run's config; the new lr reaches the optimizer",
+         ["--out", "{c}/run", "--resume", "--steps", "6", "--lr", "1e-4", "--micro-batch", "4"],
+         Works("--resume: from step 4: lr 0.0002 -> 0.0001, micro_batch 8 -> 4, steps 4 -> 6", all_of(
+             steps_are(range(7)), metric("lr", {4: 2e-4, 5: 1e-4, 6: 1e-4}), ckpt_at(6), optimizer_lr(1e-4),
+             resume_recorded)), copy_base, uses_base=True),
+    Case("lr-1e6-then-lower-lr", "train.py", "--lr 1e6 stops naming the last good step; --resume --lr 1e-4 learns",
+         ["--out", "{c}/run", "--resume", "--steps", "6", "--lr", "1e-4"],
+         Recovered("--resume: from step 4: lr 1000000.0 -> 0.0001",
+                   all_of(steps_are(range(7)), metric("lr", {5: 1e-4, 6: 1e-4}), learns_after_rollback, ckpt_at(6)),
+                   fault=["--out", "{c}/run", "--resume", "--steps", "8", "--lr", "1e6", "--save-every", "1"],
+                   fault_code=1, fault_says="error: 3 optimizer steps in a row had a non-finite loss or gradient "
+                   "(--max-bad-steps); --resume continues from step 4 ({c}/run/ckpt/)",
+                   fault_post=all_of(ckpt_at(4), ckpt_at(5, "run/ckpt.diverged"))),
+         copy_base, uses_base=True),
+    Case("sigint-mid-run", "train.py", "Ctrl-C saves the step it stops at, exit 130; --resume finishes",
+         train("{c}/run", 8, "--save-every", "4", "--eval-every", "4"),
+         Interrupted((signal.SIGINT,), in_training, 130, "interrupted (SIGINT): saved the checkpoint of step",
+                     Then(train("{c}/run", 8, "--save-every", "4", "--eval-every", "4", "--resume"),
+                          "resumed from", all_of(steps_are(range(9)), ckpt_at(8))), saved_where_it_stopped)),
+    Case("sigterm-mid-run", "train.py", "SIGTERM saves the step it stops at, exit 143; --resume finishes",
+         train("{c}/run", 8, "--save-every", "4", "--eval-every", "4"),
+         Interrupted((signal.SIGTERM,), in_training, 143, "interrupted (SIGTERM): saved the checkpoint of step",
+                     Then(train("{c}/run", 8, "--save-every", "4", "--eval-every", "4", "--resume"),
+                          "resumed from", all_of(steps_are(range(9)), ckpt_at(8))), saved_where_it_stopped)),
+    Case("corrupt-safetensors", "train.py", "a truncated ckpt/model.safetensors: --resume falls back to ckpt.prev",
+         train("{c}/run", 4, "--resume"),
+         Recovered("continuing from the checkpoint before it, step 2",
+                   all_of(steps_are(range(5)), ckpt_at(4), exists("run/ckpt.corrupt"))),
+         both(copy_base, truncate("run/ckpt/model.safetensors")), uses_base=True),
+    Case("corrupt-state", "train.py", "a truncated ckpt/state.pt: --resume falls back to ckpt.prev",
+         train("{c}/run", 4, "--resume"),
+         Recovered("{c}/run/ckpt is corrupt (state.pt: ", all_of(steps_are(range(5)), ckpt_at(4))),
+         both(copy_base, truncate("run/ckpt/state.pt")), uses_base=True),
+    Case("full-cache-disk", "train.py", "a full --query-cache-dir disk (torch.save raises) does not stop a run",
+         train("{c}/run", 1, "--eval-every", "0", "--save-every", "0", "--query-cache-dir", "{c}/shared"),
+         Works("query-KL reference cache: not shared ([enforce fail", all_of(steps_are([1]), no_tmp_left)),
+         prelude=FULL_DISK, env={"SWEEP_FULL_DIR": "{c}/shared"}),
+    Case("no-tokenizer", "train.py", "a model folder without tokenizer files: one line, --out not created",
+         train("{c}/run", 2, "--model", "{c}/bare"), Refused("{c}/bare holds no tokenizer", absent=("run",)),
+         bare_model),
+    Case("out-is-file", "train.py", "--out a file: one line, the file untouched",
+         train("{c}/afile"), Refused("--out {c}/afile is a file, not a folder", protect=("afile",)),
+         write_text("afile", "a file\n")),
+    Case("out-read-only", "train.py", "--out in a folder that cannot be written: one line",
+         train("{ro}/run"), Refused("is not writable", absent=("{ro}/run",)), readonly_required),
+    Case("alpha-nan", "train.py", "--alpha nan (Query-KL silently off) is refused",
+         train("{c}/run", 2, "--alpha", "nan"), Refused("argument --alpha: expected a finite number, got 'nan'",
+                                                         absent=("run",))),
+    Case("lr-inf", "train.py", "--lr inf is refused", train("{c}/run", 2, "--lr", "inf"),
+         Refused("argument --lr: expected a finite number, got 'inf'", absent=("run",))),
+    Case("dict-answer", "train.py", "a dict answer (reward always 0) names its file and line",
+         train("{c}/run", 2, "--train-data", "{c}/dict.jsonl"),
+         Refused("{c}/dict.jsonl:3: the answer is a dict", absent=("run",)), train_file_with("dict.jsonl", 2,
+                                                                                            answer={"value": 3})),
+    Case("bool-answer", "train.py", "a bool answer in a held-out set names its file and line",
+         train("{c}/run", 2, "--eval-data", "{c}/bool.jsonl"),
+         Refused("{c}/bool.jsonl:2: the answer is a bool (true)", absent=("run",)),
+         write_text("bool.jsonl", '{"problem": "1+1", "answer": "2"}\n{"problem": "Is 7 prime?", "answer": true}\n')),
+    Case("chat-several-turns", "train.py", "a chat problem of system + user messages is refused",
+         train("{c}/run", 2, "--train-data", "{c}/chat2.jsonl"),
+         Refused("{c}/chat2.jsonl:2: the problem is a chat of 2 messages", absent=("run",)),
+         train_file_with("chat2.jsonl", 1, problem=[{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "What is 2+2?"}])),
+    Case("chat-one-user", "train.py", "chat problems of one user message train on the plain-text prompts",
+         train("{c}/run", 1, "--train-data", "{c}/chat.jsonl", "--eval-every", "0", "--save-every", "0"),
+         Works(post=all_of(steps_are([1]), same_prompts_as_base)), chat_rows, uses_base=True),
+    Case("blank-problem-heldout", "train.py", "a whitespace problem in a held-out set names its file and line",
+         train("{c}/run", 2, "--eval-data", "{c}/blank.jsonl"),
+         Refused("{c}/blank.jsonl:2: no problem: 'problem' is empty or whitespace", absent=("run",)),
+         write_text("blank.jsonl", '{"problem": "1+1", "answer": "2"}\n{"problem": " \\n\\t", "answer": "3"}\n')),
+    Case("blank-problem-strict", "train.py", "a whitespace training problem with --strict-data is refused",
+         train("{c}/run", 2, "--train-data", "{c}/blank.jsonl", "--strict-data"),
+         Refused("{c}/blank.jsonl:4: no problem: 'problem' is empty or whitespace", absent=("run",)),
+         train_file_with("blank.jsonl", 3, problem=" \n\t")),
+    Case("top-p-1.5", "train.py", "--top-p 1.5 is refused", train("{c}/run", 2, "--top-p", "1.5"),
+         Refused("argument --top-p: must be (0,1], got 1.5", absent=("run",))),
+    Case("group-size-1", "train.py", "--group-size 1 (no advantage) is refused", train("{c}/run", 2, "--group-size", "1"),
+         Refused("argument --group-size: must be >=2, got 1", absent=("run",))),
+]
+
+ISSUE_EVALUATE = [
+    Case("eval-limit-neg", "evaluate.py", "--limit -1 (graded 499 of 500) is refused",
+         evaluate("{warm}", "{c}/eval", "--limit", "-1"), Refused("--limit must be >= 1", absent=("eval",))),
+    Case("eval-top-p-then-fixed", "evaluate.py", "--top-p 1.5 refused, --out not made; the corrected command works",
+         evaluate("{warm}", "{c}/eval", "--top-p", "1.5"),
+         Refused("--top-p must be in (0, 1], got 1.5", absent=("eval",),
+                 then=Then(evaluate("{warm}", "{c}/eval"), post=samples(4)))),
+    Case("eval-temperatures-nan", "evaluate.py", "--temperatures nan is refused",
+         evaluate("{warm}", "{c}/eval", "--temperatures", "nan"),
+         Refused("--temperatures must be finite and >= 0, got [nan]", absent=("eval",))),
+    Case("eval-batch-size-0", "evaluate.py", "--batch-size 0 is refused",
+         evaluate("{warm}", "{c}/eval", "--batch-size", "0"),
+         Refused("--batch-size must be >= 1, got 0", absent=("eval",))),
+    Case("eval-labels-twice", "evaluate.py", "--labels a a (second model never run) is refused",
+         ["--model", "{warm}", "{warm}", "--labels", "a", "a", *EVAL, "--out", "{c}/eval"],
+         Refused("--labels gives two models the name 'a'", absent=("eval",))),
+    Case("eval-no-tokenizer", "evaluate.py", "a model folder without tokenizer files: one line, --out not made",
+         evaluate("{c}/bare"), Refused("{c}/bare holds no tokenizer", absent=("eval",)), bare_model),
+    Case("eval-retrained", "evaluate.py", "a rerun after the checkpoint was retrained at the same path is refused",
+         evaluate("{c}/run/ckpt"), Refused("made from other weights", protect=("eval",)),
+         both(copy_base, evaluated("{c}/run/ckpt"), retrain_ckpt), uses_base=True),
+    Case("eval-other-dtype", "evaluate.py", "a resumed sweep in another --dtype is refused; the same dtype: all in",
+         evaluate("{warm}", "{c}/eval", "--dtype", "bfloat16"),
+         Refused("--dtype float32 (now bfloat16)", protect=("eval",),
+                 then=Then(evaluate("{warm}", "{c}/eval", "--dtype", "float32"), "all samples already in", samples(4))),
+         evaluated()),
+    Case("eval-ctrl-c", "evaluate.py", "Ctrl-C mid-sweep: exit 130, one line; the same command finishes",
+         ["--model", "{warm}", "--benchmarks", "tiny-test", "--limit", "10", "--n", "2", "--temperatures", "0.7",
+          "1.0", "--max-new-tokens", "16", "--batch-size", "2", "--no-progress", "--out", "{c}/eval"],
+         Interrupted((signal.SIGINT,), lambda env: None if complete_lines(env.dir / "eval" / "samples.jsonl")
+                     else "not yet", 130, "evaluate.py: interrupted (SIGINT): ",
+                     Then(["--model", "{warm}", "--benchmarks", "tiny-test", "--limit", "10", "--n", "2",
+                           "--temperatures", "0.7", "1.0", "--max-new-tokens", "16", "--batch-size", "2",
+                           "--no-progress", "--out", "{c}/eval"], post=samples(40)))),
+]
+
+ISSUE_ANALYSIS = [
+    Case("nll-no-model", "analysis.py", "nll with a --model folder holding no model: one line",
+         ["nll", "--model", "{c}/empty", "--limit", "1", "--no-progress", "--out", "{c}/nll"],
+         Refused("{c}/empty is neither a model folder", absent=("nll",)), empty_folder),
+]
+
+OWN = [
+    Case("resume-no-checkpoint", "train.py", "--resume on a folder with no run starts from scratch, saying so",
+         train("{c}/run", 2, "--resume"), Works("no complete checkpoint in", all_of(steps_are(range(3)), ckpt_at(2)))),
+    Case("killed-mid-save", "train.py", "a kill between a save's two renames: --resume restores ckpt.prev",
+         train("{c}/run", 4, "--resume"),
+         Recovered("was missing and {c}/run/ckpt.prev complete", all_of(steps_are(range(5)), ckpt_at(4)),
+                   fault=train(), fault_env={"ERPO_FAULT": "ckpt-rename:1"}, fault_code=-9,
+                   fault_post=recovered_kill_mid_save)),
+    Case("corrupt-both", "train.py", "ckpt/ and ckpt.prev/ both corrupt: --resume refuses, moves nothing",
+         train("{c}/run", 4, "--resume"), Refused("no intact checkpoint before it", protect=("run",)),
+         both(copy_base, truncate("run/ckpt/state.pt", "run/ckpt.prev/state.pt")), uses_base=True),
+    Case("second-ctrl-c", "train.py", "Ctrl-C twice stops at once, exit 130; the checkpoint on disk resumes",
+         train("{c}/run", 8),
+         Interrupted((signal.SIGINT, signal.SIGINT), in_training, 130, "interrupted (SIGINT): stopped now",
+                     Then(train("{c}/run", 8, "--resume"), "resumed from", all_of(steps_are(range(9)), ckpt_at(8))))),
+    Case("sigterm-in-setup", "train.py", "SIGTERM while loading: exit 143 with one line; --resume then runs",
+         train("{c}/run", 2),
+         Interrupted((signal.SIGTERM,), lambda env: None if "parameters" in env.sweep.stdout_of(env) else "not yet",
+                     143, "interrupted (SIGTERM)", Then(train("{c}/run", 2, "--resume"), post=steps_are(range(3))))),
+    Case("config-unknown-key", "train.py", "--config with an unknown key is refused",
+         ["--config", "{c}/c.json", *train("{c}/run", 2)], Refused("unknown keys ['stepz']", absent=("run",)),
+         write_text("c.json", '{"stepz": 3}')),
+    Case("config-bad-json", "train.py", "--config that is not JSON names its line",
+         ["--config", "{c}/c.json", *train("{c}/run", 2)], Refused("{c}/c.json:2: not valid JSON", absent=("run",)),
+         write_text("c.json", '{"steps": 3,\n "lr": }')),
+    Case("eval-data-missing", "train.py", "--eval-data a missing file: one line, --out not created",
+         train("{c}/run", 2, "--eval-data", "{c}/nope.jsonl"),
+         Refused("{c}/nope.jsonl: file not found", absent=("run",))),
+    Case("sft-resume", "train.py", "--algo sft --resume (SFT saves no training state) is refused",
+         ["--algo", "sft", "--out", "{c}/run", "--resume"], Refused("the SFT warm start does not resume",
+                                                                   protect=("run",)), copy_base, uses_base=True),
+    Case("resume-and-overwrite", "train.py", "--resume --overwrite together is refused",
+         train("{c}/run", 4, "--resume", "--overwrite"),
+         Refused("--resume continues the run in --out, --overwrite replaces it", protect=("run",)),
+         copy_base, uses_base=True),
+    Case("resume-new-data", "train.py", "--resume with another --train-data is refused",
+         train("{c}/run", 4, "--resume", "--train-data", str(TRAIN)),
+         Refused("--resume: --train-data", protect=("run",)), copy_base, uses_base=True),
+    Case("sizes-indivisible", "train.py", "--rollout-batch not a multiple of --update-batch is refused",
+         train("{c}/run", 2, "--rollout-batch", "6"),
+         Refused("--rollout-batch 6 must be a multiple of --update-batch 4", absent=("run",))),
+    Case("model-empty-folder", "train.py", "--model an empty folder: one line, --out not created",
+         train("{c}/run", 2, "--model", "{c}/empty"), Refused("cannot load model", absent=("run",)), empty_folder),
+    Case("blank-problem-train", "train.py", "a whitespace training problem is skipped and named; the run trains",
+         train("{c}/run", 1, "--train-data", "{c}/blank.jsonl", "--eval-every", "0", "--save-every", "0"),
+         Works("skipped 1 of 64 rows without a problem or an answer ({c}/blank.jsonl:4", steps_are([1])),
+         train_file_with("blank.jsonl", 3, problem=" \n\t")),
+    Case("eval-k-above-n", "evaluate.py", "--k larger than --n is refused",
+         evaluate("{warm}", "{c}/eval", "--k", "4"), Refused("--k values must be in 1..n=2, got [4]", absent=("eval",))),
+    Case("eval-one-model-missing", "evaluate.py", "two models, one path missing: refused before the first samples",
+         ["--model", "{warm}", "{c}/nope", *EVAL, "--out", "{c}/eval"],
+         Refused("model path not found: {c}/nope", absent=("eval",))),
+    Case("eval-out-is-file", "evaluate.py", "--out a file: one line, the file untouched",
+         evaluate("{warm}", "{c}/afile"), Refused("--out {c}/afile is a file, not a folder", protect=("afile",)),
+         write_text("afile", "a file\n")),
+    Case("eval-out-read-only", "evaluate.py", "--out in a folder that cannot be written: one line",
+         evaluate("{warm}", "{ro}/eval"), Refused("cannot be made", absent=("{ro}/eval",)), readonly_required),
+    Case("eval-broken-then-repaired", "evaluate.py", "truncated weights: one line; once repaired, the same --out works",
+         evaluate("{c}/model"), Refused("cannot load model", then=Then(evaluate("{c}/model"), post=samples(4),
+                                                                       setup=repair_model)), broken_copy_of_warm),
+    Case("eval-run-folder", "evaluate.py", "a run folder as --model means its checkpoint",
+         evaluate("{c}/run"), Works(post=samples(4)), copy_base, uses_base=True),
+    Case("eval-sigterm", "evaluate.py", "SIGTERM mid-sweep: exit 143, one line; the same command finishes",
+         ["--model", "{warm}", "--benchmarks", "tiny-test", "--limit", "10", "--n", "2", "--temperatures", "1.0",
+          "--max-new-tokens", "16", "--batch-size", "2", "--no-progress", "--out", "{c}/eval"],
+         Interrupted((signal.SIGTERM,), lambda env: None if complete_lines(env.dir / "eval" / "samples.jsonl")
+                     else "not yet", 143, "evaluate.py: interrupted (SIGTERM): ",
+                     Then(["--model", "{warm}", "--benchmarks", "tiny-test", "--limit", "10", "--n", "2",
+                           "--temperatures", "1.0", "--max-new-tokens", "16", "--batch-size", "2",
+                           "--no-progress", "--out", "{c}/eval"], post=samples(20)))),
+    Case("runs-no-metrics", "analysis.py", "runs on a folder without metrics.jsonl: one line",
+         ["runs", "{c}/empty", "--out", "{c}/plots"], Refused("no metrics.jsonl in {c}/empty", absent=("plots",)),
+         empty_folder),
+    Case("runs-missing-folder", "analysis.py", "runs on a folder that does not exist: one line",
+         ["runs", "{c}/nope", "--out", "{c}/plots"], Refused("no metrics.jsonl in {c}/nope", absent=("plots",))),
+    Case("runs-of-a-run", "analysis.py", "runs on a finished run writes both plots",
+         ["runs", "{c}/run", "--out", "{c}/plots"],
+         Works("mean train - held-out accuracy gap", all_of(exists("plots/kl.png"), exists("plots/train_eval_gap.png"))),
+         copy_base, uses_base=True),
+    Case("nll-top-p", "analysis.py", "nll --top-p 1.5 is refused, --out not made",
+         ["nll", "--model", "{warm}", "--limit", "1", "--top-p", "1.5", "--no-progress", "--out", "{c}/nll"],
+         Refused("--top-p must be in (0, 1], got 1.5", absent=("nll",))),
+    Case("nll-no-tokenizer", "analysis.py", "nll with a model folder without tokenizer files: one line",
+         ["nll", "--model", "{c}/bare", "--limit", "1", "--no-progress", "--out", "{c}/nll"],
+         Refused("{c}/bare holds no tokenizer", absent=("nll",)), bare_model),
+    Case("nll-works", "analysis.py", "nll on 2 problems writes 2 pairs",
+         ["nll", "--model", "{warm}", "--limit", "2", "--max-new-tokens", "16", "--no-progress", "--out", "{c}/nll"],
+         Works("Pearson r(query NLL, response NLL)", nll_pairs(2))),
+]
+
+CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweep
+
+
+class Sweep:
+    """The temporary folder, what its cases share, and running them."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        (root / "logs").mkdir()
+        self.data = root / "train.jsonl"
+        write_jsonl(self.data, rows())
+        self.cache = root / "query_cache"
+        self.base = root / "base-run" / "run"
+        self.readonly = self._readonly_folder()
+
+    def _readonly_folder(self) -> str | None:
+        """A folder this user cannot write: a chmod 0500 one, or as root (who writes anywhere) one
+        the kernel refuses root too (/proc/sys); None if there is none."""
+        if os.geteuid() != 0:
+            ro = self.root / "read-only"
+            ro.mkdir(mode=0o500)
+            return str(ro)
+        return "/proc/sys" if not os.access("/proc/sys", os.W_OK) else None
+
+    def stdout_of(self, env) -> str:
+        """What the case's latest process has printed so far."""
+        return env.procs[-1][1].read_text(errors="replace") if env.procs else ""
+
+    def run(self, case: Case) -> Outcome:
+        folder = self.root / case.name
+        folder.mkdir()
+        env = Env(folder, self, case.name, case.script)
+        codes, t0 = [], time.time()
+        try:
+            if case.setup:
+                case.setup(env)
+            CHECKERS[case.expect.kind](env, case, case.expect, codes)
+            passed, why = True, "PASS"
+        except Fail as e:
+            skipped = str(e).startswith("skip:")
+            passed, why = (None if skipped else False), str(e)
+        finally:
+            env.stop_background()
+        tail = ""
+        if passed is False and env.procs:
+            _, out, err, _ = env.procs[-1]
+            tail = "\n".join((out.read_text(errors="replace") + err.read_text(errors="replace")).splitlines()[-15:])
+        return Outcome(case, passed, why, codes, time.time() - t0, [x[3] for x in env.procs], tail)
+
+
+def table(outcomes) -> str:
+    lines = ["| case | script | command (short) | expected | exit | result |",
+             "|---|---|---|---|---|---|"]
+    for o in outcomes:
+        result = "PASS" if o.passed else ("SKIP: " if o.passed is None else "FAIL: ") + o.why.removeprefix("skip: ")
+        cmd = o.case.short().replace("|", "\\|")
+        exits = " -> ".join(str(c) for c in o.codes) or "-"
+        cells = [o.case.name, o.case.script, f"`{cmd}`", o.case.expect.kind, exits, result.replace("|", "\\|")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(outcomes, seconds) -> str:
+    n = len(outcomes)
+    passed = sum(o.passed is True for o in outcomes)
+    failed = sum(o.passed is False for o in outcomes)
+    head = (f"# Reliability sweep (issue #20)\n\n`python bench/reliability_sweep.py`: {n} cases, {passed} passed, "
+            f"{failed} failed, {n - passed - failed} skipped, in {seconds:.0f} s on {os.cpu_count()} CPU cores "
+            "(refused: one error line, protected files byte-identical; works: exit 0 and its postcondition; "
+            "interrupted: 130/143 with one line, then the resume finishes; recovered: the fallback message, "
+            "then a finished run).\n")
+    return head + "\n" + table(outcomes) + "\n"
+
+
+def select(names) -> list[Case]:
+    """The cases asked for (all by default), with the shared base run first if any copies it."""
+    by_name = {c.name: c for c in CASES}
+    unknown = [n for n in names or [] if n not in by_name]
+    if unknown:
+        raise SystemExit(f"error: unknown case(s) {unknown}; see --list")
+    chosen = [by_name[n] for n in names] if names else list(CASES)
+    if any(c.uses_base for c in chosen) and by_name["base-run"] not in chosen:
+        chosen.insert(0, by_name["base-run"])
+    return chosen
+
+
+def list_cases():
+    for c in CASES:
+        print(f"{c.name:28s} {c.script:12s} {c.expect.kind:12s} {c.checks}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--only", nargs="+", metavar="NAME", help="run these cases (and the shared base run)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
+    p.add_argument("--write", default=str(RESULTS), help="where the markdown table goes ('' = nowhere)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.list:
+        return list_cases()
+    cases = select(args.only)
+    root = Path(tempfile.mkdtemp(prefix="reliability-sweep-"))
+    os.chmod(root, 0o755)
+    sweep, outcomes, t0 = Sweep(root), [], time.time()
+    try:
+        for case in cases:
+            o = sweep.run(case)
+            outcomes.append(o)
+            status = "PASS" if o.passed else ("SKIP" if o.passed is None else "FAIL")
+            print(f"{status} {case.name} ({o.seconds:.1f} s){'' if o.passed else ': ' + o.why}", flush=True)
+    finally:
+        if args.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    text = report(outcomes, time.time() - t0)
+    print("\n" + text)
+    for o in outcomes:
+        if o.passed is False:
+            print(f"\nFAIL {o.case.name}: {o.why}\n  " + "\n  ".join(o.commands) + "\n" + o.tail)
+    if args.write and not args.only:
+        Path(args.write).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.write).write_text(text)
+    return 1 if any(o.passed is False for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
