@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 import heldout
+import interrupts
 import plots
 import rollout
 import run_dir
@@ -175,7 +176,7 @@ def main(argv=None):
         if args.cmd == "runs":
             return analyze_runs(args.runs, args.out)
         kept = "nothing written (the results are written at the end); rerun the command"
-        with heldout.exit_when_interrupted("analysis.py", lambda: kept):
+        with interrupts.exit_when_interrupted(lambda: kept, "analysis.py"):
             return analyze_nll(args)
     except (OSError, ValueError) as e:  # a missing run folder, benchmark file or model: one line
         fail(heldout.first_line(e))

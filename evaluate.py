@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 import distributed
 import heldout
+import interrupts
 import plots
 import reward
 import run_dir
@@ -638,7 +639,7 @@ def main(argv=None):
     ranks, one merged samples.jsonl and summary). Ctrl-C or SIGTERM: one line, status 130 / 143,
     and the same command continues."""
     args = parse_args(argv)
-    with heldout.exit_when_interrupted("evaluate.py", lambda: kept_samples(args.out)):
+    with interrupts.exit_when_interrupted(lambda: kept_samples(args.out), "evaluate.py"):
         benches = load_benchmarks(args.benchmarks, args.limit, args.data_dir)
         sources = check_models(args)
         d = distributed.setup(args.device, timeout_min=args.nccl_timeout)

@@ -6,18 +6,14 @@ eval_acc/<set> and eval_acc/<set>/L<level> (the paper's Tables 4-5 compare it wi
 accuracy). The full protocol (temperature grid, n samples, pass@k) is evaluate.py.
 
 The two sampling scripts also share their command line here: the flags (add_sampling_args), the
-checks of their values (check_sampling_args) and of the models (model_source), and what Ctrl-C and
-SIGTERM do (exit_when_interrupted): both refuse the same bad input the same way, before writing.
+checks of their values (check_sampling_args) and of the models (model_source): both refuse the
+same bad input the same way, before writing. (What Ctrl-C and SIGTERM do: interrupts.py.)
 """
 
 import math
 import os
 import re
-import signal
-import sys
-import threading
 from collections import Counter
-from contextlib import contextmanager
 
 import torch
 from safetensors import SafetensorError
@@ -137,45 +133,6 @@ def model_source(path) -> run_dir.ModelSource:
         why = first_line(e)
         raise ValueError(why if src.model in why else f"--model {path}: {why}") from None   # (named once)
     return src
-
-
-class Interrupted(BaseException):
-    """SIGTERM as an exception, as Python makes SIGINT a KeyboardInterrupt; a BaseException like
-    it, so that no `except Exception` on the way (the grader's) takes it for a failed sample."""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextmanager
-def exit_when_interrupted(script, report):
-    """Ctrl-C or SIGTERM (a scheduler's pre-emption) inside the block: one line on stderr,
-    `<script>: interrupted (SIGINT): <report()>`, and exit status 128 + the signal (130, 143), what
-    a shell reports for a process a signal ended; no traceback. report() says what is kept."""
-    main_thread = threading.current_thread() is threading.main_thread()   # (signals: main thread only)
-
-    def on_sigterm(signum, frame):
-        raise Interrupted(signum)
-
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    if main_thread:
-        signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    except (KeyboardInterrupt, Interrupted) as e:
-        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-        if main_thread:                                       # a second Ctrl-C must not cut the report short
-            for s in previous:
-                signal.signal(s, signal.SIG_IGN)
-        if distributed.is_main():
-            print(f"{script}: interrupted ({signal.Signals(signum).name}): {report()}", file=sys.stderr)
-        sys.exit(128 + signum)
-    finally:
-        if main_thread:
-            for s, handler in previous.items():
-                if handler is not None:                       # (None: a handler not set from Python)
-                    signal.signal(s, handler)
 
 
 def load_model(path, device="cpu", dtype=None):

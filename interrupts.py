@@ -20,6 +20,7 @@ longer (`torchrun --shutdown-timeout 900 ...`): a 7B step plus its save takes mi
 import os
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -64,7 +65,42 @@ def deferred():
             signal.signal(s, handler)
 
 
-def keyboard_exit() -> SystemExit:
-    """Ctrl-C where nothing can be saved (set-up, or pressed twice): one line, status 130."""
-    distributed.print0("interrupted (SIGINT): stopped now, without saving", file=sys.stderr)
-    return SystemExit(128 + signal.SIGINT)
+class Interrupted(BaseException):
+    """SIGTERM as an exception, as Python makes SIGINT a KeyboardInterrupt; a BaseException like
+    it, so that no `except Exception` on the way (the grader's) takes it for a failed sample."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def exit_when_interrupted(report, script=None):
+    """Ctrl-C or SIGTERM (a scheduler's pre-emption) inside the block, outside a `deferred` one: one
+    line on stderr, `[<script>: ]interrupted (SIGINT): <report()>`, and exit status 128 + the signal
+    (130, 143), what a shell reports for a process a signal ended; no traceback. report() says
+    what is kept."""
+    main_thread = threading.current_thread() is threading.main_thread()   # (signals: main thread only)
+
+    def on_sigterm(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    if main_thread:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        if main_thread:                                       # a second Ctrl-C must not cut the report short
+            for s in previous:
+                signal.signal(s, signal.SIG_IGN)
+        if distributed.is_main():
+            prefix = f"{script}: " if script else ""
+            print(f"{prefix}interrupted ({signal.Signals(signum).name}): {report()}", file=sys.stderr)
+        sys.exit(128 + signum)
+    finally:
+        if main_thread:
+            for s, handler in previous.items():
+                if handler is not None:                       # (None: a handler not set from Python)
+                    signal.signal(s, handler)

@@ -86,8 +86,11 @@ def what_run_is_here(out) -> str | None:
 
 
 def _saved_step(ckpt) -> int | None:
+    """The step of a checkpoint's state.pt, memory-mapped (a DDP run's holds the whole Adam state:
+    ~60 GB at 7B, of which this reads a few bytes)."""
     try:
-        return int(torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)["step"])
+        state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False, mmap=True)
+        return int(state["step"])
     except Exception:  # missing or unreadable: no checkpoint to speak of (resume says more)
         return None
 
@@ -131,13 +134,15 @@ class RunLock:
         self.release()
 
 
-def check_writable(out) -> str | None:
-    """Why --out cannot be a run folder (a file, not writable), or None."""
+def check_writable(out, flag="--out") -> str | None:
+    """Why `out` cannot be a folder this run writes (a file, not writable), or None."""
     if os.path.exists(out) and not os.path.isdir(out):
-        return f"--out {out} is a file, not a folder"
+        return f"{flag} {out} is a file, not a folder"
     parent = out if os.path.isdir(out) else _existing_parent(out)
+    if not os.path.isdir(parent):
+        return f"{flag} {out}: {parent} is a file"
     if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--out {out}: {parent} is not writable"
+        return f"{flag} {out}: {parent} is not writable"
     return None
 
 
@@ -477,9 +482,9 @@ def recover_checkpoint(out):
 def damage(ckpt) -> str | None:
     """Why the checkpoint folder cannot be resumed from (state.pt unreadable, a weights file
     shorter than its header says, a missing shard), or None. Reads headers and sizes, not the
-    weights (seconds at 7B), and state.pt whole (the resume reads it anyway)."""
-    try:
-        torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
+    weights."""
+    try:        # memory-mapped: the archive's index and records are read and checked, not the tensors
+        torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:
         return f"state.pt: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'}"
     for path in sorted(glob.glob(os.path.join(ckpt, "*.safetensors"))):

@@ -583,9 +583,12 @@ def resume_changes(a, algo, state) -> dict:
     """--resume against the run's config.json (whose values the options not given took, in
     parse_args): {option: (saved, new)} of the options given another value that may change
     (RESUME_MAY_CHANGE); any other change is an error, before anything is loaded."""
-    saved = run_dir.read_config(a.out)
-    if state is None or saved is None:                                   # from scratch: every option applies
+    if state is None:                                                    # from scratch: every option applies
         return {}
+    saved = run_dir.read_config(a.out)
+    if saved is None:
+        raise SystemExit(f"error: --resume: {a.out}/config.json is missing or unreadable, so nothing says which "
+                         "run the checkpoint belongs to; restore it (or start a new run)")
     now, knobs = vars(a), {name for name, *_ in options.algo_knobs()}
     fixed = run_dir.config_changes(saved, now, sorted(set(now) - RESUME_MAY_CHANGE - NOT_THE_RUN - knobs))
     if algo is not None and not fixed and "algo" in saved:               # the knobs as the loss resolves them
@@ -615,10 +618,9 @@ def load_data(a, tokenizer):
 
 
 def main(argv=None):
-    try:
-        return train(*parse_args(argv))                                 # bad options: argparse errors
-    except KeyboardInterrupt:                                           # Ctrl-C outside the steps (or twice)
-        raise interrupts.keyboard_exit() from None
+    a, algo = parse_args(argv)                                          # bad options: argparse errors
+    with interrupts.exit_when_interrupted(lambda: "stopped now, without saving"):  # outside the steps
+        return train(a, algo)                                           # (theirs: train_rl), or twice
 
 
 def train(a, algo):
@@ -627,6 +629,7 @@ def train(a, algo):
         measured = measure_memory(a, algo, a.plan_gpus) if algo else None
         return print(memory_plan.report(a, a.plan_gpus, bool(algo) and (algo.kl is not None or a.measure_policy_kl), measured))
     why = run_dir.refusal(a.out, resume=a.resume, overwrite=a.overwrite)  # before minutes of loading
+    why = why or (a.export and run_dir.check_writable(a.export, "--export"))
     if why:
         raise SystemExit(f"error: {why}")
     d = distributed.setup(fsdp=a.fsdp, timeout_min=a.nccl_timeout)      # --fsdp at world size 1: a group of one
@@ -653,13 +656,14 @@ def train_in_folder(a, algo, d, lock):
         check_fits(model, evalsets, a.max_new_tokens)
     run_dir.claim(a.out, lock, resume=a.resume, overwrite=a.overwrite)  # the lock; --overwrite removes the old run
     log = run_dir.MetricsLog(a.out, state.step if state else 0, a.log, vars(a))  # --log's package: checked first
-    run_dir.write_config(a.out, run_dir.with_resume_record(a.out, vars(a), state and state.step, changed))
     try:
-        if a.algo == "sft":
+        if algo is not None:
+            print0(f"algo {a.algo}: {options.algo_summary(algo)}")
+            run = setup_rl(a, algo, d, model, tokenizer, data, state)    # (a resume it refuses: config kept)
+        run_dir.write_config(a.out, run_dir.with_resume_record(a.out, vars(a), state and state.step, changed))
+        if algo is None:
             sft.run(a, d, model, tokenizer, data, evalsets, log, amp)
         else:
-            print0(f"algo {a.algo}: {options.algo_summary(algo)}")
-            run = setup_rl(a, algo, d, model, tokenizer, data, state)
             train_rl(run, evalsets, log, state.step if state else 0, amp)
             run_dir.export(run.policy, tokenizer, a.export, a.export_dtype, bf16=bf16)
     finally:

@@ -2,7 +2,7 @@
 the way a user would try them -- real `python train.py / evaluate.py / analysis.py` processes on
 the tiny embedded model (data/tinymath/warmstart), tiny sizes -- each checked mechanically.
 
-    python bench/reliability_sweep.py                     # every case (about 5 min on 2 CPU cores)
+    python bench/reliability_sweep.py                     # every case: 3.5 min on 2 CPU cores (--jobs 2)
     python bench/reliability_sweep.py --list              # the cases: name, script, what each checks
     python bench/reliability_sweep.py --only resume-new-lr lr-1e6-then-lower-lr
     python bench/reliability_sweep.py --keep              # keep the temporary folder to look at
@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -84,7 +85,9 @@ class Proc:
         return lines[-1].strip() if lines else ""
 
     def tail(self, n=15) -> str:
-        return "\n".join((self.out + "\n" + self.err).strip().splitlines()[-n:])
+        """The last n lines of its output (stdout, then stderr), a progress bar's updates as lines."""
+        lines = (self.out + "\n" + self.err).replace("\r", "\n").splitlines()
+        return "\n".join([ln for ln in lines if ln.strip()][-n:])
 
 
 # torch.save raising in one folder as it does on a full disk (the "full query-cache disk" case)
@@ -102,11 +105,14 @@ WITH_PRELUDE = ("import os, runpy, sys; exec(os.environ['SWEEP_PRELUDE']); sys.a
                 "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
-def default_signals():
-    """In the child, before exec: SIGINT/SIGTERM as from a terminal (a driver started in the
-    background would pass SIGINT on ignored)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def pass_signals_on():
+    """Children take SIGINT and SIGTERM as from a terminal. A shell starts a background job with
+    SIGINT ignored, and an ignored signal stays ignored across exec; one with a handler is reset to
+    the default. (Not in a preexec_fn: that is unsafe with the threads of --jobs.)"""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @dataclass
@@ -118,6 +124,7 @@ class Env:
     script: str                                     # the case's script: what run_script runs
     procs: list = field(default_factory=list)      # (Popen, stdout path, stderr path, cmd)
     background: list = field(default_factory=list)  # processes a setup left running
+    last: Proc | None = None                        # the latest finished command
 
     def fill(self, text: str) -> str:
         s = self.sweep
@@ -128,28 +135,33 @@ class Env:
 
     def start(self, script, argv, env=None, prelude=None) -> subprocess.Popen:
         """Start `python script argv` in the repository, its output to files (polled by the signal cases)."""
-        k = len(self.procs)
-        out, err = (self.sweep.root / "logs" / f"{self.name}.{k}.{ext}" for ext in ("out", "err"))
+        n = len(self.procs)
+        out, err = (self.sweep.root / "logs" / f"{self.name}.{n}.{ext}" for ext in ("out", "err"))
         full = {k: v for k, v in os.environ.items() if k != "ERPO_FAULT"}   # failpoints: only where asked
-        full.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{k: self.fill(v) for k, v in (env or {}).items()})
+        full.update({k: self.fill(v) for k, v in (env or {}).items()})
+        full.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         args = [self.fill(a) for a in argv]
         cmd = [sys.executable, script, *args]
         if prelude:
             full["SWEEP_PRELUDE"] = prelude
             cmd = [sys.executable, "-c", WITH_PRELUDE, script, *args]
         with open(out, "w") as fo, open(err, "w") as fe:
-            p = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=fo, stderr=fe, preexec_fn=default_signals)
+            p = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=fo, stderr=fe)
         self.procs.append((p, out, err, " ".join([script, *args])))
         return p
 
     def finish(self, p: subprocess.Popen, timeout=TIMEOUT) -> Proc:
+        late = ""
         try:
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+            late = f"\n(still running after {timeout} s: killed)"
         _, out, err, cmd = next(x for x in self.procs if x[0] is p)
-        return Proc(cmd, p.returncode, out.read_text(errors="replace"), err.read_text(errors="replace"))
+        text = out.read_text(errors="replace"), err.read_text(errors="replace") + late
+        self.last = Proc(cmd, p.returncode, *text)
+        return self.last
 
     def run(self, script, argv, env=None, prelude=None) -> Proc:
         return self.finish(self.start(script, argv, env, prelude))
@@ -157,6 +169,10 @@ class Env:
     def run_script(self, argv, env=None, prelude=None) -> Proc:
         """Run the case's own script."""
         return self.run(self.script, argv, env, prelude)
+
+    def stdout(self) -> str:
+        """What the case's latest process has printed so far."""
+        return self.procs[-1][1].read_text(errors="replace") if self.procs else ""
 
     def stop_background(self):
         for p in self.background:
@@ -186,8 +202,18 @@ def digest(path: Path) -> dict | None:
     The run folder's .lock is left out: any command that takes the lock rewrites it."""
     if not path.exists():
         return None
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and p.name != ".lock")
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != ".lock")
     return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def changed(rel, before: dict | None, after: dict | None) -> str:
+    """Which files under `rel` a command changed, created or removed, in a few words."""
+    before, after = before or {}, after or {}
+    diff = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    return f"{rel} changed: {', '.join(diff[:3])}{' ...' if len(diff) > 3 else ''}"
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -281,6 +307,7 @@ class Then:
 
 @dataclass
 class Refused:
+    """A non-zero exit, no traceback, one error line last; nothing it must protect touched."""
     says: str                           # in the one error line (placeholders filled in)
     protect: tuple = ()                 # paths that must be byte-identical after
     absent: tuple = ()                  # paths that must not exist after (--out not created)
@@ -291,6 +318,7 @@ class Refused:
 
 @dataclass
 class Works:
+    """Exit 0, no traceback, and the postcondition."""
     says: str = ""                      # in stdout or stderr
     post: Check | None = None
     kind = "works"
@@ -298,6 +326,7 @@ class Works:
 
 @dataclass
 class Interrupted:
+    """Signalled while it runs: exit 128 + signum with one line; then the next command works."""
     signals: tuple                      # sent in order (0.05 s apart) once `ready` holds
     ready: Check                        # None: now is the moment
     code: int                           # 130 or 143
@@ -309,6 +338,7 @@ class Interrupted:
 
 @dataclass
 class Recovered:
+    """After the fault (set up, or met by a first command), the command recovers and finishes."""
     says: str                           # the recovery message of the case's command
     post: Check | None = None
     fault: list[str] | None = None      # argv of the command that meets the fault first
@@ -332,19 +362,34 @@ class Case:
     uses_base: bool = False             # its setup copies the shared finished run
 
     def short(self) -> str:
-        """The command without the shared tiny sizes, paths relative to the case folder."""
-        common = {(a, b) for lst in (SMALL, EVAL) for a, b in zip(lst, lst[1:]) if a.startswith("--")}
-        out, skip = [], False
-        for a, b in zip(self.argv, self.argv[1:] + [""]):
-            if skip:
-                skip = False
-            elif (a, b) in common:
-                skip = True
-            else:
-                out.append(a)
-        flags = [a for a in self.argv if a in ("--no-progress",)]
-        text = " ".join(a for a in out if a not in flags)
-        return f"{self.script} {text}".replace("{c}/", "").replace("{", "").replace("}", "").strip()
+        """The commands it runs, in order ("; "), each without the tiny sizes every case of its
+        script shares; paths relative to the case folder or the repository, shared ones by name."""
+        e, parts = self.expect, []
+        if isinstance(e, Recovered) and e.fault:
+            env = " ".join(f"{k}={v}" for k, v in (e.fault_env or {}).items())
+            parts.append(f"{env} {self.short_one(e.fault)}".strip())
+        main = self.short_one(self.argv)
+        if isinstance(e, Interrupted):
+            main += " <" + ", ".join(signal.Signals(s).name for s in e.signals) + ">"
+        parts.append(main)
+        then = getattr(e, "then", None)
+        if then:
+            parts.append(self.short_one(then.argv))
+        return "; ".join(parts)
+
+    def short_one(self, argv) -> str:
+        shared = {"train.py": SMALL, "evaluate.py": EVAL[:-1]}.get(self.script, [])
+        pairs = set(zip(shared[::2], shared[1::2]))
+        kept, k = [], 0
+        while k < len(argv):
+            if tuple(argv[k:k + 2]) in pairs:
+                k += 2
+                continue
+            if argv[k] != "--no-progress":
+                kept.append(argv[k])
+            k += 1
+        text = " ".join([self.script, *kept]).replace("{c}/", "").replace(f"{ROOT}/", "")
+        return re.sub(r"\{(\w+)\}", r"\1", text)
 
 
 @dataclass
@@ -398,7 +443,7 @@ def check_refused(env, case, e: Refused, codes):
     need(ERROR_LINE.match(line), f"last line is not an error line: {line[:120]!r}")
     need(env.fill(e.says) in line, f"said {line[:160]!r}")
     for rel in e.protect:
-        need(digest(env.path(rel)) == before[rel], f"{rel} changed")
+        need(digest(env.path(rel)) == before[rel], changed(rel, before[rel], digest(env.path(rel))))
     for rel in e.absent:
         need(not env.path(rel).exists(), f"{rel} was created")
     if e.after:
@@ -423,9 +468,13 @@ def check_interrupted(env, case, e: Interrupted, codes):
     done = env.finish(p)
     codes.append(done.code)
     no_traceback(done)
-    need(done.code != -(e.code - 128), f"killed by the signal (exit {done.code}), no handler and no line")
-    need(done.code == e.code, f"exit {done.code}, expected {e.code}: {done.last_err_line()[:120]}")
-    need(env.fill(e.says) in done.last_err_line(), f"said {done.last_err_line()[:160]!r}")
+    line = done.last_err_line()
+    # A process the signal itself ended (-signum) has the status a shell reports as 128 + signum,
+    # the same as an exit(128 + signum); it still owes the one line.
+    need(done.code in (e.code, -(e.code - 128)), f"exit {done.code}, expected {e.code}: {line[:120]}")
+    if done.code < 0 and "interrupted" not in line:
+        raise Fail(f"ended by the signal's default action (exit {done.code}), without a line")
+    need(env.fill(e.says) in line, f"said {line[:160]!r}")
     why = e.post(env) if e.post else None
     need(why is None, why)
     run_then(env, e.then, codes)
@@ -437,7 +486,8 @@ def check_recovered(env, case, e: Recovered, codes):
         codes.append(f.code)
         no_traceback(f)
         need(f.code == e.fault_code, f"the faulty command: exit {f.code}, expected {e.fault_code}")
-        need(env.fill(e.fault_says) in f.last_err_line(), f"the faulty command said {f.last_err_line()[:160]!r}")
+        line = f.last_err_line()
+        need(env.fill(e.fault_says) in line, f"the faulty command said {line[:160]!r}")
         why = e.fault_post(env) if e.fault_post else None
         need(why is None, why)
     p = env.run_script(case.argv, case.env, case.prelude)
@@ -495,6 +545,18 @@ def bare_model(env):
         shutil.copy(WARM / f, env.dir / "bare" / f)
 
 
+def cut_config(env):
+    """config.json cut short, as a kill while it is written leaves it."""
+    path = env.dir / "run" / "config.json"
+    path.write_text(path.read_text()[:300])
+
+
+def remove(rel):
+    def setup(env):
+        env.path(rel).unlink()
+    return setup
+
+
 def empty_folder(env):
     (env.dir / "empty").mkdir()
 
@@ -523,7 +585,8 @@ def evaluated(model="{warm}", *extra):
 
 def retrain_ckpt(env):
     """What retraining does to a checkpoint folder: other weights at the same path (step 2's)."""
-    shutil.copy(env.dir / "run" / "ckpt.prev" / "model.safetensors", env.dir / "run" / "ckpt" / "model.safetensors")
+    run = env.dir / "run"
+    shutil.copy(run / "ckpt.prev" / "model.safetensors", run / "ckpt" / "model.safetensors")
 
 
 def broken_copy_of_warm(env):
@@ -535,9 +598,7 @@ def repair_model(env):
     shutil.copy(WARM / "model.safetensors", env.dir / "model" / "model.safetensors")
 
 
-HOLDER = ["--model", "{warm}", "--train-data", "{data}", "--rollout-batch", "8", "--update-batch", "4",
-          "--group-size", "4", "--micro-batch", "8", "--max-new-tokens", "24", "--eval-every", "0",
-          "--save-every", "10", "--query-cache-dir", "{cache}", "--steps", "60", "--out", "{c}/run"]
+HOLDER = train("{c}/run", 60, "--eval-every", "0", "--save-every", "10")   # ~25 s: it outlasts the case
 
 
 def running_run(env):
@@ -555,7 +616,7 @@ def first_run_unharmed(env):
         p.send_signal(signal.SIGINT)
     done = env.finish(p)
     if done.code != 130:
-        return f"the first run: exit {done.code} (expected 130 after its Ctrl-C): {done.last_err_line()[:100]}"
+        return f"the first run: exit {done.code} (130 expected after its Ctrl-C): {done.last_err_line()[:90]}"
     cfg = json.loads((env.dir / "run" / "config.json").read_text())
     steps = [m["step"] for m in metrics(env.dir / "run")]
     if cfg.get("seed") != 0 or cfg.get("steps") != 60:
@@ -574,8 +635,9 @@ def readonly_required(env):
 
 
 def in_training(env) -> str | None:
-    """Ready to signal: the run has logged at least 2 training steps."""
-    return None if sum("reward" in m for m in metrics(env.dir / "run")) >= 2 else "not yet"
+    """Ready to signal: the run has logged its third training step (no save there: the signal
+    lands in step 4, or in the moment before its start)."""
+    return None if sum("reward" in m for m in metrics(env.dir / "run")) >= 3 else "not yet"
 
 
 def saved_where_it_stopped(env) -> str | None:
@@ -618,9 +680,12 @@ def same_prompts_as_base(env) -> str | None:
     return None if same else "the chat prompts are not the plain-text prompts"
 
 
+CLIP_STATS = ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac")
+
+
 def clip_stats_logged(env) -> str | None:
     ms = [m for m in metrics(env.dir / "run") if "reward" in m]
-    missing = [k for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac") if k not in ms[-1]]
+    missing = [k for k in CLIP_STATS if k not in ms[-1]]
     return f"metrics lack {missing}" if missing else None
 
 
@@ -629,7 +694,7 @@ def no_tmp_left(env) -> str | None:
     return f"left {left[0].name}" if left else None
 
 
-def recovered_kill_mid_save(env) -> str | None:
+def killed_between_renames(env) -> str | None:
     if (env.dir / "run" / "ckpt").exists():
         return "ckpt/ exists: the failpoint did not fire between the renames"
     return ckpt_at(2, "run/ckpt.prev")(env)
@@ -645,56 +710,89 @@ def nll_pairs(count) -> Check:
 # ----------------------------------------------------------------------------------------------
 # The cases: first those the issue names, then our own
 
+# evaluate.py's interruptible sweep: 10 problems x 2 samples (x 2 temperatures), 2 rows per chunk
+LONG_EVAL = ["--model", "{warm}", "--benchmarks", "tiny-test", "--limit", "10", "--n", "2",
+             "--max-new-tokens", "16", "--batch-size", "2", "--no-progress", "--out", "{c}/eval"]
+
+
+def sampling(env) -> str | None:
+    """Ready to signal: the sweep's first chunk of samples is on disk."""
+    return None if complete_lines(env.dir / "eval" / "samples.jsonl") else "not yet"
+
+
+def evaluating(env) -> str | None:
+    """Ready to signal: train.py has its Query-KL cache (the base run's, reused), so it is in the
+    step-0 evaluation (200 problems: about a second)."""
+    return None if "query-KL reference cache" in env.stdout() else "not yet"
+
+
+def resumed_to(steps, *extra) -> Then:
+    """`--resume` of a case's run with its own sizes: it finishes, every step logged once."""
+    return Then(train("{c}/run", steps, *extra, "--resume"), "resumed from",
+                all_of(steps_are(range(steps + 1)), ckpt_at(steps)))
+
+
+BLANK_HELDOUT = '{"problem": "1+1", "answer": "2"}\n{"problem": " \\n\\t", "answer": "3"}\n'
+BOOL_HELDOUT = '{"problem": "1+1", "answer": "2"}\n{"problem": "Is 7 prime?", "answer": true}\n'
+SYSTEM_AND_USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+INTERRUPTIBLE = ("--save-every", "5", "--eval-every", "4")   # step 4, where the signal stops it: no save
 
 ISSUE_TRAIN = [
     Case("base-run", "train.py", "the shared 4-step run: checkpoints at 4 and 2, every clip statistic logged",
-         train(), Works(post=all_of(steps_are(range(5)), ckpt_at(4), ckpt_at(2, "run/ckpt.prev"),
-                                    clip_stats_logged))),
+         train(),
+         Works(post=all_of(steps_are(range(5)), ckpt_at(4), ckpt_at(2, "run/ckpt.prev"), clip_stats_logged))),
     Case("fresh-over-run", "train.py", "a fresh run into a folder holding a run leaves it untouched",
-         train(), Refused("{c}/run holds a run (a checkpoint at step 4 (ckpt/), metrics up to step 4); "
-                          "continue it with --resume", protect=("run",)), copy_base, uses_base=True),
+         train(),
+         Refused("{c}/run holds a run (a checkpoint at step 4 (ckpt/), metrics up to step 4); continue it "
+                 "with --resume", protect=("run",)),
+         copy_base, uses_base=True),
     Case("overwrite", "train.py", "--overwrite replaces the run (its files only; the user's stay)",
          train("{c}/run", 1, "--eval-every", "0", "--overwrite"),
-         Works("--overwrite: removed the run that was in", all_of(
-             steps_are([1]), ckpt_at(1), exists("run/ckpt.prev", False), exists("run/notes.txt"))),
+         Works("--overwrite: removed the run that was in",
+               all_of(steps_are([1]), ckpt_at(1), exists("run/ckpt.prev", False), exists("run/notes.txt"))),
          both(copy_base, write_text("run/notes.txt", "the user's own file")), uses_base=True),
-    Case("second-process", "train.py", "a second train.py on a folder in use (with --overwrite) is refused",
+    Case("second-process", "train.py", "a second train.py (--overwrite) on a folder in use is refused",
          train("{c}/run", 2, "--seed", "1", "--overwrite"),
-         Refused("{c}/run is in use by another run (pid", after=first_run_unharmed), running_run),
+         Refused("{c}/run is in use by another run (pid", after=first_run_unharmed),
+         running_run),
     Case("resume-new-algo", "train.py", "--resume with another --algo is refused, nothing rewritten",
          train("{c}/run", 4, "--resume", "--algo", "grpo"),
-         Refused("error: --resume: --algo 'erpo' -> 'grpo'", protect=("run",)), copy_base, uses_base=True),
+         Refused("error: --resume: --algo 'erpo' -> 'grpo'", protect=("run",)),
+         copy_base, uses_base=True),
     Case("resume-new-alpha", "train.py", "--resume with another loss knob is refused",
          train("{c}/run", 4, "--resume", "--alpha", "0.05"),
-         Refused("--resume: --alpha 0.01 -> 0.05", protect=("run",)), copy_base, uses_base=True),
+         Refused("--resume: --alpha 0.01 -> 0.05", protect=("run",)),
+         copy_base, uses_base=True),
     Case("resume-new-sizes", "train.py", "--resume with another seed and group size is refused",
          train("{c}/run", 4, "--resume", "--seed", "1", "--group-size", "2"),
-         Refused("--resume: --group-size 4 -> 2; --seed 0 -> 1", protect=("run",)), copy_base, uses_base=True),
-    Case("resume-new-lr", "train.py", "--resume with only --out: the run's config; the new lr reaches the optimizer",
+         Refused("--resume: --group-size 4 -> 2; --seed 0 -> 1", protect=("run",)),
+         copy_base, uses_base=True),
+    Case("resume-new-lr", "train.py", "--resume and only --out: the run's config; the new lr reaches Adam",
          ["--out", "{c}/run", "--resume", "--steps", "6", "--lr", "1e-4", "--micro-batch", "4"],
-         Works("--resume: from step 4: lr 0.0002 -> 0.0001, micro_batch 8 -> 4, steps 4 -> 6", all_of(
-             steps_are(range(7)), metric("lr", {4: 2e-4, 5: 1e-4, 6: 1e-4}), ckpt_at(6), optimizer_lr(1e-4),
-             resume_recorded)), copy_base, uses_base=True),
-    Case("lr-1e6-then-lower-lr", "train.py", "--lr 1e6 stops naming the last good step; --resume --lr 1e-4 learns",
+         Works("--resume: from step 4: lr 0.0002 -> 0.0001, micro_batch 8 -> 4, steps 4 -> 6",
+               all_of(steps_are(range(7)), metric("lr", {4: 2e-4, 5: 1e-4, 6: 1e-4}), ckpt_at(6),
+                      optimizer_lr(1e-4), resume_recorded)),
+         copy_base, uses_base=True),
+    Case("lr-1e6-then-lower-lr", "train.py", "--lr 1e6 stops naming the last good step; --lr 1e-4 learns",
          ["--out", "{c}/run", "--resume", "--steps", "6", "--lr", "1e-4"],
          Recovered("--resume: from step 4: lr 1000000.0 -> 0.0001",
-                   all_of(steps_are(range(7)), metric("lr", {5: 1e-4, 6: 1e-4}), learns_after_rollback, ckpt_at(6)),
+                   all_of(steps_are(range(7)), metric("lr", {5: 1e-4, 6: 1e-4}), learns_after_rollback,
+                          ckpt_at(6)),
                    fault=["--out", "{c}/run", "--resume", "--steps", "8", "--lr", "1e6", "--save-every", "1"],
-                   fault_code=1, fault_says="error: 3 optimizer steps in a row had a non-finite loss or gradient "
-                   "(--max-bad-steps); --resume continues from step 4 ({c}/run/ckpt/)",
+                   fault_code=1,
+                   fault_says="error: 3 optimizer steps in a row had a non-finite loss or gradient "
+                              "(--max-bad-steps); --resume continues from step 4 ({c}/run/ckpt/)",
                    fault_post=all_of(ckpt_at(4), ckpt_at(5, "run/ckpt.diverged"))),
          copy_base, uses_base=True),
     Case("sigint-mid-run", "train.py", "Ctrl-C saves the step it stops at, exit 130; --resume finishes",
-         train("{c}/run", 8, "--save-every", "4", "--eval-every", "4"),
-         Interrupted((signal.SIGINT,), in_training, 130, "interrupted (SIGINT): saved the checkpoint of step",
-                     Then(train("{c}/run", 8, "--save-every", "4", "--eval-every", "4", "--resume"),
-                          "resumed from", all_of(steps_are(range(9)), ckpt_at(8))), saved_where_it_stopped)),
+         train("{c}/run", 8, *INTERRUPTIBLE),
+         Interrupted((signal.SIGINT,), in_training, 130, "interrupted (SIGINT): saved the checkpoint",
+                     resumed_to(8, *INTERRUPTIBLE), saved_where_it_stopped)),
     Case("sigterm-mid-run", "train.py", "SIGTERM saves the step it stops at, exit 143; --resume finishes",
-         train("{c}/run", 8, "--save-every", "4", "--eval-every", "4"),
-         Interrupted((signal.SIGTERM,), in_training, 143, "interrupted (SIGTERM): saved the checkpoint of step",
-                     Then(train("{c}/run", 8, "--save-every", "4", "--eval-every", "4", "--resume"),
-                          "resumed from", all_of(steps_are(range(9)), ckpt_at(8))), saved_where_it_stopped)),
-    Case("corrupt-safetensors", "train.py", "a truncated ckpt/model.safetensors: --resume falls back to ckpt.prev",
+         train("{c}/run", 8, *INTERRUPTIBLE),
+         Interrupted((signal.SIGTERM,), in_training, 143, "interrupted (SIGTERM): saved the checkpoint",
+                     resumed_to(8, *INTERRUPTIBLE), saved_where_it_stopped)),
+    Case("corrupt-safetensors", "train.py", "a truncated ckpt/model.safetensors: --resume falls back",
          train("{c}/run", 4, "--resume"),
          Recovered("continuing from the checkpoint before it, step 2",
                    all_of(steps_are(range(5)), ckpt_at(4), exists("run/ckpt.corrupt"))),
@@ -703,57 +801,65 @@ ISSUE_TRAIN = [
          train("{c}/run", 4, "--resume"),
          Recovered("{c}/run/ckpt is corrupt (state.pt: ", all_of(steps_are(range(5)), ckpt_at(4))),
          both(copy_base, truncate("run/ckpt/state.pt")), uses_base=True),
-    Case("full-cache-disk", "train.py", "a full --query-cache-dir disk (torch.save raises) does not stop a run",
+    Case("full-cache-disk", "train.py", "a full --query-cache-dir disk (torch.save raises): the run goes on",
          train("{c}/run", 1, "--eval-every", "0", "--save-every", "0", "--query-cache-dir", "{c}/shared"),
          Works("query-KL reference cache: not shared ([enforce fail", all_of(steps_are([1]), no_tmp_left)),
          prelude=FULL_DISK, env={"SWEEP_FULL_DIR": "{c}/shared"}),
     Case("no-tokenizer", "train.py", "a model folder without tokenizer files: one line, --out not created",
-         train("{c}/run", 2, "--model", "{c}/bare"), Refused("{c}/bare holds no tokenizer", absent=("run",)),
+         train("{c}/run", 2, "--model", "{c}/bare"),
+         Refused("{c}/bare holds no tokenizer", absent=("run",)),
          bare_model),
     Case("out-is-file", "train.py", "--out a file: one line, the file untouched",
-         train("{c}/afile"), Refused("--out {c}/afile is a file, not a folder", protect=("afile",)),
+         train("{c}/afile"),
+         Refused("--out {c}/afile is a file, not a folder", protect=("afile",)),
          write_text("afile", "a file\n")),
     Case("out-read-only", "train.py", "--out in a folder that cannot be written: one line",
-         train("{ro}/run"), Refused("is not writable", absent=("{ro}/run",)), readonly_required),
-    Case("alpha-nan", "train.py", "--alpha nan (Query-KL silently off) is refused",
-         train("{c}/run", 2, "--alpha", "nan"), Refused("argument --alpha: expected a finite number, got 'nan'",
-                                                         absent=("run",))),
-    Case("lr-inf", "train.py", "--lr inf is refused", train("{c}/run", 2, "--lr", "inf"),
+         train("{ro}/run"),
+         Refused("is not writable", absent=("{ro}/run",)),
+         readonly_required),
+    Case("alpha-nan", "train.py", "--alpha nan (the Query-KL term silently off) is refused",
+         train("{c}/run", 2, "--alpha", "nan"),
+         Refused("argument --alpha: expected a finite number, got 'nan'", absent=("run",))),
+    Case("lr-inf", "train.py", "--lr inf is refused",
+         train("{c}/run", 2, "--lr", "inf"),
          Refused("argument --lr: expected a finite number, got 'inf'", absent=("run",))),
     Case("dict-answer", "train.py", "a dict answer (reward always 0) names its file and line",
          train("{c}/run", 2, "--train-data", "{c}/dict.jsonl"),
-         Refused("{c}/dict.jsonl:3: the answer is a dict", absent=("run",)), train_file_with("dict.jsonl", 2,
-                                                                                            answer={"value": 3})),
+         Refused("{c}/dict.jsonl:3: the answer is a dict", absent=("run",)),
+         train_file_with("dict.jsonl", 2, answer={"value": 3})),
     Case("bool-answer", "train.py", "a bool answer in a held-out set names its file and line",
          train("{c}/run", 2, "--eval-data", "{c}/bool.jsonl"),
          Refused("{c}/bool.jsonl:2: the answer is a bool (true)", absent=("run",)),
-         write_text("bool.jsonl", '{"problem": "1+1", "answer": "2"}\n{"problem": "Is 7 prime?", "answer": true}\n')),
+         write_text("bool.jsonl", BOOL_HELDOUT)),
     Case("chat-several-turns", "train.py", "a chat problem of system + user messages is refused",
          train("{c}/run", 2, "--train-data", "{c}/chat2.jsonl"),
          Refused("{c}/chat2.jsonl:2: the problem is a chat of 2 messages", absent=("run",)),
-         train_file_with("chat2.jsonl", 1, problem=[{"role": "system", "content": "Be brief."},
-                                                    {"role": "user", "content": "What is 2+2?"}])),
-    Case("chat-one-user", "train.py", "chat problems of one user message train on the plain-text prompts",
+         train_file_with("chat2.jsonl", 1, problem=SYSTEM_AND_USER)),
+    Case("chat-one-user", "train.py", "problems as chats of one user message train on the plain-text prompts",
          train("{c}/run", 1, "--train-data", "{c}/chat.jsonl", "--eval-every", "0", "--save-every", "0"),
-         Works(post=all_of(steps_are([1]), same_prompts_as_base)), chat_rows, uses_base=True),
-    Case("blank-problem-heldout", "train.py", "a whitespace problem in a held-out set names its file and line",
+         Works(post=all_of(steps_are([1]), same_prompts_as_base)),
+         chat_rows, uses_base=True),
+    Case("blank-problem-heldout", "train.py", "a whitespace held-out problem names its file and line",
          train("{c}/run", 2, "--eval-data", "{c}/blank.jsonl"),
          Refused("{c}/blank.jsonl:2: no problem: 'problem' is empty or whitespace", absent=("run",)),
-         write_text("blank.jsonl", '{"problem": "1+1", "answer": "2"}\n{"problem": " \\n\\t", "answer": "3"}\n')),
-    Case("blank-problem-strict", "train.py", "a whitespace training problem with --strict-data is refused",
+         write_text("blank.jsonl", BLANK_HELDOUT)),
+    Case("blank-problem-strict", "train.py", "a whitespace training problem under --strict-data is refused",
          train("{c}/run", 2, "--train-data", "{c}/blank.jsonl", "--strict-data"),
          Refused("{c}/blank.jsonl:4: no problem: 'problem' is empty or whitespace", absent=("run",)),
          train_file_with("blank.jsonl", 3, problem=" \n\t")),
-    Case("top-p-1.5", "train.py", "--top-p 1.5 is refused", train("{c}/run", 2, "--top-p", "1.5"),
+    Case("top-p-1.5", "train.py", "--top-p 1.5 is refused",
+         train("{c}/run", 2, "--top-p", "1.5"),
          Refused("argument --top-p: must be (0,1], got 1.5", absent=("run",))),
-    Case("group-size-1", "train.py", "--group-size 1 (no advantage) is refused", train("{c}/run", 2, "--group-size", "1"),
+    Case("group-size-1", "train.py", "--group-size 1 (every advantage 0) is refused",
+         train("{c}/run", 2, "--group-size", "1"),
          Refused("argument --group-size: must be >=2, got 1", absent=("run",))),
 ]
 
 ISSUE_EVALUATE = [
     Case("eval-limit-neg", "evaluate.py", "--limit -1 (graded 499 of 500) is refused",
-         evaluate("{warm}", "{c}/eval", "--limit", "-1"), Refused("--limit must be >= 1", absent=("eval",))),
-    Case("eval-top-p-then-fixed", "evaluate.py", "--top-p 1.5 refused, --out not made; the corrected command works",
+         evaluate("{warm}", "{c}/eval", "--limit", "-1"),
+         Refused("--limit must be >= 1", absent=("eval",))),
+    Case("eval-top-p-then-fixed", "evaluate.py", "--top-p 1.5 refused, --out not made; the fixed one works",
          evaluate("{warm}", "{c}/eval", "--top-p", "1.5"),
          Refused("--top-p must be in (0, 1], got 1.5", absent=("eval",),
                  then=Then(evaluate("{warm}", "{c}/eval"), post=samples(4)))),
@@ -763,122 +869,162 @@ ISSUE_EVALUATE = [
     Case("eval-batch-size-0", "evaluate.py", "--batch-size 0 is refused",
          evaluate("{warm}", "{c}/eval", "--batch-size", "0"),
          Refused("--batch-size must be >= 1, got 0", absent=("eval",))),
-    Case("eval-labels-twice", "evaluate.py", "--labels a a (second model never run) is refused",
+    Case("eval-labels-twice", "evaluate.py", "--labels a a (the second model never ran) is refused",
          ["--model", "{warm}", "{warm}", "--labels", "a", "a", *EVAL, "--out", "{c}/eval"],
          Refused("--labels gives two models the name 'a'", absent=("eval",))),
-    Case("eval-no-tokenizer", "evaluate.py", "a model folder without tokenizer files: one line, --out not made",
-         evaluate("{c}/bare"), Refused("{c}/bare holds no tokenizer", absent=("eval",)), bare_model),
-    Case("eval-retrained", "evaluate.py", "a rerun after the checkpoint was retrained at the same path is refused",
-         evaluate("{c}/run/ckpt"), Refused("made from other weights", protect=("eval",)),
+    Case("eval-no-tokenizer", "evaluate.py", "a model folder without a tokenizer: one line, --out not made",
+         evaluate("{c}/bare"),
+         Refused("{c}/bare holds no tokenizer", absent=("eval",)),
+         bare_model),
+    Case("eval-retrained", "evaluate.py", "a rerun after the checkpoint at its path was retrained: refused",
+         evaluate("{c}/run/ckpt"),
+         Refused("made from other weights", protect=("eval",)),
          both(copy_base, evaluated("{c}/run/ckpt"), retrain_ckpt), uses_base=True),
-    Case("eval-other-dtype", "evaluate.py", "a resumed sweep in another --dtype is refused; the same dtype: all in",
+    Case("eval-other-dtype", "evaluate.py", "a resumed sweep in another --dtype is refused; the same: all in",
          evaluate("{warm}", "{c}/eval", "--dtype", "bfloat16"),
          Refused("--dtype float32 (now bfloat16)", protect=("eval",),
-                 then=Then(evaluate("{warm}", "{c}/eval", "--dtype", "float32"), "all samples already in", samples(4))),
+                 then=Then(evaluate("{warm}", "{c}/eval", "--dtype", "float32"), "all samples already in",
+                           samples(4))),
          evaluated()),
     Case("eval-ctrl-c", "evaluate.py", "Ctrl-C mid-sweep: exit 130, one line; the same command finishes",
-         ["--model", "{warm}", "--benchmarks", "tiny-test", "--limit", "10", "--n", "2", "--temperatures", "0.7",
-          "1.0", "--max-new-tokens", "16", "--batch-size", "2", "--no-progress", "--out", "{c}/eval"],
-         Interrupted((signal.SIGINT,), lambda env: None if complete_lines(env.dir / "eval" / "samples.jsonl")
-                     else "not yet", 130, "evaluate.py: interrupted (SIGINT): ",
-                     Then(["--model", "{warm}", "--benchmarks", "tiny-test", "--limit", "10", "--n", "2",
-                           "--temperatures", "0.7", "1.0", "--max-new-tokens", "16", "--batch-size", "2",
-                           "--no-progress", "--out", "{c}/eval"], post=samples(40)))),
+         [*LONG_EVAL, "--temperatures", "0.7", "1.0"],
+         Interrupted((signal.SIGINT,), sampling, 130, "evaluate.py: interrupted (SIGINT): ",
+                     Then([*LONG_EVAL, "--temperatures", "0.7", "1.0"], post=samples(40)))),
 ]
 
 ISSUE_ANALYSIS = [
     Case("nll-no-model", "analysis.py", "nll with a --model folder holding no model: one line",
          ["nll", "--model", "{c}/empty", "--limit", "1", "--no-progress", "--out", "{c}/nll"],
-         Refused("{c}/empty is neither a model folder", absent=("nll",)), empty_folder),
+         Refused("{c}/empty is neither a model folder", absent=("nll",)),
+         empty_folder),
 ]
 
 OWN = [
-    Case("resume-no-checkpoint", "train.py", "--resume on a folder with no run starts from scratch, saying so",
-         train("{c}/run", 2, "--resume"), Works("no complete checkpoint in", all_of(steps_are(range(3)), ckpt_at(2)))),
+    Case("resume-no-checkpoint", "train.py", "--resume on a folder with no run starts afresh, saying so",
+         train("{c}/run", 2, "--resume"),
+         Works("no complete checkpoint in", all_of(steps_are(range(3)), ckpt_at(2)))),
     Case("killed-mid-save", "train.py", "a kill between a save's two renames: --resume restores ckpt.prev",
          train("{c}/run", 4, "--resume"),
          Recovered("was missing and {c}/run/ckpt.prev complete", all_of(steps_are(range(5)), ckpt_at(4)),
                    fault=train(), fault_env={"ERPO_FAULT": "ckpt-rename:1"}, fault_code=-9,
-                   fault_post=recovered_kill_mid_save)),
+                   fault_post=killed_between_renames)),
     Case("corrupt-both", "train.py", "ckpt/ and ckpt.prev/ both corrupt: --resume refuses, moves nothing",
-         train("{c}/run", 4, "--resume"), Refused("no intact checkpoint before it", protect=("run",)),
+         train("{c}/run", 4, "--resume"),
+         Refused("no intact checkpoint before it", protect=("run",)),
          both(copy_base, truncate("run/ckpt/state.pt", "run/ckpt.prev/state.pt")), uses_base=True),
     Case("second-ctrl-c", "train.py", "Ctrl-C twice stops at once, exit 130; the checkpoint on disk resumes",
          train("{c}/run", 8),
          Interrupted((signal.SIGINT, signal.SIGINT), in_training, 130, "interrupted (SIGINT): stopped now",
-                     Then(train("{c}/run", 8, "--resume"), "resumed from", all_of(steps_are(range(9)), ckpt_at(8))))),
-    Case("sigterm-in-setup", "train.py", "SIGTERM while loading: exit 143 with one line; --resume then runs",
-         train("{c}/run", 2),
-         Interrupted((signal.SIGTERM,), lambda env: None if "parameters" in env.sweep.stdout_of(env) else "not yet",
-                     143, "interrupted (SIGTERM)", Then(train("{c}/run", 2, "--resume"), post=steps_are(range(3))))),
+                     resumed_to(8))),
+    Case("sigint-in-step0-eval", "train.py", "Ctrl-C in the step-0 evaluation: exit 130, one line; --resume",
+         train("{c}/run", 2, "--eval-limit", "200"),
+         Interrupted((signal.SIGINT,), evaluating, 130, "interrupted (SIGINT): stopped now, without saving",
+                     Then(train("{c}/run", 2, "--resume"), post=steps_are(range(3)))),
+         uses_base=True),
+    Case("sigterm-in-step0-eval", "train.py", "SIGTERM in the step-0 evaluation: exit 143, one line; resume",
+         train("{c}/run", 2, "--eval-limit", "200"),
+         Interrupted((signal.SIGTERM,), evaluating, 143, "interrupted (SIGTERM)",
+                     Then(train("{c}/run", 2, "--resume"), post=steps_are(range(3)))),
+         uses_base=True),
+    Case("resume-config-unreadable", "train.py", "--resume of a run whose config.json is cut short: refused",
+         ["--out", "{c}/run", "--resume", "--model", "{warm}", "--train-data", "{data}", "--steps", "5",
+          "--eval-every", "0", "--query-cache-dir", "{cache}"],
+         Refused("config.json", protect=("run/ckpt", "run/metrics.jsonl")),
+         both(copy_base, cut_config), uses_base=True),
+    Case("resume-no-query-cache", "train.py", "--resume of a run without query_cache.pt: one line, no change",
+         train("{c}/run", 6, "--resume"),
+         Refused("query_cache.pt is missing", protect=("run",)),
+         both(copy_base, remove("run/query_cache.pt")), uses_base=True),
+    Case("export-to-file", "train.py", "--export a file: one line before training, not a traceback after it",
+         train("{c}/run", 1, "--eval-every", "0", "--export", "{c}/afile"),
+         Refused("--export", protect=("afile",), absent=("run",)),
+         write_text("afile", "a file\n")),
     Case("config-unknown-key", "train.py", "--config with an unknown key is refused",
-         ["--config", "{c}/c.json", *train("{c}/run", 2)], Refused("unknown keys ['stepz']", absent=("run",)),
+         ["--config", "{c}/c.json", *train("{c}/run", 2)],
+         Refused("unknown keys ['stepz']", absent=("run",)),
          write_text("c.json", '{"stepz": 3}')),
     Case("config-bad-json", "train.py", "--config that is not JSON names its line",
-         ["--config", "{c}/c.json", *train("{c}/run", 2)], Refused("{c}/c.json:2: not valid JSON", absent=("run",)),
+         ["--config", "{c}/c.json", *train("{c}/run", 2)],
+         Refused("{c}/c.json:2: not valid JSON", absent=("run",)),
          write_text("c.json", '{"steps": 3,\n "lr": }')),
     Case("eval-data-missing", "train.py", "--eval-data a missing file: one line, --out not created",
          train("{c}/run", 2, "--eval-data", "{c}/nope.jsonl"),
          Refused("{c}/nope.jsonl: file not found", absent=("run",))),
-    Case("sft-resume", "train.py", "--algo sft --resume (SFT saves no training state) is refused",
-         ["--algo", "sft", "--out", "{c}/run", "--resume"], Refused("the SFT warm start does not resume",
-                                                                   protect=("run",)), copy_base, uses_base=True),
+    Case("sft-resume", "train.py", "--algo sft --resume (SFT keeps no training state) is refused",
+         ["--algo", "sft", "--out", "{c}/run", "--resume"],
+         Refused("the SFT warm start does not resume", protect=("run",)),
+         copy_base, uses_base=True),
     Case("resume-and-overwrite", "train.py", "--resume --overwrite together is refused",
          train("{c}/run", 4, "--resume", "--overwrite"),
          Refused("--resume continues the run in --out, --overwrite replaces it", protect=("run",)),
          copy_base, uses_base=True),
     Case("resume-new-data", "train.py", "--resume with another --train-data is refused",
          train("{c}/run", 4, "--resume", "--train-data", str(TRAIN)),
-         Refused("--resume: --train-data", protect=("run",)), copy_base, uses_base=True),
+         Refused("--resume: --train-data", protect=("run",)),
+         copy_base, uses_base=True),
     Case("sizes-indivisible", "train.py", "--rollout-batch not a multiple of --update-batch is refused",
          train("{c}/run", 2, "--rollout-batch", "6"),
          Refused("--rollout-batch 6 must be a multiple of --update-batch 4", absent=("run",))),
     Case("model-empty-folder", "train.py", "--model an empty folder: one line, --out not created",
-         train("{c}/run", 2, "--model", "{c}/empty"), Refused("cannot load model", absent=("run",)), empty_folder),
-    Case("blank-problem-train", "train.py", "a whitespace training problem is skipped and named; the run trains",
+         train("{c}/run", 2, "--model", "{c}/empty"),
+         Refused("cannot load model", absent=("run",)),
+         empty_folder),
+    Case("blank-problem-train", "train.py", "a whitespace training problem is skipped and named; it trains",
          train("{c}/run", 1, "--train-data", "{c}/blank.jsonl", "--eval-every", "0", "--save-every", "0"),
          Works("skipped 1 of 64 rows without a problem or an answer ({c}/blank.jsonl:4", steps_are([1])),
          train_file_with("blank.jsonl", 3, problem=" \n\t")),
     Case("eval-k-above-n", "evaluate.py", "--k larger than --n is refused",
-         evaluate("{warm}", "{c}/eval", "--k", "4"), Refused("--k values must be in 1..n=2, got [4]", absent=("eval",))),
-    Case("eval-one-model-missing", "evaluate.py", "two models, one path missing: refused before the first samples",
+         evaluate("{warm}", "{c}/eval", "--k", "4"),
+         Refused("--k values must be in 1..n=2, got [4]", absent=("eval",))),
+    Case("eval-one-model-missing", "evaluate.py", "two models, one path missing: refused before any sample",
          ["--model", "{warm}", "{c}/nope", *EVAL, "--out", "{c}/eval"],
          Refused("model path not found: {c}/nope", absent=("eval",))),
     Case("eval-out-is-file", "evaluate.py", "--out a file: one line, the file untouched",
-         evaluate("{warm}", "{c}/afile"), Refused("--out {c}/afile is a file, not a folder", protect=("afile",)),
+         evaluate("{warm}", "{c}/afile"),
+         Refused("--out {c}/afile is a file, not a folder", protect=("afile",)),
          write_text("afile", "a file\n")),
     Case("eval-out-read-only", "evaluate.py", "--out in a folder that cannot be written: one line",
-         evaluate("{warm}", "{ro}/eval"), Refused("cannot be made", absent=("{ro}/eval",)), readonly_required),
-    Case("eval-broken-then-repaired", "evaluate.py", "truncated weights: one line; once repaired, the same --out works",
-         evaluate("{c}/model"), Refused("cannot load model", then=Then(evaluate("{c}/model"), post=samples(4),
-                                                                       setup=repair_model)), broken_copy_of_warm),
+         evaluate("{warm}", "{ro}/eval"),
+         Refused("cannot be made", absent=("{ro}/eval",)),
+         readonly_required),
+    Case("eval-broken-then-repaired", "evaluate.py", "truncated weights: one line; repaired, the --out works",
+         evaluate("{c}/model"),
+         Refused("cannot load model", then=Then(evaluate("{c}/model"), post=samples(4), setup=repair_model)),
+         broken_copy_of_warm),
     Case("eval-run-folder", "evaluate.py", "a run folder as --model means its checkpoint",
-         evaluate("{c}/run"), Works(post=samples(4)), copy_base, uses_base=True),
+         evaluate("{c}/run"),
+         Works(post=samples(4)),
+         copy_base, uses_base=True),
     Case("eval-sigterm", "evaluate.py", "SIGTERM mid-sweep: exit 143, one line; the same command finishes",
-         ["--model", "{warm}", "--benchmarks", "tiny-test", "--limit", "10", "--n", "2", "--temperatures", "1.0",
-          "--max-new-tokens", "16", "--batch-size", "2", "--no-progress", "--out", "{c}/eval"],
-         Interrupted((signal.SIGTERM,), lambda env: None if complete_lines(env.dir / "eval" / "samples.jsonl")
-                     else "not yet", 143, "evaluate.py: interrupted (SIGTERM): ",
-                     Then(["--model", "{warm}", "--benchmarks", "tiny-test", "--limit", "10", "--n", "2",
-                           "--temperatures", "1.0", "--max-new-tokens", "16", "--batch-size", "2",
-                           "--no-progress", "--out", "{c}/eval"], post=samples(20)))),
+         [*LONG_EVAL, "--temperatures", "1.0"],
+         Interrupted((signal.SIGTERM,), sampling, 143, "evaluate.py: interrupted (SIGTERM): ",
+                     Then([*LONG_EVAL, "--temperatures", "1.0"], post=samples(20)))),
     Case("runs-no-metrics", "analysis.py", "runs on a folder without metrics.jsonl: one line",
-         ["runs", "{c}/empty", "--out", "{c}/plots"], Refused("no metrics.jsonl in {c}/empty", absent=("plots",)),
+         ["runs", "{c}/empty", "--out", "{c}/plots"],
+         Refused("no metrics.jsonl in {c}/empty", absent=("plots",)),
          empty_folder),
     Case("runs-missing-folder", "analysis.py", "runs on a folder that does not exist: one line",
-         ["runs", "{c}/nope", "--out", "{c}/plots"], Refused("no metrics.jsonl in {c}/nope", absent=("plots",))),
+         ["runs", "{c}/nope", "--out", "{c}/plots"],
+         Refused("no metrics.jsonl in {c}/nope", absent=("plots",))),
     Case("runs-of-a-run", "analysis.py", "runs on a finished run writes both plots",
          ["runs", "{c}/run", "--out", "{c}/plots"],
-         Works("mean train - held-out accuracy gap", all_of(exists("plots/kl.png"), exists("plots/train_eval_gap.png"))),
+         Works("mean train - held-out accuracy gap",
+               all_of(exists("plots/kl.png"), exists("plots/train_eval_gap.png"))),
          copy_base, uses_base=True),
     Case("nll-top-p", "analysis.py", "nll --top-p 1.5 is refused, --out not made",
          ["nll", "--model", "{warm}", "--limit", "1", "--top-p", "1.5", "--no-progress", "--out", "{c}/nll"],
          Refused("--top-p must be in (0, 1], got 1.5", absent=("nll",))),
     Case("nll-no-tokenizer", "analysis.py", "nll with a model folder without tokenizer files: one line",
          ["nll", "--model", "{c}/bare", "--limit", "1", "--no-progress", "--out", "{c}/nll"],
-         Refused("{c}/bare holds no tokenizer", absent=("nll",)), bare_model),
+         Refused("{c}/bare holds no tokenizer", absent=("nll",)),
+         bare_model),
+    Case("nll-out-is-file", "analysis.py", "nll --out a file: one line before sampling, the file untouched",
+         ["nll", "--model", "{warm}", "--limit", "1", "--no-progress", "--out", "{c}/afile"],
+         Refused("--out {c}/afile is a file, not a folder", protect=("afile",)),
+         write_text("afile", "a file\n")),
     Case("nll-works", "analysis.py", "nll on 2 problems writes 2 pairs",
-         ["nll", "--model", "{warm}", "--limit", "2", "--max-new-tokens", "16", "--no-progress", "--out", "{c}/nll"],
+         ["nll", "--model", "{warm}", "--limit", "2", "--max-new-tokens", "16", "--no-progress",
+          "--out", "{c}/nll"],
          Works("Pearson r(query NLL, response NLL)", nll_pairs(2))),
 ]
 
@@ -910,10 +1056,6 @@ class Sweep:
             return str(ro)
         return "/proc/sys" if not os.access("/proc/sys", os.W_OK) else None
 
-    def stdout_of(self, env) -> str:
-        """What the case's latest process has printed so far."""
-        return env.procs[-1][1].read_text(errors="replace") if env.procs else ""
-
     def run(self, case: Case) -> Outcome:
         folder = self.root / case.name
         folder.mkdir()
@@ -927,12 +1069,12 @@ class Sweep:
         except Fail as e:
             skipped = str(e).startswith("skip:")
             passed, why = (None if skipped else False), str(e)
+        except Exception as e:                      # a check that could not read what it expected
+            passed, why = False, f"the check failed: {type(e).__name__}: {e}"
         finally:
             env.stop_background()
-        tail = ""
-        if passed is False and env.procs:
-            _, out, err, _ = env.procs[-1]
-            tail = "\n".join((out.read_text(errors="replace") + err.read_text(errors="replace")).splitlines()[-15:])
+        why = why.replace(f"{folder}/", "").replace(f"{self.root}/", "")   # the table: no temporary paths
+        tail = env.last.tail() if passed is False and env.last else ""
         return Outcome(case, passed, why, codes, time.time() - t0, [x[3] for x in env.procs], tail)
 
 
@@ -940,24 +1082,33 @@ def table(outcomes) -> str:
     lines = ["| case | script | command (short) | expected | exit | result |",
              "|---|---|---|---|---|---|"]
     for o in outcomes:
-        result = "PASS" if o.passed else ("SKIP: " if o.passed is None else "FAIL: ") + o.why.removeprefix("skip: ")
+        if o.passed:
+            result = "PASS"
+        else:
+            result = ("SKIP: " if o.passed is None else "FAIL: ") + o.why.removeprefix("skip: ")
+        result = result.replace("|", "\\|")
         cmd = o.case.short().replace("|", "\\|")
         exits = " -> ".join(str(c) for c in o.codes) or "-"
-        cells = [o.case.name, o.case.script, f"`{cmd}`", o.case.expect.kind, exits, result.replace("|", "\\|")]
+        expected = f"{o.case.expect.kind}: {o.case.checks}".replace("|", "\\|")
+        cells = [o.case.name, o.case.script, f"`{cmd}`", expected, exits, result]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def report(outcomes, seconds) -> str:
+LEGEND = ("refused: a non-zero exit, no traceback, one `error:` line last, the protected files "
+          "byte-identical (or --out not made); works: exit 0 and its postcondition; interrupted: exit "
+          "130/143 with one line, then the resume (or rerun) finishes; recovered: after the fault, the "
+          "next command says how it recovered and finishes. exit: the exit status of each command, in order.")
+
+
+def report(outcomes, seconds, jobs=1) -> str:
     n = len(outcomes)
     passed = sum(o.passed is True for o in outcomes)
     failed = sum(o.passed is False for o in outcomes)
-    head = (f"# Reliability sweep (issue #20)\n\n`python bench/reliability_sweep.py`: {n} cases, {passed} passed, "
-            f"{failed} failed, {n - passed - failed} skipped, in {seconds:.0f} s on {os.cpu_count()} CPU cores "
-            "(refused: one error line, protected files byte-identical; works: exit 0 and its postcondition; "
-            "interrupted: 130/143 with one line, then the resume finishes; recovered: the fallback message, "
-            "then a finished run).\n")
-    return head + "\n" + table(outcomes) + "\n"
+    summary = (f"`python bench/reliability_sweep.py --jobs {jobs}`: {n} cases, {passed} passed, "
+               f"{failed} failed, {n - passed - failed} skipped, in {seconds:.0f} s on "
+               f"{os.cpu_count()} CPU cores.")
+    return f"# Reliability sweep (issue #20)\n\n{summary}\n\n{LEGEND}\n\n{table(outcomes)}\n"
 
 
 def select(names) -> list[Case]:
@@ -984,8 +1135,27 @@ def parse_args(argv=None):
     p.add_argument("--only", nargs="+", metavar="NAME", help="run these cases (and the shared base run)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
-    p.add_argument("--write", default=str(RESULTS), help="where the markdown table goes ('' = nowhere)")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="cases run at a time, after the base run (each case runs one process at a time; the "
+                        "signal cases poll for their moment, so load does not move them)")
+    p.add_argument("--write", default=str(RESULTS),
+                   help="where the markdown table of a full sweep goes ('' = nowhere)")
     return p.parse_args(argv)
+
+
+def run_all(sweep, cases, jobs) -> list[Outcome]:
+    """Every case, the shared base run first; `jobs` cases at a time after it. -> in case order."""
+    def one(case):
+        o = sweep.run(case)
+        status = "PASS" if o.passed else ("SKIP" if o.passed is None else "FAIL")
+        print(f"{status} {case.name} ({o.seconds:.1f} s){'' if o.passed else ': ' + o.why}", flush=True)
+        return o
+
+    first = [c for c in cases if c.name == "base-run"]
+    done = [one(c) for c in first]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        done += list(pool.map(one, [c for c in cases if c not in first]))
+    return done
 
 
 def main(argv=None):
@@ -993,21 +1163,18 @@ def main(argv=None):
     if args.list:
         return list_cases()
     cases = select(args.only)
+    pass_signals_on()
     root = Path(tempfile.mkdtemp(prefix="reliability-sweep-"))
     os.chmod(root, 0o755)
-    sweep, outcomes, t0 = Sweep(root), [], time.time()
+    t0 = time.time()
     try:
-        for case in cases:
-            o = sweep.run(case)
-            outcomes.append(o)
-            status = "PASS" if o.passed else ("SKIP" if o.passed is None else "FAIL")
-            print(f"{status} {case.name} ({o.seconds:.1f} s){'' if o.passed else ': ' + o.why}", flush=True)
+        outcomes = run_all(Sweep(root), cases, args.jobs)
     finally:
         if args.keep:
             print(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    text = report(outcomes, time.time() - t0)
+    text = report(outcomes, time.time() - t0, args.jobs)
     print("\n" + text)
     for o in outcomes:
         if o.passed is False:

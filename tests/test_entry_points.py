@@ -8,6 +8,7 @@ import ast
 import glob
 import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -26,6 +27,7 @@ COMMANDS = {
     "bench/bench_grader_pool.py": [["--help"]],
     "bench/gpu_check.py": [["--help"]],
     "bench/memory_check.py": [["--help"]],
+    "bench/reliability_sweep.py": [["--help"]],
     "data/tinymath/prepare.py": [["--help"]],
     "tests/test_golden.py": [["--help"]],
 }
@@ -56,6 +58,7 @@ def load(rel):
     name = "entry_" + rel.replace("/", "_")[:-3]
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, rel))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module              # as `python script.py` has it: dataclasses look it up
     spec.loader.exec_module(module)
     return module
 

@@ -154,6 +154,16 @@ def test_too_little_data_and_a_bad_model_folder(tmp_path, capsys, data):
     with pytest.raises(SystemExit) as e:
         train.main(["--model", str(empty_model), "--out", str(out)])
     assert str(e.value.code).startswith(f"error: cannot load model '{empty_model}'") and not out.exists()
+    no_tokenizer = tmp_path / "weights-only"                     # weights and config, no tokenizer files
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(WARM, name), no_tokenizer / name)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", str(no_tokenizer), "--out", str(out)])
+    assert f"{no_tokenizer} holds no tokenizer" in str(e.value.code) and not out.exists()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", str(tmp_path / "gone"), "--out", str(out)])
+    assert str(e.value.code) == f"error: model folder {tmp_path / 'gone'} not found" and not out.exists()
 
 
 def test_bad_input_from_the_command_line_prints_no_traceback(tmp_path, data):
