@@ -13,6 +13,9 @@ save), as a user pressing it twice expects. The exit status is 128 + the signal'
 for SIGINT, 143 for SIGTERM), what a shell reports for a process the signal ended, so a job
 script can tell "interrupted, resumable" from "failed".
 
+Outside such a block (set-up, the step-0 evaluation, evaluate.py's sweep), `exit_when_interrupted`
+makes both signals end the process at once with one line and the same exit status.
+
 torchrun forwards SIGTERM/SIGINT to its workers and SIGKILLs them 30 s later unless told to wait
 longer (`torchrun --shutdown-timeout 900 ...`): a 7B step plus its save takes minutes.
 """
@@ -57,6 +60,9 @@ class StopFlag:
 def deferred():
     """Within the block, SIGINT/SIGTERM set a flag instead of ending the process."""
     flag = StopFlag()
+    if threading.current_thread() is not threading.main_thread():   # signals reach the main thread only
+        yield flag
+        return
     previous = {s: signal.signal(s, flag._handle) for s in SIGNALS}
     try:
         yield flag

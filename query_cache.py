@@ -126,7 +126,7 @@ def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, ba
     if resuming:
         if not os.path.exists(path):
             raise SystemExit(f"error: resuming but {path} is missing; the reference cache must come "
-                             "from the initial model, so start a fresh run")
+                             "from the initial model: put the file back, or start a new run (another --out)")
         saved = torch.load(path)
         # What is cached must match; how it was computed may not (the weights are trained by now,
         # and a run may resume at another world size or library version).
@@ -148,9 +148,13 @@ def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, ba
             # a read-only or full disk (torch.save raises RuntimeError then) is no reason to stop a run
             except (OSError, RuntimeError) as e:
                 distributed.print0(f"query-KL reference cache: not shared ({str(e).splitlines()[0]})")
+    failed = None
     if distributed.is_main():
         try:
             _save({"meta": meta, "logp": logp}, path)
         except (OSError, RuntimeError) as e:
-            raise SystemExit(f"error: cannot write {path}: {str(e).splitlines()[0]} (a full disk?)") from None
+            failed = f"error: cannot write {path}: {str(e).splitlines()[0]} (a full disk?)"
+    failed = distributed.all_gather_list([failed])[0]                  # every rank stops, not only rank 0
+    if failed:
+        raise SystemExit(failed)
     return QueryCache.from_logp(logp)

@@ -63,7 +63,8 @@ def read_config(out) -> dict | None:
 # What a run writes into its folder (--overwrite removes these and nothing else: a folder may hold
 # the user's own files, e.g. evaluate.py's results of the run).
 RUN_FILES = ("config.json", "metrics.jsonl", "metrics.jsonl.old", "query_cache.pt", "ckpt", "ckpt.tmp",
-             "ckpt.prev", "ckpt.old", "ckpt.diverged", "ckpt.corrupt", "hf", "tensorboard", "wandb_id.txt")
+             "ckpt.prev", "ckpt.drop", "ckpt.old", "ckpt.diverged", "ckpt.corrupt", "hf", "tensorboard",
+             "wandb_id.txt")
 
 
 def what_run_is_here(out) -> str | None:
@@ -445,7 +446,7 @@ def resume_point(out) -> TrainState | None:
     scratch, saying so). Recovers a checkpoint a kill left between the two renames of a save, and
     falls back to ckpt.prev/ where ckpt/ is corrupt (a truncated file), saying so; a corrupt
     checkpoint with nothing to fall back to is an error, not a fresh start."""
-    final, prev = checkpoint_dir(out), checkpoint_dir(out) + ".prev"
+    final, prev, failed = checkpoint_dir(out), checkpoint_dir(out) + ".prev", None
     if distributed.is_main():
         if recover_checkpoint(out):
             print(f"--resume: {final} was missing and {prev} complete (a save was killed between its two "
@@ -458,9 +459,11 @@ def resume_point(out) -> TrainState | None:
             print(f"--resume: {final} is corrupt ({why}; kept as {final}.corrupt): continuing from the checkpoint "
                   f"before it, step {_saved_step(final)}", flush=True)
         elif why:
-            raise SystemExit(f"error: --resume: {final} is corrupt ({why}) and there is no intact checkpoint "
-                             "before it; start the run again (--overwrite)")
-    distributed.barrier()
+            failed = (f"error: --resume: {final} is corrupt ({why}) and there is no intact checkpoint before it; "
+                      "start the run again (--overwrite)")
+    failed = distributed.all_gather_list([failed])[0]                  # every rank stops, not only rank 0
+    if failed:
+        raise SystemExit(failed)
     if not has_checkpoint(out):
         distributed.print0(f"--resume: no complete checkpoint in {final}, starting from scratch")
         return None

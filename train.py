@@ -91,9 +91,11 @@ OPTIONS = [
     ("eval_temperature",  1.0,                                 "held-out sampling temperature", ">=0"),
     ("eval_limit",        200,                                 "problems per held-out set (0 = all)", ">=0"),
     ("save_every",        20,                                  "checkpoint every N steps and at the end (0 = never)", ">=0"),
-    ("resume",            False,                               "continue the run in --out from its checkpoint (options that fix the run must "
-                                                               "not change; those in RESUME_MAY_CHANGE may)"),
-    ("overwrite",         False,                               "replace the run already in --out (a fresh run into it is an error otherwise)"),
+    ("resume",            False,                               "continue the run in --out from its checkpoint (options "
+                                                               "that fix the run must not change; those in "
+                                                               "RESUME_MAY_CHANGE may)"),
+    ("overwrite",         False,                               "replace the run already in --out (a fresh run into it "
+                                                               "is an error otherwise)"),
     ("export",            None,                                "after training, save the final model + tokenizer to this folder"),
     ("export_dtype",      "auto",                              "dtype of exported HF folders (--export; an FSDP2 run's <out>/hf): "
                                                                "auto = bfloat16 when the run computes in bf16, else the weights' own; "
@@ -538,7 +540,8 @@ def train_rl(run, evalsets, log, start, amp):
             last = step + 1 == a.steps
             if a.eval_every and ((step + 1) % a.eval_every == 0 or last):
                 with amp(), run.timer("eval"):
-                    m.update(heldout_accuracy(run.policy, run.tokenizer, evalsets, run.spec, a.eval_temperature, a.seed))
+                    m.update(heldout_accuracy(run.policy, run.tokenizer, evalsets, run.spec, a.eval_temperature,
+                                              a.seed))
             log({**m, **run.timer.metrics()})                              # + time_gen, time_reward, time_score, ...
             bar.set_postfix({k: f"{m[k]:.3f}" for k in ("train_acc", "eval_acc", "query_kl", "policy_kl", "entropy")
                              if k in m} | {"s/step": f"{m['step_time']:.1f}"})
@@ -554,8 +557,9 @@ def train_rl(run, evalsets, log, start, amp):
 
 
 def save(run, step, final):
-    run_dir.save_checkpoint(run.args.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
-                            export_dtype=run.args.export_dtype, bf16=distributed.uses_bf16(run.args.dtype, run.dist.device))
+    a = run.args
+    run_dir.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
+                            export_dtype=a.export_dtype, bf16=distributed.uses_bf16(a.dtype, run.dist.device))
     run.ckpt_checked = False                                             # until the next finite loss
 
 
@@ -585,6 +589,9 @@ def resume_changes(a, algo, state) -> dict:
     (RESUME_MAY_CHANGE); any other change is an error, before anything is loaded."""
     if state is None:                                                    # from scratch: every option applies
         return {}
+    if a.steps < state.step:
+        raise SystemExit(f"error: --resume: --steps {a.steps} is before the checkpoint's step {state.step}: a "
+                         "resumed run continues to a later step (or the same: nothing to do)")
     saved = run_dir.read_config(a.out)
     if saved is None:
         raise SystemExit(f"error: --resume: {a.out}/config.json is missing or unreadable, so nothing says which "

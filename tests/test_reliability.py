@@ -410,7 +410,8 @@ def test_resume_refuses_what_fixes_the_run_applies_the_rest_and_recovers_from_a_
     assert (out / "config.json").read_text() == config      # refused: nothing rewritten
     # --lr 1e6: step 3's first loss is finite (step 2's weights: checked), its update destroys the
     # weights, and the next losses are not finite: the run stops and sets step 3's checkpoint aside
-    msg = exit_line(capsys, train.main, "--out", str(out), "--resume", "--steps", "6", "--lr", "1e6", "--save-every", "1")
+    msg = exit_line(capsys, train.main, "--out", str(out), "--resume", "--steps", "6", "--lr", "1e6",
+                    "--save-every", "1")
     assert msg.startswith("error: 3 optimizer steps in a row had a non-finite loss or gradient") and \
         f"--resume continues from step 2 ({out}/ckpt/)" in msg and msg.endswith("resume with a lower --lr")
     assert saved_step(out / "ckpt") == 2 and saved_step(out / "ckpt.diverged") == 3
@@ -528,3 +529,14 @@ def test_a_full_query_cache_disk_does_not_stop_a_run(tmp_path, monkeypatch, caps
                      "--query-cache-dir", str(shared)))
     assert "query-KL reference cache: not shared ([enforce fail" in capsys.readouterr().out
     assert [m["step"] for m in metrics(out)] == [1] and not list(shared.rglob("*.tmp*"))
+
+
+def test_the_reliability_sweep_runs_its_cases():
+    """bench/reliability_sweep.py (the README's table) on one of its cases, so it cannot rot: the
+    shared base run and a refused fresh run over it."""
+    r = subprocess.run([sys.executable, os.path.join("bench", "reliability_sweep.py"), "--only", "fresh-over-run"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    rows = [line.split(" | ")[0] for line in r.stdout.splitlines() if line.startswith("| ") and line.endswith("PASS |")]
+    assert rows == ["| base-run", "| fresh-over-run"], r.stdout[-3000:]
