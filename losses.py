@@ -21,6 +21,7 @@ writes out every equation implemented here.
 """
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -235,13 +236,13 @@ def ppo_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.
 CLIP_STATS = ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac")
 
 
-def clip_masks(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.0) -> dict[str, torch.Tensor]:
-    """(B, T) bool masks of where the ratio r = pi_theta / pi_old left the clip range, for the
-    statistics: "low" r < 1 - eps_low, "high" r > 1 + eps_high, "dual" A < 0 and the PPO loss
-    |A| max(r, clip(r)) above dual_clip * |A| (ppo_loss bounded it there)."""
-    if advantages.dim() == logp.dim() - 1:
+def clip_masks(ratio, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.0) -> dict[str, torch.Tensor]:
+    """(B, T) bool masks of where the ratio r (a surrogate's, e.g. pi_theta / pi_old per token)
+    left the clip range, for the statistics: "low" r < 1 - eps_low, "high" r > 1 + eps_high,
+    "dual" A < 0 and the PPO loss |A| max(r, clip(r)) above dual_clip * |A| (ppo_loss bounded it
+    there)."""
+    if advantages.dim() == ratio.dim() - 1:
         advantages = advantages.unsqueeze(-1)
-    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     masks = {"low": ratio < 1.0 - eps_low, "high": ratio > 1.0 + eps_high}
     bounded = torch.maximum(ratio, ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
     if dual_clip is None:
@@ -249,6 +250,46 @@ def clip_masks(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=
     else:
         masks["dual"] = (advantages < 0) & (bounded > dual_clip)
     return masks
+
+
+# -----------------------------------------------------------------------------
+# The table of policy-gradient surrogates (Algo.surrogate): one signature,
+#     surrogate(logp, old_logp, advantages, mask, algo) -> Surrogate(loss, ratio, clipped),
+# all (B, T): the per-token loss that `aggregate` reduces with algo.agg, the importance ratio it
+# used and where a clip cut the gradient (for the statistics). A new one is a function and a row.
+
+class Surrogate(NamedTuple):
+    loss: torch.Tensor                  # (B, T) per-token loss
+    ratio: torch.Tensor                 # (B, T) the importance ratio behind it (detached)
+    clipped: torch.Tensor               # (B, T) bool: a clip was active (zero gradient there)
+
+
+def _ratio(logp, old_logp):
+    # the log-ratio is bounded only to keep exp() finite; any clip decision is made far inside it
+    return torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+
+
+def ppo_surrogate(logp, old_logp, advantages, mask, algo) -> Surrogate:
+    """PPO-clip on the token ratio r_t = pi_theta(y_t) / pi_old(y_t) (ppo_loss; method.md §8)."""
+    loss, clipped = ppo_loss(logp, old_logp, advantages, algo.eps_low, algo.eps_high, algo.dual_clip)
+    return Surrogate(loss, _ratio(logp, old_logp).detach(), clipped)
+
+
+def gspo_surrogate(logp, old_logp, advantages, mask, algo) -> Surrogate:
+    """GSPO (Zheng et al. 2025): one ratio per sequence, s_i = (pi_theta(y_i) / pi_old(y_i))^(1/|y_i|)
+    = exp(mean_t log r_t), clipped like PPO's (GSPO's own range is ~1e-4 wide: ALGOS["gspo"]).
+    Written per token as GSPO-token, s_i,t = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]: every
+    token carries the value s_i, and aggregated with seq-mean-token-mean the gradient is GSPO's,
+    -A_i s_i (1/|y_i|) sum_t grad log pi_theta(y_t) (zero where the sequence is clipped)."""
+    m = mask.to(logp.dtype)
+    log_s = ((logp - old_logp) * m).sum(-1) / m.sum(-1).clamp_min(1.0)       # (B,) log s_i
+    log_s_tok = log_s.detach()[:, None] + logp - logp.detach()                 # (B, T): value log s_i
+    loss, clipped = ppo_loss(log_s_tok, torch.zeros_like(logp), advantages, algo.eps_low, algo.eps_high,
+                             algo.dual_clip)
+    return Surrogate(loss, _ratio(log_s_tok, 0.0).detach(), clipped)
+
+
+SURROGATES: dict[str, Callable[..., Surrogate]] = {"ppo": ppo_surrogate, "gspo": gspo_surrogate}
 
 
 def aggregate(values, mask=None, mode="token-mean", num_tokens=None, num_seqs=None, max_len=None):
@@ -316,6 +357,7 @@ class Algo:
     qkl_estimator: str = _knob("k3", "per-token estimator of the Query-KL", KL_KINDS)
     weights: str = _knob("none", "query reweighting (method.md §4)", WEIGHT_KINDS)
     weight_clip: tuple[float, float] = _knob((0.0, 2.0), "clip range of the paper query weights")
+    surrogate: str = _knob("ppo", "policy-gradient surrogate (losses.SURROGATES)", SURROGATES)
     eps_low: float = _knob(0.2, "PPO clip: ratio >= 1 - eps_low")
     eps_high: float = _knob(0.3, "PPO clip: ratio <= 1 + eps_high (EasyR1 default; DAPO clip-higher 0.28)")
     dual_clip: float | None = _knob(3.0, "dual-clip constant c > 1 (0 = off)")
@@ -351,6 +393,9 @@ ALGOS: dict[str, Algo] = {
                    doc="Dr.GRPO: advantage R - mean (no std), no KL, seq-mean-token-sum-norm, clip 0.2/0.2"),
     "dapo": Algo(**_DAPO, doc="DAPO: no KL, clip-higher 0.2/0.28, no dual-clip, dynamic sampling, overlong punishment"),
     "dapo-erpo": Algo(**_DAPO, alpha=0.01, weights="paper", doc="DAPO + Query-KL (alpha 0.01) + paper query weights"),
+    "gspo": Algo(surrogate="gspo", kl=None, beta=0.0, eps_low=3e-4, eps_high=4e-4, dual_clip=None,
+                 agg="seq-mean-token-mean",
+                 doc="GSPO: a clipped sequence-level ratio (range 3e-4/4e-4), seq-mean-token-mean, no KL"),
     "rloo": Algo(adv="rloo", kl_in="reward", kl="k1",
                  doc="RLOO: leave-one-out advantage, k1 KL as a reward penalty (beta 0.01) instead of a loss term"),
     "rloo-erpo": Algo(adv="rloo", kl=None, beta=0.0, alpha=0.01, weights="paper",
@@ -444,12 +489,12 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights,
     denom = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
     adv = advantages if weights is None else advantages * (weights if advantages.dim() == 1 else weights[:, None])
 
-    pg_tok, clipped = ppo_loss(logp, old_logp, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
-    pg = aggregate(pg_tok, resp_mask, algo.agg, **denom)                           # PG(A * w)
+    sur = SURROGATES[algo.surrogate](logp, old_logp, adv, resp_mask, algo)          # PPO-clip, GSPO, ...
+    pg = aggregate(sur.loss, resp_mask, algo.agg, **denom)                         # PG(A * w)
     loss = pg
     frac = lambda m: aggregate(m.float(), resp_mask, "token-mean", num_tokens).detach()  # noqa: E731
-    masks = clip_masks(logp.detach(), old_logp, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
-    stats = {"pg_loss": pg.detach(), "clip_frac": frac(clipped), "clip_frac_low": frac(masks["low"]),
+    masks = clip_masks(sur.ratio, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
+    stats = {"pg_loss": pg.detach(), "clip_frac": frac(sur.clipped), "clip_frac_low": frac(masks["low"]),
              "clip_frac_high": frac(masks["high"]), "dual_clip_frac": frac(masks["dual"])}
 
     if ref_logp is not None:

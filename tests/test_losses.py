@@ -8,7 +8,7 @@ import torch
 
 from losses import (AGG_MODES, ALGOS, Algo, aggregate, clip_masks, group_advantages, kl_penalized_rewards,
                     make_algo, nonconstant_groups, overlong_penalty, policy_kl, ppo_loss, query_kl,
-                    query_weights, rl_loss)
+                    query_weights, rl_loss, SURROGATES)
 
 # -----------------------------------------------------------------------------
 # KL estimators on a 5-category toy where both KL directions are exact and clearly different
@@ -305,18 +305,44 @@ def test_ppo_loss_cases():
 
 def test_clip_masks_mark_the_ratio_outside_the_range_whatever_the_advantage():
     ratio = torch.tensor([[0.5, 0.79, 0.81, 1.0, 1.29, 1.31, 2.0, 3.5]], dtype=torch.float64)
-    logp, old = ratio.log(), torch.zeros_like(ratio)
     for A in (1.0, -1.0):                    # low / high do not depend on the advantage's sign
-        m = clip_masks(logp, old, torch.tensor([A], dtype=torch.float64), eps_low=0.2, eps_high=0.3, dual_clip=3.0)
+        m = clip_masks(ratio, torch.tensor([A], dtype=torch.float64), eps_low=0.2, eps_high=0.3, dual_clip=3.0)
         assert m["low"].tolist() == [[True, True, False, False, False, False, False, False]]
         assert m["high"].tolist() == [[False, False, False, False, False, True, True, True]]
         assert m["dual"].tolist() == [[False] * 7 + [A < 0]]       # r = 3.5 > c = 3, and only for A < 0
     # the dual mask is where ppo_loss bounded the loss at c * |A|
     for r in (2.0, 2.9, 3.1, 10.0):
         loss, _ = ppo_loss(torch.tensor([[math.log(r)]]), torch.zeros(1, 1), torch.tensor([-1.5]))
-        dual = clip_masks(torch.tensor([[math.log(r)]]), torch.zeros(1, 1), torch.tensor([-1.5]))["dual"]
+        dual = clip_masks(torch.tensor([[r]]), torch.tensor([-1.5]))["dual"]
         assert bool(dual) == (loss.item() == pytest.approx(4.5) and r > 3)
-    assert not clip_masks(logp, old, torch.tensor([-1.0], dtype=torch.float64), dual_clip=None)["dual"].any()
+    assert not clip_masks(ratio, torch.tensor([-1.0], dtype=torch.float64), dual_clip=None)["dual"].any()
+
+
+def test_gspo_is_the_clipped_sequence_ratio_with_gspos_gradient():
+    """GSPO-token aggregated seq-mean-token-mean = GSPO written per sequence: value and gradient,
+    clipped sequences included (a wide range here, so that some are clipped and some not)."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 7
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logp0 = old + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T)[None, :] < torch.tensor([7, 5, 3, 7, 1, 6])[:, None]).double()
+    A = torch.tensor([1.0, -0.5, -2.0, 1.5, -0.7, 0.2], dtype=torch.float64)
+    algo = ALGOS["gspo"].__class__(**{**vars(ALGOS["gspo"]), "eps_low": 0.05, "eps_high": 0.08})
+
+    logp = logp0.clone().requires_grad_(True)
+    sur = SURROGATES["gspo"](logp, old, A, mask, algo)
+    aggregate(sur.loss, mask, "seq-mean-token-mean").backward()
+
+    ref = logp0.clone().requires_grad_(True)
+    s = torch.exp(((ref - old) * mask).sum(-1) / mask.sum(-1))          # (B,) sequence ratio
+    per_seq = -torch.minimum(s * A, s.clamp(1 - 0.05, 1 + 0.08) * A)
+    per_seq.mean().backward()
+
+    torch.testing.assert_close(aggregate(sur.loss, mask, "seq-mean-token-mean"), per_seq.mean().detach())
+    torch.testing.assert_close(logp.grad, ref.grad)
+    clipped_seq = (s.clamp(1 - 0.05, 1 + 0.08) * A < s * A).detach()    # where -min picks the clipped term
+    assert 0 < int(clipped_seq.sum()) < B                               # both kinds of sequence occur
+    assert torch.equal(sur.clipped.any(-1), clipped_seq) and torch.allclose(sur.ratio, s.detach()[:, None].expand(B, T))
 
 
 def test_ppo_advantage_broadcast():

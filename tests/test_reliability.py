@@ -530,13 +530,3 @@ def test_a_full_query_cache_disk_does_not_stop_a_run(tmp_path, monkeypatch, caps
     assert "query-KL reference cache: not shared ([enforce fail" in capsys.readouterr().out
     assert [m["step"] for m in metrics(out)] == [1] and not list(shared.rglob("*.tmp*"))
 
-
-def test_the_reliability_sweep_runs_its_cases():
-    """bench/reliability_sweep.py (the README's table) on one of its cases, so it cannot rot: the
-    shared base run and a refused fresh run over it."""
-    r = subprocess.run([sys.executable, os.path.join("bench", "reliability_sweep.py"), "--only", "fresh-over-run"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    rows = [line.split(" | ")[0] for line in r.stdout.splitlines() if line.startswith("| ") and line.endswith("PASS |")]
-    assert rows == ["| base-run", "| fresh-over-run"], r.stdout[-3000:]

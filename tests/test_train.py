@@ -189,6 +189,23 @@ def test_every_algorithm_trains(tmp_path, small_data, algo):
         assert "kept_groups" in m and "resample_rounds" in m
 
 
+def test_a_surrogate_registered_from_outside_trains(tmp_path, small_data, monkeypatch):
+    """A new policy-gradient surrogate is a function and a row of losses.SURROGATES: registered
+    here, --surrogate picks it (the flag's choices are the table), and its loss is the one trained."""
+    calls = []
+
+    def vanilla_pg(logp, old_logp, advantages, mask, algo):   # REINFORCE with the ratio, unclipped
+        calls.append(logp.shape)
+        ratio = torch.exp(logp - old_logp)
+        nothing_clipped = torch.zeros_like(mask, dtype=torch.bool)
+        return losses.Surrogate(-advantages[:, None] * ratio, ratio.detach(), nothing_clipped)
+    monkeypatch.setitem(losses.SURROGATES, "vanilla", vanilla_pg)
+    ms = run(tmp_path, small_data, "--algo", "grpo", "--surrogate", "vanilla", "--eval-every", "0", steps=1)
+    assert calls and ms[-1]["step"] == 1 and ms[-1]["clip_frac"] == 0 and math.isfinite(ms[-1]["loss"])
+    with pytest.raises(SystemExit):                            # unregistered: an argparse error
+        train.main(["--surrogate", "nope", "--out", str(tmp_path / "x")])
+
+
 def test_group_size_16_and_code_weights(tmp_path, small_data):
     ms = run(tmp_path, small_data, "--algo", "erpo", "--group-size", "16", "--weights", "code",
              "--eval-every", "0", steps=1)
