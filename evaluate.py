@@ -63,6 +63,9 @@ SAMPLES_FILE = "samples.jsonl"
 # Settings that change what a sample is: a resumed run must use the same ones (and the same weights:
 # weights_fingerprint). dtype is the one the models sample in, "auto" resolved.
 GENERATION_KEYS = ["template", "max_new_tokens", "top_p", "seed", "sampler", "seed_scheme", "dtype"]
+# Keys a config.json of an older evaluate.py may lack (any value then matches); any other missing
+# key is a difference (a folder without "seed_scheme" was sampled with the SHA-256 seeds).
+NEWER_KEYS = {"dtype"}
 # How per-sample seeds are made; a folder sampled under another scheme (before: SHA-256 keys) must
 # not be resumed with new samples mixed in.
 SEED_SCHEME = "rollout.row_seed"
@@ -512,13 +515,14 @@ def _setting_name(key):
     return "the seed scheme" if key == "seed_scheme" else "--" + key.replace("_", "-")
 
 
-def check_config(out_dir, settings, fingerprints):
+def check_config(out_dir, settings, fingerprints, ignore=()):
     """The resume key: ValueError (one line, naming what differs) when out_dir already holds
     samples made under other settings, or samples of one of `fingerprints`' model keys from other
     weights. Only samples on disk make a folder refuse: a command that stopped before writing one
     (a crash while loading, a prompt too long) leaves nothing a corrected command has to match.
     Read only, so every rank of a torchrun sweep checks and all stop together. A config.json of an
-    older evaluate.py (no dtype, no fingerprints) accepts any value of what it does not hold."""
+    older evaluate.py (no dtype, no fingerprints: NEWER_KEYS) accepts any value of what it does not
+    hold; `ignore`: settings not compared (main: --dtype auto where nothing is left to sample)."""
     before = read_config(out_dir)
     recorded = recorded_models(out_dir) if before != {} else set()
     if not recorded:
@@ -526,9 +530,10 @@ def check_config(out_dir, settings, fingerprints):
     if before is None:
         raise ValueError(f"{out_dir}/config.json, the settings its samples were made under, cannot be read; "
                          "use another --out")
-    changed = [k for k in GENERATION_KEYS if k in before and before[k] != settings[k]]
+    compared = [k for k in GENERATION_KEYS if k not in ignore and (k in before or k not in NEWER_KEYS)]
+    changed = [k for k in compared if before.get(k) != settings[k]]
     if changed:
-        diffs = ", ".join(f"{_setting_name(k)} {before[k]} (now {settings[k]})" for k in changed)
+        diffs = ", ".join(f"{_setting_name(k)} {before.get(k)} (now {settings[k]})" for k in changed)
         raise ValueError(f"{out_dir} holds samples made with other settings: {diffs}; use another --out")
     known = before.get("models", {})
     stale = [key for key, fp in fingerprints.items() if key in recorded and known.get(key, fp) != fp]
@@ -546,6 +551,14 @@ def write_config(out_dir, settings, fingerprints):
     with open(path + ".tmp", "w") as f:
         json.dump(config, f, indent=1)
     os.replace(path + ".tmp", path)
+
+
+def all_sampled(args, benches) -> bool:
+    """Is every sample this command asks for on disk already (samples.jsonl or rank files)?"""
+    done = {record_key(r) for path in sample_files(args.out) for r in run_dir.read_jsonl(path)}
+    return not any(missing_samples(rows, done, key, bench, t, args.n)
+                   for key in heldout.model_keys(args) for bench, rows in benches.items()
+                   for t in args.temperatures)
 
 
 def kept_samples(out_dir) -> str:
@@ -645,11 +658,13 @@ def main(argv=None):
         d = distributed.setup(args.device, timeout_min=args.nccl_timeout)
         settings = sample_settings(args, d.device)
         fingerprints = {key: weights_fingerprint(src) for key, src in zip(heldout.model_keys(args), sources)}
-        try:
-            check_config(args.out, settings, fingerprints)          # every rank: all stop together
+        finished = all_sampled(args, benches)                       # then only the tables are rewritten:
+        auto = {"dtype"} if finished and args.dtype == "auto" else set()    # on any machine, whatever
+        try:                                                        # its device's dtype
+            check_config(args.out, settings, fingerprints, ignore=auto)  # every rank: all stop together
         except ValueError as e:
             fail(e)
-        if d.main:
+        if d.main and not finished:
             os.makedirs(args.out, exist_ok=True)
             write_config(args.out, settings, fingerprints)
         distributed.barrier()

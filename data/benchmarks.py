@@ -29,9 +29,9 @@ such as units, intervals or "58,500", is left to the grader). A row without an a
 takes the last \\boxed{} of its solution, found by `reward.extract_boxed`, as grading does.
 A blank field ("", whitespace, []) counts as missing, and an answer the grader cannot read (a dict,
 a bool, a nested list, NaN) is an error naming the file and line. A problem may be a chat of one
-user message ([{"role": "user", "content": ...}], as verl-style files store prompts): its content
-is the question; any other chat (a system prompt, earlier turns) is an error, since the prompt
-template writes the chat itself (data/prompts.py).
+user message ([{"role": "user", "content": ...}], the shape of verl-style prompts, under a problem
+or question field): its content is the question; any other chat (a system prompt, earlier turns)
+is an error, since the prompt template writes the chat itself (data/prompts.py).
 
 The embedded tiny world (data/tinymath/, made by data/tinymath/prepare.py) is registered too:
 
@@ -177,7 +177,8 @@ def _shown(value):
 
 
 def _is_chat(value):
-    """A list of chat messages ({"role": ..., "content": ...}), as verl-style files store prompts."""
+    """A list of chat messages ({"role": ..., "content": ...}), the shape of verl-style prompts (a
+    verl file's own "prompt" field is not read as the problem: rename it to "problem")."""
     return isinstance(value, (list, tuple)) and bool(value) and all(
         isinstance(m, dict) and "role" in m for m in value)
 

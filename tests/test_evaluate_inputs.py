@@ -157,6 +157,25 @@ def test_only_samples_on_disk_make_a_folder_refuse(tmp_path):
         E.check_config(out, settings, {"a": "fp-a"})
     os.remove(tmp_path / "samples.rank1.jsonl")
     E.check_config(out, settings, {"a": "fp-a"})
+    # a config.json of before the seed scheme was recorded: its samples have other seeds
+    (tmp_path / "samples.jsonl").write_text(json.dumps({"model": "a"}) + "\n")
+    old = {k: v for k, v in settings.items() if k not in ("seed_scheme", "dtype")}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="the seed scheme None"):
+        E.check_config(out, settings, {"a": "fp-a"})
+    E.check_config(out, {**settings, "seed_scheme": None}, {"a": "fp-a"})   # dtype: newer, any value
+
+
+def test_a_finished_sweep_with_dtype_auto_rebuilds_its_tables_on_another_device(tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "out")
+    E.main(["--model", WARM, *TINY, "--out", out])
+    config = {**config_of(out), "dtype": "bfloat16"}                     # as a GPU's --dtype auto wrote it
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    no_sampling(monkeypatch)
+    E.main(["--model", WARM, *TINY, "--out", out])                       # here auto is float32: all in
+    assert "all samples already in" in capsys.readouterr().out and config_of(out) == config
+    code, err = refusal(E.main, ["--model", WARM, *TINY, "--dtype", "float32", "--out", out], capsys)
+    assert code == 2 and "--dtype bfloat16 (now float32)" in err[0]     # named: still compared
 
 
 def test_the_weights_fingerprint_follows_the_files_contents(tmp_path):
