@@ -4,7 +4,8 @@
         for step in ...:
             ...one whole step...
             if stop.requested():               # one collective: every rank stops at the same step
-                save(); raise stop.exit(step)
+                save(...)
+                raise stop.exit("saved the checkpoint of step N ...")   # its one line, status 128 + signum
 
 A signal only sets a flag; the loop looks at it between steps. Under torchrun the ranks agree
 (an all-reduce of the flag), so a signal that reaches one rank (a scheduler pre-empting one node,

@@ -456,11 +456,11 @@ def resume_point(out) -> TrainState | None:
             shutil.rmtree(final + ".corrupt", ignore_errors=True)
             os.replace(final, final + ".corrupt")
             os.replace(prev, final)
-            print(f"--resume: {final} is corrupt ({why}; kept as {final}.corrupt): continuing from the checkpoint "
-                  f"before it, step {_saved_step(final)}", flush=True)
+            print(f"--resume: {final} is corrupt ({why}; kept as {final}.corrupt): continuing from the "
+                  f"checkpoint before it, step {_saved_step(final)}", flush=True)
         elif why:
-            failed = (f"error: --resume: {final} is corrupt ({why}) and there is no intact checkpoint before it; "
-                      "start the run again (--overwrite)")
+            failed = (f"error: --resume: {final} is corrupt ({why}) and there is no intact checkpoint "
+                      "before it; start the run again (--overwrite)")
     failed = distributed.all_gather_list([failed])[0]                  # every rank stops, not only rank 0
     if failed:
         raise SystemExit(failed)
@@ -496,7 +496,8 @@ def damage(ckpt) -> str | None:
             return f"{os.path.basename(path)}: {why}"
     if os.path.isdir(os.path.join(ckpt, "dcp")):
         return _dcp_damage(os.path.join(ckpt, "dcp"))
-    if not glob.glob(os.path.join(ckpt, "*.safetensors")) and not glob.glob(os.path.join(ckpt, "pytorch_model*.bin")):
+    patterns = ("*.safetensors", "pytorch_model*.bin")
+    if not any(glob.glob(os.path.join(ckpt, pattern)) for pattern in patterns):
         return "no weights"
     return None
 

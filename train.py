@@ -552,8 +552,8 @@ def train_rl(run, evalsets, log, start, amp):
                 if not saved:
                     save(run, step + 1, final=False)
                 bar.close()
-                raise stop.exit(f"saved the checkpoint of step {step + 1} ({run_dir.checkpoint_dir(a.out)}/); "
-                                "continue with --resume")
+                ckpt = run_dir.checkpoint_dir(a.out)
+                raise stop.exit(f"saved the checkpoint of step {step + 1} ({ckpt}/); continue with --resume")
 
 
 def save(run, step, final):
@@ -590,12 +590,12 @@ def resume_changes(a, algo, state) -> dict:
     if state is None:                                                    # from scratch: every option applies
         return {}
     if a.steps < state.step:
-        raise SystemExit(f"error: --resume: --steps {a.steps} is before the checkpoint's step {state.step}: a "
-                         "resumed run continues to a later step (or the same: nothing to do)")
+        raise SystemExit(f"error: --resume: --steps {a.steps} is before the checkpoint's step {state.step}: "
+                         "a resumed run continues to a later step (or the same: nothing to do)")
     saved = run_dir.read_config(a.out)
     if saved is None:
-        raise SystemExit(f"error: --resume: {a.out}/config.json is missing or unreadable, so nothing says which "
-                         "run the checkpoint belongs to; restore it (or start a new run)")
+        raise SystemExit(f"error: --resume: {a.out}/config.json is missing or unreadable, so nothing says "
+                         "which run the checkpoint belongs to; restore it (or start a new run)")
     now, knobs = vars(a), {name for name, *_ in options.algo_knobs()}
     fixed = run_dir.config_changes(saved, now, sorted(set(now) - RESUME_MAY_CHANGE - NOT_THE_RUN - knobs))
     if algo is not None and not fixed and "algo" in saved:               # the knobs as the loss resolves them
@@ -603,9 +603,9 @@ def resume_changes(a, algo, state) -> dict:
         fixed = run_dir.config_changes(vars(before), vars(algo), knobs)
     if fixed:
         what = "; ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in fixed.items())
-        raise SystemExit(f"error: --resume: {what}: the run in {a.out} was made with the first (config.json), "
-                         "and these options fix what a run is; resume with its values, or start a new run "
-                         "(another --out)")
+        raise SystemExit(f"error: --resume: {what}: the run in {a.out} was made with the first "
+                         "(config.json), and these options fix what a run is; resume with its values, or start "
+                         "a new run (another --out)")
     changed = run_dir.config_changes(saved, now, sorted(RESUME_MAY_CHANGE))
     if changed:
         print0("--resume: from step {}: ".format(state.step) +
