@@ -23,9 +23,9 @@ from tqdm import tqdm
 import heldout
 import interrupts
 import plots
+import logprobs
 import rollout
 import run_dir
-from data.benchmarks import benchmark_label, expand_benchmarks, load_benchmark
 
 # ----------------------------------------------------------------------------- training runs
 
@@ -53,7 +53,8 @@ def analyze_runs(runs, out_dir):
                          plots.train_vs_heldout(data, os.path.join(out_dir, "train_eval_gap.png"))) if p]
     for name, rows in data.items():
         gap = train_eval_gap(rows)
-        print(f"{name}: mean train - held-out accuracy gap = {'-' if gap is None else f'{100 * gap:.2f} pts'}")
+        print(f"{name}: mean train - held-out accuracy gap = "
+              f"{'-' if gap is None else f'{100 * gap:.2f} pts'}")
     print("wrote " + (", ".join(paths) if paths else "no plots (no KL or accuracy keys logged)"))
     return paths
 
@@ -67,7 +68,7 @@ def query_response_nll(model, ro: rollout.Rollout):
     -> (query NLLs, response NLLs, query token counts, response token counts), lists of B."""
     packed = ro.packed()
     with torch.no_grad():
-        s = rollout.score_tokens(model, packed, 1.0)
+        s = logprobs.score_tokens(model, packed, 1.0)
     q_mask, r_mask = packed.prompt_tok_mask.bool(), ro.response_mask.bool()
     q = -torch.where(q_mask, s.prompt, 0.0).sum(1) / q_mask.sum(1).clamp(min=1)
     r = -torch.where(r_mask, s.response, 0.0).sum(1) / r_mask.sum(1).clamp(min=1)
@@ -95,7 +96,7 @@ def nll_pairs(model, tokenizer, key, bench, rows, args):
             template=args.template, max_new_tokens=args.max_new_tokens, top_p=args.top_p, batch_size=bs,
             seed=args.seed, sampler=args.sampler)
         q, r, nq, nr = query_response_nll(model, ro)
-        correct, _ = heldout.grade([x["completion"] for x in samples], [p["answer"] for p in chunk], args.grade_timeout)
+        correct, _ = heldout.grade([x["completion"] for x in samples], chunk, args.grade_timeout)
         for p, qi, ri, a, b, c in zip(chunk, q, r, nq, nr, correct):
             out.append({"model": key, "benchmark": bench, "id": p["id"], "query_nll": qi, "response_nll": ri,
                         "query_tokens": a, "response_tokens": b, "correct": bool(c)})
@@ -106,8 +107,7 @@ def analyze_nll(args):
     """nll_pairs.jsonl, the Pearson correlation per model x benchmark, and a scatter plot. Every
     --model (an HF folder or hub id, a run folder, a checkpoint: heldout.load_model) is checked,
     a local one's tokenizer included, before the first is loaded; --out is written only at the end."""
-    benches = {benchmark_label(b): load_benchmark(b, limit=args.limit, data_dir=args.data_dir)
-               for b in expand_benchmarks(args.benchmarks)}
+    benches = heldout.load_sets(args.benchmarks, args.limit, args.data_dir, args.task)
     for path in args.model:
         heldout.model_source(path)
     pairs = []
@@ -124,7 +124,8 @@ def analyze_nll(args):
             sel = [p for p in pairs if p["model"] == key and p["benchmark"] == bench]
             xs, ys = [p["query_nll"] for p in sel], [p["response_nll"] for p in sel]
             rho = pearson(xs, ys)
-            lines.append(f"{key} on {bench}: Pearson r(query NLL, response NLL) = {rho:.3f} over {len(sel)} problems")
+            lines.append(f"{key} on {bench}: Pearson r(query NLL, response NLL) = {rho:.3f} "
+                         f"over {len(sel)} problems")
             groups[f"{plots.short_labels([key])[key]} / {bench} (r={rho:.2f})"] = (xs, ys)
     plots.nll_scatter(groups, os.path.join(args.out, "nll_scatter.png"))
     print("\n".join(lines))
@@ -137,7 +138,8 @@ def analyze_nll(args):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("runs", help="KL and train vs held-out accuracy plots of training runs")
     r.add_argument("runs", nargs="+", metavar="RUN_DIR")

@@ -12,9 +12,11 @@ from errors import DataError
 def check(a, world):
     """Sizes that must divide: an argparse-style one-line error otherwise."""
     if a.rollout_batch % a.update_batch:
-        raise SystemExit(f"error: --rollout-batch {a.rollout_batch} must be a multiple of --update-batch {a.update_batch}")
+        raise SystemExit(f"error: --rollout-batch {a.rollout_batch} must be a multiple of "
+                         f"--update-batch {a.update_batch}")
     if a.update_batch % world:
-        raise SystemExit(f"error: --update-batch {a.update_batch} must be divisible by the world size {world}")
+        raise SystemExit(f"error: --update-batch {a.update_batch} must be divisible by "
+                         f"the world size {world}")
 
 
 def check_data(n, a):
@@ -44,7 +46,8 @@ def describe(a, world, n_train) -> str:
         f"each on {a.update_batch} prompts = {a.update_batch * G} responses",
         f"  micro-batches / opt step   {-(-(a.update_batch // W * G) // a.micro_batch)} per rank"
         f" of <= {a.micro_batch} sequences",
-        f"  RL steps                   {a.steps} ({a.steps * a.rollout_batch / n_train:.2f} epochs of {n_train} prompts)",
+        f"  RL steps                   {a.steps} ({a.steps * a.rollout_batch / n_train:.2f} epochs"
+        f" of {n_train} prompts)",
     ])
 
 
@@ -55,7 +58,7 @@ def microbatches(n, size) -> list[slice]:
 
 def prompt_group(a) -> int:
     """G where the training forwards run each group's prompt once (--share-prompts; see
-    rollout.shared_prompt_scores), else 1: FSDP2 would gather every layer for both of its forwards,
+    logprobs.shared_prompt_scores), else 1: FSDP2 would gather every layer for both of its forwards,
     and activation checkpointing recomputes layers without a KV cache."""
     return a.group_size if a.share_prompts and not (a.fsdp or a.grad_ckpt) else 1
 
@@ -69,7 +72,8 @@ def padded_width(lengths, rows) -> int:
     return max(lengths[i][0] for i in rows) + max(lengths[i][1] for i in rows)
 
 
-def microbatch_plan(lengths: list, size: int, max_tokens: int = 0, count: int = 0, group: int = 1) -> list[list[int]]:
+def microbatch_plan(lengths: list, size: int, max_tokens: int = 0, count: int = 0,
+                    group: int = 1) -> list[list[int]]:
     """Rows (indices into `lengths`: each row's tokens, or its (prompt, response) tokens) grouped
     into micro-batches, longest first, so each micro-batch pads only to its own longest rows: at
     most `size` rows and, if max_tokens, at most max_tokens padded tokens (rows x padded_width)

@@ -7,7 +7,7 @@ objects, module hooks, ~45 small tensor ops per layer) costs more than the arith
 a small GPU batch. `LeanStep` does the same math in ~20 ops per layer: q/k/v and gate/up as one
 matmul each (CPU: the weights concatenated once per sampler call), one rotary for q and k
 together, attention as two batched matmuls against the preallocated KV cache
-(rollout.PreallocatedLayer), which the HF forward filled with the prompts.
+(kv_cache.PreallocatedLayer), which the HF forward filled with the prompts.
 
 Same math, not the same rounding: its logits agree with the HF forward to ~1e-6 relative in float32
 (tests/test_rollout.py), so a sampled token can differ where two candidates tie to that precision.
@@ -29,7 +29,8 @@ def supports(model) -> bool:
     layers = getattr(inner, "layers", None)
     if cfg.model_type not in ARCHS or layers is None or getattr(cfg, "hidden_act", None) != "silu":
         return False
-    if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+    if (getattr(cfg, "use_sliding_window", False)
+            or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or [])):
         return False
     if getattr(inner.rotary_emb, "rope_type", "default") not in STATIC_ROPE:
         return False
@@ -74,7 +75,8 @@ class LeanStep:
         self.Hq, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, attn0.head_dim
         self.scale = attn0.scaling
         rope = inner.rotary_emb  # cos/sin tables over all positions, as the HF rotary computes them
-        freqs = torch.arange(cache.layers[0].capacity, device=w0.device).float()[:, None] * rope.inv_freq.float()[None]
+        freqs = (torch.arange(cache.layers[0].capacity, device=w0.device).float()[:, None]
+                 * rope.inv_freq.float()[None])
         emb = torch.cat((freqs, freqs), -1)
         self.cos = (emb.cos() * rope.attention_scaling).to(w0.dtype)
         self.sin = (emb.sin() * rope.attention_scaling).to(w0.dtype)
@@ -89,7 +91,8 @@ class LeanStep:
         # padding, 0 on real tokens and on every generated position (finished rows decode on,
         # ignored). (B * Hkv, 1, capacity)
         B, P = mask.shape
-        bias = torch.zeros(B, self.Hkv, 1, cache.layers[0].capacity, dtype=cache.layers[0].k_buf.dtype, device=w0.device)
+        bias = torch.zeros(B, self.Hkv, 1, cache.layers[0].capacity, dtype=cache.layers[0].k_buf.dtype,
+                           device=w0.device)
         bias[..., :P].masked_fill_(mask[:, None, None, :] == 0, float("-inf"))
         self.bias, self.dev = bias, dev
 
@@ -114,7 +117,8 @@ class LeanStep:
             V = c.v_buf[:, :, :L].reshape(B * Hkv, L, D)
             q = qk[:, :Hq].reshape(B * Hkv, Hq // Hkv, D)               # GQA: a kv head's q heads
             with torch.autocast(self.dev, enabled=False):  # the cache's dtype: bf16 is slower here on CPU
-                p = torch.baddbmm(bias, q.to(K.dtype), K.transpose(1, 2), alpha=self.scale).softmax(-1)  # (B*Hkv, g, L)
+                # (B*Hkv, g, L)
+                p = torch.baddbmm(bias, q.to(K.dtype), K.transpose(1, 2), alpha=self.scale).softmax(-1)
                 a = torch.bmm(p, V).view(B, Hq * D)
             x = x + w.o(a)
             x = x + w.mlp(_rms(x, w.n2, self.eps))
@@ -127,7 +131,8 @@ class _Linear:
     def __init__(self, mods, fuse, cast=None):
         self.parts = [(m.weight, m.bias) for m in mods]
         if fuse and len(mods) > 1:
-            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in mods]) \
+            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                              for m in mods]) \
                 if any(m.bias is not None for m in mods) else None
             self.parts = [(torch.cat([m.weight for m in mods]), bias)]
         if cast is not None:

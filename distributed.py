@@ -106,7 +106,8 @@ def all_sum(x: torch.Tensor, op=None) -> torch.Tensor:
 def all_sums(values: dict) -> dict[str, float]:
     """{name: a number, or a tensor (summed first)} -> {name: its sum over ranks}: one collective
     for all of them, in float64."""
-    t = torch.tensor([float(v.sum()) if torch.is_tensor(v) else float(v) for v in values.values()], dtype=torch.float64)
+    t = torch.tensor([float(v.sum()) if torch.is_tensor(v) else float(v) for v in values.values()],
+                     dtype=torch.float64)
     return dict(zip(values, all_sum(t).tolist()))
 
 
@@ -148,7 +149,7 @@ def wrap_model(model, device, fsdp=False, bf16=False, grad_ckpt=False, trainable
     grad_ckpt: activation checkpointing of every decoder layer (recompute in backward instead of
     storing each layer's activations), applied before sharding. A model that is not trained (the
     reference) is sharded like the policy under FSDP2 and left as it is otherwise (no DDP). A model
-    sharded already (rollout.load_policy(shard=...)) is returned as it is. mesh: FSDP2's device
+    sharded already (models.load_policy(shard=...)) is returned as it is. mesh: FSDP2's device
     mesh (default: all ranks); DDP's gradients are views into its reduction buckets, not a
     second copy of them."""
     if is_fsdp(model):
@@ -163,17 +164,19 @@ def wrap_model(model, device, fsdp=False, bf16=False, grad_ckpt=False, trainable
         return model
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+        kw = ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+              if bf16 else {})
         kw |= {"mesh": mesh} if mesh is not None else {}
         for layer in model.model.layers:
             fully_shard(layer, **kw)
         return fully_shard(model, **kw)
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+               gradient_as_bucket_view=True)
 
 
 def sharder(fsdp, device, bf16, grad_ckpt=False, trainable=True):
-    """wrap_model as a function for rollout.load_policy(shard=...), which then builds the model on
+    """wrap_model as a function for models.load_policy(shard=...), which then builds the model on
     the meta device and loads only this rank's shards; None (a plain load) without FSDP2."""
     if not (fsdp and dist.is_initialized()):
         return None
@@ -262,7 +265,8 @@ def full_state(model, opt=None):
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
     o = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=o), (get_optimizer_state_dict(model, opt, options=o) if opt is not None else None)
+    return get_model_state_dict(model, options=o), (get_optimizer_state_dict(model, opt, options=o)
+                                                    if opt is not None else None)
 
 
 def load_optimizer_state(model, opt, state):

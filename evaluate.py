@@ -17,40 +17,39 @@ interrupted run resumes where it stopped), summary.json, results.md, accuracy_vs
 
 A --model is an HF folder or hub id, a run folder (runs/erpo: its ckpt/), or any checkpoint of a
 run, including the sharded ones of an FSDP2 run (ckpt/dcp/: the run's initial model gives the
-architecture, the shards the weights; run_dir.find_model). Prompts plus --max-new-tokens must fit
+architecture, the shards the weights; checkpoints.find_model). Prompts plus --max-new-tokens must fit
 the model's positions (checked before it samples). Training-run plots and the Appendix D NLL
 study are analysis.py. Sampling is seeded per sample: the seed of (salt, benchmark, problem,
 temperature, sample index) is rollout.row_seed, so a resumed or re-run evaluation draws the same
 samples, and all models see the same seeds.
 
-Resuming: --out/config.json is the folder's resume key, the settings that change what a sample is
-(GENERATION_KEYS, --dtype included) and a fingerprint of each model's weight files (a few KB read,
-no model loaded). A command whose key differs from the one its folder's samples were made under
-(another --top-p, a checkpoint retrained at the same path) is refused with one line; a folder
-with no samples of that model takes the new key, so a command that failed before sampling never
-blocks the corrected one. Bad flag values are refused before --out is made. Ctrl-C or SIGTERM:
-one line, exit status 130 / 143; every finished chunk is on disk and the same command continues.
+Resuming (eval_folder.py): --out/config.json is the folder's resume key, the settings that change
+what a sample is (GENERATION_KEYS, --dtype included) and a fingerprint of each model's weight files
+(a few KB read, no model loaded). A command whose key differs from the one its folder's samples
+were made under (another --top-p, a checkpoint retrained at the same path) is refused with one
+line; a folder with no samples of that model takes the new key, so a command that failed before
+sampling never blocks the corrected one. Bad flag values are refused before --out is made. Ctrl-C
+or SIGTERM: one line, exit status 130 / 143; every finished chunk is on disk and the same command
+continues.
 """
 
 import argparse
 import glob
-import hashlib
 import json
 import math
 import os
-import struct
 import sys
 from collections import Counter, defaultdict
 
 from tqdm import tqdm
 
 import distributed
+import eval_folder
 import heldout
 import interrupts
 import plots
 import reward
 import run_dir
-from data.benchmarks import benchmark_label, expand_benchmarks, load_benchmark
 from data.prompts import PromptSet, encode_prompts
 from errors import DataError
 
@@ -59,23 +58,6 @@ DEFAULT_TEMPERATURES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1
 # Temperature buckets reported by Tables 2 and 6, plus the mean over the whole grid (Table 1).
 BUCKETS = {"all": (0.0, math.inf), "<=1.0": (0.0, 1.0), "1.2-1.5": (1.2, 1.5)}
 AVG = "Avg."
-SAMPLES_FILE = "samples.jsonl"
-# Settings that change what a sample is: a resumed run must use the same ones (and the same weights:
-# weights_fingerprint). dtype is the one the models sample in, "auto" resolved.
-GENERATION_KEYS = ["template", "max_new_tokens", "top_p", "seed", "sampler", "seed_scheme", "dtype"]
-# Keys a config.json of an older evaluate.py may lack (any value then matches); any other missing
-# key is a difference (a folder without "seed_scheme" was sampled with the SHA-256 seeds).
-NEWER_KEYS = {"dtype"}
-# How per-sample seeds are made; a folder sampled under another scheme (before: SHA-256 keys) must
-# not be resumed with new samples mixed in.
-SEED_SCHEME = "rollout.row_seed"
-# A model's weights are told apart, without loading them, by this many reads of this many bytes
-# spread evenly over the data of each weight file: retraining changes every weight, so every read
-# sees the change, and 4 KiB per file costs nothing even for a 7B checkpoint.
-FINGERPRINT_READS = 16
-FINGERPRINT_READ_BYTES = 256
-# The safetensors format's own limit on its JSON header: a longer "header" means a corrupt file.
-SAFETENSORS_MAX_HEADER = 100_000_000
 
 # ----------------------------------------------------------------------------- metrics (pure)
 
@@ -207,7 +189,8 @@ def summarize(records, ks=(1,), n=None, models=None, benchmarks=None, temperatur
         per_problem = []
         for samples in problems.values():
             rs = [samples[i] for i in sorted(samples)]
-            per_problem.append(problem_metrics([r["correct"] for r in rs], [r.get("extracted") for r in rs], ks))
+            per_problem.append(problem_metrics([r["correct"] for r in rs],
+                                               [r.get("extracted") for r in rs], ks))
         m = _mean_dicts(per_problem)
         results[model][bench]["by_temperature"][f"{t:g}"] = {
             f"avg@{n}": m["avg"], **{f"pass@{k}": m.get(f"pass@{k}") for k in ks},
@@ -316,8 +299,8 @@ def evaluate_model(model, tokenizer, model_key, benches, temperatures, n, out_fi
                     model, tokenizer, chunk, t, todo, benchmark=bench, template=template,
                     max_new_tokens=max_new_tokens, top_p=top_p, batch_size=batch_size, seed=seed,
                     sampler=sampler)
-                correct, extracted = heldout.grade([x["completion"] for x in samples],
-                                                   [rows[x["id"]]["answer"] for x in samples], timeout)
+                correct, extracted = heldout.grade([x["completion"] for x in samples],   # by each row's task
+                                                   [rows[x["id"]] for x in samples], timeout)
                 for x, c, e in zip(samples, correct, extracted):
                     rec = {"model": model_key, "benchmark": bench, "id": x["id"], "temperature": t,
                            "sample": x["sample"], "completion": x["completion"], "extracted": e,
@@ -334,7 +317,7 @@ def merge_shards(out_dir):
     """Append the per-rank files of a torchrun sweep (samples.rank<r>.jsonl) to samples.jsonl,
     skipping records already there, then delete them. Idempotent: a kill halfway leaves nothing
     that a rerun would count twice (records are keyed; read_jsonl skips a half-written line)."""
-    path = os.path.join(out_dir, SAMPLES_FILE)
+    path = os.path.join(out_dir, eval_folder.SAMPLES_FILE)
     shards = sorted(glob.glob(os.path.join(out_dir, "samples.rank*.jsonl")))
     if not shards:
         return
@@ -357,7 +340,7 @@ def run_sweep(args, benches, d: distributed.Dist):
     Under torchrun each rank takes every world-th problem of each benchmark and appends to its
     own samples.rank<r>.jsonl; rank 0 merges them into samples.jsonl. Per-sample seeds make the
     records the same as one process's."""
-    path = os.path.join(args.out, SAMPLES_FILE)
+    path = os.path.join(args.out, eval_folder.SAMPLES_FILE)
     if d.main:
         merge_shards(args.out)            # left by a killed multi-process run
         run_dir.drop_partial_line(path)
@@ -374,7 +357,8 @@ def run_sweep(args, benches, d: distributed.Dist):
                 distributed.print0(f"{key}: all samples already in {path}")
                 continue
             print(f"{key}: {todo} samples to generate" + (f" on rank {d.rank}" if d.world > 1 else ""))
-            model, tokenizer = load_model(model_path, d.device, sampling_dtype(args.dtype, d.device))
+            model, tokenizer = load_model(model_path, d.device,
+                                          eval_folder.sampling_dtype(args.dtype, d.device))
             check_fits(model, tokenizer, benches, args)
             evaluate_model(model.eval(), tokenizer, key, share, args.temperatures, args.n, f, done,
                            template=args.template, max_new_tokens=args.max_new_tokens,
@@ -406,168 +390,24 @@ def check_fits(model, tokenizer, benches, args):
 
 def write_results(args, benches):
     merge_shards(args.out)
-    path = os.path.join(args.out, SAMPLES_FILE)
+    path = os.path.join(args.out, eval_folder.SAMPLES_FILE)
     summary = summarize(run_dir.read_jsonl(path), ks=args.k, n=args.n, models=heldout.model_keys(args),
                         benchmarks=list(benches), temperatures=args.temperatures)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(write_table(summary, os.path.join(args.out, "results.md")))
     plots.accuracy_vs_temperature(summary, os.path.join(args.out, "accuracy_vs_temperature.png"), avg_key=AVG)
-    print(f"wrote {args.out}/: {SAMPLES_FILE}, summary.json, results.md, accuracy_vs_temperature.png")
+    print(f"wrote {args.out}/: {eval_folder.SAMPLES_FILE}, summary.json, results.md, "
+          "accuracy_vs_temperature.png")
     return summary
-
-
-# ----------------------------------------------------------------------------- the resume key
-
-
-def sampling_dtype(dtype, device) -> str:
-    """The dtype the models sample in: --dtype, or for "auto" rollout.load_policy's choice
-    (bfloat16 on CUDA, float32 otherwise). It is passed to the loader resolved, so the resume key
-    names the dtype the samples were really made in."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
-
-
-def sample_settings(args, device) -> dict:
-    """The GENERATION_KEYS of this command: what every sample of one folder is made under."""
-    derived = {"seed_scheme": SEED_SCHEME, "dtype": sampling_dtype(args.dtype, device)}
-    return {k: derived[k] if k in derived else getattr(args, k) for k in GENERATION_KEYS}
-
-
-def weight_files(src: run_dir.ModelSource) -> list[str]:
-    """The files a --model's weights are read from: an FSDP2 checkpoint's dcp/ folder (its
-    .metadata and shards), or an HF folder's *.safetensors / pytorch_model*.bin; none for a hub id."""
-    if src.dcp:
-        names = [os.path.join(src.dcp, name) for name in os.listdir(src.dcp)]
-        return sorted(p for p in names if os.path.isfile(p))
-    if not os.path.isdir(src.model):
-        return []
-    patterns = ("*.safetensors", "pytorch_model*.bin")
-    return sorted(p for pattern in patterns for p in glob.glob(os.path.join(src.model, pattern)))
-
-
-def _safetensors_header_size(f, size) -> int:
-    """Bytes before the tensor data of a safetensors file: its 8-byte little-endian length, then
-    the JSON header of that length. 0 for a file too short or too corrupt to hold one."""
-    if size < 8:
-        return 0
-    (length,) = struct.unpack("<Q", f.read(8))
-    return 8 + length if length <= min(size - 8, SAFETENSORS_MAX_HEADER) else 0
-
-
-def file_fingerprint(path) -> bytes:
-    """One weight file's name, size, safetensors header (names, shapes, dtypes, offsets) and
-    FINGERPRINT_READS reads spread evenly over its data, first and last bytes included."""
-    size = os.path.getsize(path)
-    h = hashlib.sha256(f"{os.path.basename(path)}:{size}".encode())
-    with open(path, "rb") as f:
-        start = _safetensors_header_size(f, size) if path.endswith(".safetensors") else 0
-        f.seek(0)
-        h.update(f.read(start))
-        last = max(size - start - FINGERPRINT_READ_BYTES, 0)       # the offset of the last read
-        for i in range(FINGERPRINT_READS):
-            f.seek(start + last * i // (FINGERPRINT_READS - 1))
-            h.update(f.read(FINGERPRINT_READ_BYTES))
-    return h.digest()
-
-
-def weights_fingerprint(src: run_dir.ModelSource) -> str:
-    """A fingerprint of the weights a --model stands for, from a few KB of its files (no model is
-    loaded): a checkpoint retrained or replaced at the same path gets another one. A hub id is its
-    own fingerprint (the hub's copy is not read)."""
-    files = weight_files(src)
-    if not files:
-        return f"hub:{src.model}"
-    h = hashlib.sha256()
-    for path in files:
-        h.update(file_fingerprint(path))
-    return h.hexdigest()[:16]
-
-
-def sample_files(out_dir) -> list[str]:
-    """samples.jsonl, then the per-rank files of a torchrun sweep not merged yet (killed)."""
-    shards = sorted(glob.glob(os.path.join(out_dir, "samples.rank*.jsonl")))
-    return [os.path.join(out_dir, SAMPLES_FILE), *shards]
-
-
-def recorded_models(out_dir) -> set:
-    """The model keys that have samples in out_dir."""
-    return {r["model"] for path in sample_files(out_dir) for r in run_dir.read_jsonl(path)}
-
-
-def read_config(out_dir) -> dict | None:
-    """The resume key an output folder was sampled under: {} when it has none yet, None when its
-    config.json cannot be read (evaluate.py writes it whole: someone edited it)."""
-    path = os.path.join(out_dir, "config.json")
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except ValueError:
-        return None
-    return config if isinstance(config, dict) else None
-
-
-def _setting_name(key):
-    """How a user sets a GENERATION_KEYS entry (the seed scheme is the code's, not a flag)."""
-    return "the seed scheme" if key == "seed_scheme" else "--" + key.replace("_", "-")
-
-
-def check_config(out_dir, settings, fingerprints, ignore=()):
-    """The resume key: ValueError (one line, naming what differs) when out_dir already holds
-    samples made under other settings, or samples of one of `fingerprints`' model keys from other
-    weights. Only samples on disk make a folder refuse: a command that stopped before writing one
-    (a crash while loading, a prompt too long) leaves nothing a corrected command has to match.
-    Read only, so every rank of a torchrun sweep checks and all stop together. A config.json of an
-    older evaluate.py (no dtype, no fingerprints: NEWER_KEYS) accepts any value of what it does not
-    hold; `ignore`: settings not compared (main: --dtype auto where nothing is left to sample)."""
-    before = read_config(out_dir)
-    recorded = recorded_models(out_dir) if before != {} else set()
-    if not recorded:
-        return
-    if before is None:
-        raise ValueError(f"{out_dir}/config.json, the settings its samples were made under, cannot be read; "
-                         "use another --out")
-    compared = [k for k in GENERATION_KEYS if k not in ignore and (k in before or k not in NEWER_KEYS)]
-    changed = [k for k in compared if before.get(k) != settings[k]]
-    if changed:
-        diffs = ", ".join(f"{_setting_name(k)} {before.get(k)} (now {settings[k]})" for k in changed)
-        raise ValueError(f"{out_dir} holds samples made with other settings: {diffs}; use another --out")
-    known = before.get("models", {})
-    stale = [key for key, fp in fingerprints.items() if key in recorded and known.get(key, fp) != fp]
-    if stale:
-        raise ValueError(f"{out_dir} holds samples of {stale[0]} made from other weights (its weight files "
-                         "changed since: retrained?); use another --out, or another --labels name")
-
-
-def write_config(out_dir, settings, fingerprints):
-    """config.json = this command's settings and fingerprints (kept: those of models it does not
-    evaluate). Written whole or not at all (a kill mid-write must not leave it unreadable)."""
-    path = os.path.join(out_dir, "config.json")
-    known = (read_config(out_dir) or {}).get("models", {})
-    config = {**settings, "models": {**known, **fingerprints}}
-    with open(path + ".tmp", "w") as f:
-        json.dump(config, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def all_sampled(args, benches) -> bool:
     """Is every sample this command asks for on disk already (samples.jsonl or rank files)?"""
-    done = {record_key(r) for path in sample_files(args.out) for r in run_dir.read_jsonl(path)}
+    done = {record_key(r) for path in eval_folder.sample_files(args.out) for r in run_dir.read_jsonl(path)}
     return not any(missing_samples(rows, done, key, bench, t, args.n)
                    for key in heldout.model_keys(args) for bench, rows in benches.items()
                    for t in args.temperatures)
-
-
-def kept_samples(out_dir) -> str:
-    """What an interrupted sweep leaves behind, and how to go on (all of it is on disk: every
-    finished chunk was flushed)."""
-    paths = [p for p in sample_files(out_dir) if os.path.isfile(p)] or [os.path.join(out_dir, SAMPLES_FILE)]
-    count = sum(len(run_dir.read_jsonl(p)) for p in paths)
-    where = paths[0] if len(paths) == 1 else os.path.join(out_dir, "samples*.jsonl")
-    return f"{count} samples are in {where}; rerun the same command to continue"
 
 
 # ----------------------------------------------------------------------------- command line
@@ -584,13 +424,15 @@ def build_parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     heldout.add_sampling_args(p, benchmarks=["tiny"], out="results/eval",
                               out_help="output folder (resumes if it exists)",
-                              model_help="HF model folder(s) or hub ids, run folders, or checkpoints of a run (an "
-                                         "FSDP2 run's sharded ckpt/ too)")
+                              model_help="HF model folder(s) or hub ids, run folders, or checkpoints of a "
+                                         "run (an FSDP2 run's sharded ckpt/ too)")
     add = p.add_argument
     add("--temperatures", nargs="+", type=float, default=DEFAULT_TEMPERATURES)
     add("--n", "--num-samples", dest="n", type=int, default=32,
-        help="samples per problem and temperature (under torchrun write --num-samples: torchrun takes --n as its own)")
-    add("--k", nargs="+", type=int, default=None, help="pass@k values (default: 1, powers of 2 up to n, and n)")
+        help="samples per problem and temperature (under torchrun write --num-samples: torchrun takes --n "
+             "as its own)")
+    add("--k", nargs="+", type=int, default=None,
+        help="pass@k values (default: 1, powers of 2 up to n, and n)")
     add("--nccl-timeout", type=float, default=120.0,
         help="under torchrun: minutes a rank waits at a collective before the job is aborted (NCCL's own 10 "
              "would fire while ranks wait for one that loads a model or grades)")
@@ -623,23 +465,16 @@ def parse_args(argv=None):
     return args
 
 
-def load_benchmarks(names, limit, data_dir) -> dict:
-    """{label: normalized rows} for each benchmark (groups like "tiny" expanded)."""
-    benches = {}
-    for name in expand_benchmarks(names):
-        try:
-            rows = load_benchmark(name, limit=limit, data_dir=data_dir)
-        except ValueError as e:
-            fail(str(e))
-        label = benchmark_label(name)
-        if label in benches:
-            fail(f"two benchmarks are both called {label!r}; rename one of the files")
-        benches[label] = rows
-    return benches
+def load_benchmarks(names, limit, data_dir, task="math") -> dict:
+    """{label: normalized rows} of --benchmarks (heldout.load_sets); a bad one: one line."""
+    try:
+        return heldout.load_sets(names, limit, data_dir, task)
+    except ValueError as e:
+        fail(str(e))
 
 
 def check_models(args) -> list:
-    """Each --model's run_dir.ModelSource, once every one is known to be a model (or a checkpoint
+    """Each --model's checkpoints.ModelSource, once every one is known to be a model (or a checkpoint
     of one) whose tokenizer loads: a bad one is one line before anything is written."""
     try:
         return [heldout.model_source(m) for m in args.model]
@@ -652,21 +487,23 @@ def main(argv=None):
     ranks, one merged samples.jsonl and summary). Ctrl-C or SIGTERM: one line, status 130 / 143,
     and the same command continues."""
     args = parse_args(argv)
-    with interrupts.exit_when_interrupted(lambda: kept_samples(args.out), "evaluate.py"):
-        benches = load_benchmarks(args.benchmarks, args.limit, args.data_dir)
+    with interrupts.exit_when_interrupted(lambda: eval_folder.kept_samples(args.out), "evaluate.py"):
+        benches = load_benchmarks(args.benchmarks, args.limit, args.data_dir, args.task)
         sources = check_models(args)
         d = distributed.setup(args.device, timeout_min=args.nccl_timeout)
-        settings = sample_settings(args, d.device)
-        fingerprints = {key: weights_fingerprint(src) for key, src in zip(heldout.model_keys(args), sources)}
+        settings = eval_folder.sample_settings(args, d.device)
+        fingerprints = {key: eval_folder.weights_fingerprint(src)
+                        for key, src in zip(heldout.model_keys(args), sources)}
         finished = all_sampled(args, benches)                       # then only the tables are rewritten:
         auto = {"dtype"} if finished and args.dtype == "auto" else set()    # on any machine, whatever
         try:                                                        # its device's dtype
-            check_config(args.out, settings, fingerprints, ignore=auto)  # every rank: all stop together
+            # every rank: all stop together
+            eval_folder.check_config(args.out, settings, fingerprints, ignore=auto)
         except ValueError as e:
             fail(e)
         if d.main and not finished:
             os.makedirs(args.out, exist_ok=True)
-            write_config(args.out, settings, fingerprints)
+            eval_folder.write_config(args.out, settings, fingerprints)
         distributed.barrier()
         summary = run_sweep(args, benches, d)
         distributed.teardown()

@@ -20,29 +20,42 @@ from safetensors import SafetensorError
 
 import distributed
 import errors
+import models
 import reward
 import rollout
-import run_dir
+import checkpoints
+import tasks
+from data.benchmarks import benchmark_label, expand_benchmarks, load_benchmark
 from data.prompts import TEMPLATES, PromptSet, check_positions, encode_prompts
 
 
-def add_sampling_args(p, *, benchmarks, out, out_help="output folder", model_help="HF model folder(s) (or hub ids)"):
-    """The flags evaluate.py and `analysis.py nll` share (models, problems, how to sample), defined once."""
+def add_sampling_args(p, *, benchmarks, out, out_help="output folder",
+                      model_help="HF model folder(s) (or hub ids)"):
+    """The flags evaluate.py and `analysis.py nll` share (models, problems, how to sample), defined
+    once."""
     add = p.add_argument
     add("--model", nargs="+", required=True, help=model_help)
     add("--labels", nargs="+", help="names for the models in tables (default: paths)")
-    add("--benchmarks", nargs="+", default=benchmarks, help="names (tiny, tiny-test, paper, aime24, math500, ...) or .jsonl paths")
-    add("--data-dir", default=None, help="local copies of the hub benchmarks (aime2024.jsonl, math500.jsonl, ...); default $ERPO_DATA_DIR")
+    add("--benchmarks", nargs="+", default=benchmarks,
+        help="names (tiny, tiny-test, paper, aime24, math500, ...) or .jsonl paths")
+    add("--data-dir", default=None,
+        help="local copies of the hub benchmarks (aime2024.jsonl, math500.jsonl, ...); "
+             "default $ERPO_DATA_DIR")
     add("--limit", type=int, default=None, help="first N problems of each benchmark")
     add("--top-p", type=float, default=1.0)
-    add("--max-new-tokens", type=int, default=None, help="default 3072 for --template paper, 256 for plain (the tiny world)")
-    add("--template", choices=sorted(TEMPLATES), default="plain", help="prompt template; must match the one the model was trained with")
+    add("--max-new-tokens", type=int, default=None,
+        help="default 3072 for --template paper, 256 for plain (the tiny world)")
+    add("--template", choices=sorted(TEMPLATES), default="plain",
+        help="prompt template; must match the one the model was trained with")
     add("--batch-size", type=int, default=64, help="sequences decoded at once")
     add("--sampler", choices=["kv", "hf"], default="kv")
     add("--seed", type=int, default=0, help="salt of the per-sample seeds")
     add("--device", default="auto")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add("--grade-timeout", type=float, default=1.0, help="seconds per graded answer")
+    add("--task", choices=tasks.TASKS, default="math",
+        help="how completions of sets no task owns are scored (a task's own sets, e.g. countdown-test, "
+             "are scored by it)")
     add("--out", default=out, help=out_help)
     add("--no-progress", action="store_true")
 
@@ -116,19 +129,19 @@ def first_line(error) -> str:
     return (str(error).splitlines() or [type(error).__name__])[0]
 
 
-def model_source(path) -> run_dir.ModelSource:
-    """What a --model stands for (run_dir.find_model), the tokenizer of a local one loaded once to
+def model_source(path) -> checkpoints.ModelSource:
+    """What a --model stands for (checkpoints.find_model), the tokenizer of a local one loaded once to
     be sure it can be: before anything is written, or minutes of loading a model that then fails.
     ValueError with one line otherwise (a folder holding no model, a model folder without its
     tokenizer). A hub id is left to the loader: a finished sweep rewrites its tables offline."""
     try:
-        src = run_dir.find_model(path)
+        src = checkpoints.find_model(path)
     except SystemExit as e:                                   # find_model's one line, as this script's
         raise ValueError(str(e.code).removeprefix("error: ")) from None
     if not os.path.isdir(src.model):
         return src
     try:
-        rollout.load_tokenizer(src.model)
+        models.load_tokenizer(src.model)
     except (OSError, ValueError) as e:
         why = first_line(e)
         raise ValueError(why if src.model in why else f"--model {path}: {why}") from None   # (named once)
@@ -137,19 +150,19 @@ def model_source(path) -> run_dir.ModelSource:
 
 def load_model(path, device="cpu", dtype=None):
     """(model, tokenizer) of a --model: an HF folder or hub id, a run folder, or any checkpoint
-    (run_dir.find_model); the sharded checkpoint of an FSDP2 run is the run's initial model
+    (checkpoints.find_model); the sharded checkpoint of an FSDP2 run is the run's initial model
     (architecture, tokenizer, generation config: what train.py resumes such a checkpoint on) with
-    the checkpoint's weights, in `dtype` (rollout.load_policy's). (The initial weights are read
+    the checkpoint's weights, in `dtype` (models.load_policy's). (The initial weights are read
     once and overwritten: a few seconds of disk at 7B, against hours of sampling.) Files that
     looked like a model but do not load (a truncated safetensors, a broken config.json, a hub id
     offline): ValueError with one line naming the --model."""
-    src = run_dir.find_model(path)
+    src = checkpoints.find_model(path)
     try:
-        model, tokenizer = rollout.load_policy(src.model, device=device, dtype=dtype)
+        model, tokenizer = models.load_policy(src.model, device=device, dtype=dtype)
     except (OSError, ValueError, SafetensorError) as e:
         raise ValueError(f"cannot load model {path!r}: {first_line(e)}") from None
     if src.dcp:
-        run_dir.load_sharded_weights(model, src.dcp)
+        checkpoints.load_sharded_weights(model, src.dcp)
     return model, tokenizer
 
 
@@ -158,7 +171,8 @@ def default_max_new_tokens(template) -> int:
     return 3072 if template == "paper" else 256
 
 
-def check_fits(model, evalsets: dict[str, PromptSet], max_new_tokens, flag="--max-new-tokens", what="held-out set"):
+def check_fits(model, evalsets: dict[str, PromptSet], max_new_tokens, flag="--max-new-tokens",
+               what="held-out set"):
     """Every prompt of every set plus max_new_tokens within the model's positions
     (config.max_position_embeddings), or DataError naming the set, the count, the longest prompt and
     what to lower. Call it before any sampling, on every rank (the same sets: all ranks stop)."""
@@ -168,9 +182,10 @@ def check_fits(model, evalsets: dict[str, PromptSet], max_new_tokens, flag="--ma
 
 
 @torch.no_grad()
-def heldout_accuracy(model, tokenizer, evalsets: dict[str, PromptSet], spec: rollout.SampleSpec, temperature,
-                     seed) -> dict:
-    """-> {"eval_acc": acc on the first set, "eval_acc/<name>": ..., "eval_acc/<name>/L<level>": ...}.
+def heldout_accuracy(model, tokenizer, evalsets: dict[str, PromptSet], spec: rollout.SampleSpec,
+                     temperature, seed) -> dict:
+    """-> {"eval_acc": acc on the first set, "eval_acc/<name>": ...,
+           "eval_acc/<name>/L<level>": ...}.
     Every rank must call it (an FSDP2 policy is gathered once for decoding, a collective).
     A prompt that does not fit the model's positions with spec.max_new_tokens: one-line exit."""
     with errors.one_line():
@@ -183,8 +198,8 @@ def heldout_accuracy(model, tokenizer, evalsets: dict[str, PromptSet], spec: rol
             if mine:
                 ro = rollout.sample_with(decoder, [ps.ids[i] for i in mine], spec, temperature=temperature,
                                          seeds=[rollout.row_seed(seed, 99, si, i) for i in mine])
-                scores, _ = reward.score_batch(rollout.decode_responses(tokenizer, ro),
-                                               [ps.rows[i]["answer"] for i in mine])
+                _, scores, _ = tasks.score_rows(rollout.decode_responses(tokenizer, ro),
+                                                [ps.rows[i] for i in mine])
                 local = [(ps.rows[i].get("level"), s) for i, s in zip(mine, scores)][:n_mine]
             res = distributed.all_gather_list(local)
             out[f"eval_acc/{name}"] = sum(s for _, s in res) / len(res)
@@ -213,9 +228,11 @@ def generate_samples(model, tokenizer, problems, temperature, sample_indices, *,
         for i in sample_indices[p["id"]]:
             rows.append((p["id"], i))
             prompts.append(ids)
-            seeds.append(rollout.row_seed(seed, benchmark, str(p["id"]), f"{round(float(temperature), 6):g}", i))
+            seeds.append(rollout.row_seed(seed, benchmark, str(p["id"]),
+                                          f"{round(float(temperature), 6):g}", i))
     ro = rollout.sample(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=pad,
-                        temperature=temperature, top_p=top_p, seeds=seeds, sampler=sampler, batch_size=batch_size)
+                        temperature=temperature, top_p=top_p, seeds=seeds, sampler=sampler,
+                        batch_size=batch_size)
     out = []
     for (pid, i), r_ids, r_mask, fin in zip(rows, ro.response_ids.tolist(), ro.response_mask.tolist(),
                                             ro.finished.tolist()):
@@ -225,7 +242,23 @@ def generate_samples(model, tokenizer, problems, temperature, sample_indices, *,
     return out, ro
 
 
-def grade(completions, answers, timeout=reward.DEFAULT_TIMEOUT):
-    """-> (correct: list[bool], extracted answers: list[str|None]), accuracy only."""
-    scores, _ = reward.score_batch(completions, answers, format_reward=False, timeout=timeout)
-    return [s > 0.5 for s in scores], [reward.extract_boxed(c) for c in completions]
+def load_sets(names, limit=None, data_dir=None, task="math") -> dict:
+    """{label: normalized rows} of evaluate.py's and analysis.py's --benchmarks (groups like "tiny"
+    expanded), each row read by its task: a task's own set by that task, any other by --task
+    (tasks.load_rows). A bad name or file: DataError; two sets of one label: ValueError."""
+    sets = {}
+    for name in expand_benchmarks(names):
+        source = tasks.source_of(name)
+        rows = tasks.load_rows(load_benchmark(source, limit=limit, data_dir=data_dir), source, name, task)
+        label = benchmark_label(name)
+        if label in sets:
+            raise ValueError(f"two benchmarks are both called {label!r}; rename one of the files")
+        sets[label] = rows
+    return sets
+
+
+def grade(completions, rows, timeout=reward.DEFAULT_TIMEOUT):
+    """-> (correct: list[bool], extracted answers: list[str|None]), accuracy only, each completion
+    by its row's task (tasks.score_rows)."""
+    _, correct, _ = tasks.score_rows(completions, rows, timeout)
+    return correct, [reward.extract_boxed(c) for c in completions]

@@ -86,8 +86,8 @@ def query_kl(logp, ref_logp, mask, kind="k3", clamp=K3_CLAMP):
     mask:     (B, T) 1 on prompt tokens after the first one (the first token has no prediction).
     kind: the per-token estimator, k3 in the paper (delta = ref - logp; exp(delta) - delta - 1,
     clamped as in the released code); k1/k2 as in policy_kl.
-    Returns (B,): the per-token estimate averaged over the prompt tokens of each sequence. Average over sequences with
-    aggregate(..., mode="seq-mean") -> the released code's seq-mean-token-mean.
+    Returns (B,): the per-token estimate averaged over the prompt tokens of each sequence. Average
+    over sequences with aggregate(..., mode="seq-mean") -> the released code's seq-mean-token-mean.
 
     Proposition 1 (structural decoupling): the gradient flows only through the prompt
     log-likelihoods l_theta(q); the response score function grad log pi(o|q) never appears, and a
@@ -192,7 +192,8 @@ def query_weights(nll, mean_nll=None, clip=None):
     """
     nll = nll.detach().float()
     if (nll < 0).any():
-        raise ValueError("query_weights expects NLLs (>= 0); got a negative value - did you pass a log-likelihood?")
+        raise ValueError("query_weights expects NLLs (>= 0); got a negative value - "
+                         "did you pass a log-likelihood?")
     mean = nll.mean() if mean_nll is None else torch.as_tensor(mean_nll, dtype=nll.dtype, device=nll.device)
     w = mean / nll.clamp_min(1e-8)
     if clip is not None:
@@ -351,7 +352,8 @@ class Algo:
     adv_eps: float = _knob(1e-6, "epsilon of GRPO's (R - mean) / (std + eps)")
     kl: str | None = _knob("k3", "Policy-KL estimator (none = no Policy-KL term)", KL_KINDS)
     beta: float = _knob(0.01, "Policy-KL coefficient")
-    kl_in: str = _knob("loss", "where the Policy-KL goes: the loss (GRPO) or the reward (RLOO)", KL_PLACEMENTS)
+    kl_in: str = _knob("loss", "where the Policy-KL goes: the loss (GRPO) or the reward (RLOO)",
+                       KL_PLACEMENTS)
     kl_clamp: float = _knob(K3_CLAMP, "per-token clamp [-c, c] of k3 estimators (Policy- and Query-KL)")
     alpha: float = _knob(0.0, "Query-KL coefficient (0 = no Query-KL term)")
     qkl_estimator: str = _knob("k3", "per-token estimator of the Query-KL", KL_KINDS)
@@ -485,9 +487,11 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights,
     micro-batches they give the batch values (given global num_tokens / num_seqs).
     """
     if (weights is None) != (algo.weights == "none"):
-        raise ValueError(f"algo.weights={algo.weights!r} but weights is {'None' if weights is None else 'given'}")
+        raise ValueError(f"algo.weights={algo.weights!r} but weights is "
+                         f"{'None' if weights is None else 'given'}")
     denom = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
-    adv = advantages if weights is None else advantages * (weights if advantages.dim() == 1 else weights[:, None])
+    adv = (advantages if weights is None
+           else advantages * (weights if advantages.dim() == 1 else weights[:, None]))
 
     sur = SURROGATES[algo.surrogate](logp, old_logp, adv, resp_mask, algo)          # PPO-clip, GSPO, ...
     pg = aggregate(sur.loss, resp_mask, algo.agg, **denom)                         # PG(A * w)
@@ -498,7 +502,8 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights,
              "clip_frac_high": frac(masks["high"]), "dual_clip_frac": frac(masks["dual"])}
 
     if ref_logp is not None:
-        kl = aggregate(policy_kl(logp, ref_logp, algo.kl or "k3", clamp=algo.kl_clamp), resp_mask, algo.agg, **denom)
+        kl = aggregate(policy_kl(logp, ref_logp, algo.kl or "k3", clamp=algo.kl_clamp), resp_mask, algo.agg,
+                       **denom)
         if algo.has_policy_kl_loss:
             loss = loss + algo.beta * kl                                           # + beta * PolicyKL
         stats["policy_kl"] = kl.detach()
@@ -506,13 +511,14 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights,
         raise ValueError("this algorithm has a Policy-KL loss term: ref_logp is required")
 
     if prompt_logp is not None and prompt_ref_logp is not None:
-        qkl = aggregate(query_kl(prompt_logp, prompt_ref_logp, prompt_mask, algo.qkl_estimator, algo.kl_clamp),
-                        None, "seq-mean", num_seqs=num_seqs)
+        qkl = aggregate(query_kl(prompt_logp, prompt_ref_logp, prompt_mask, algo.qkl_estimator,
+                                 algo.kl_clamp), None, "seq-mean", num_seqs=num_seqs)
         if algo.alpha > 0:
             loss = loss + algo.alpha * qkl                                         # + alpha * QueryKL
         stats["query_kl"] = qkl.detach()
     elif algo.alpha > 0:
-        raise ValueError("this algorithm has a Query-KL term: prompt_logp, prompt_ref_logp, prompt_mask are required")
+        raise ValueError("this algorithm has a Query-KL term: "
+                         "prompt_logp, prompt_ref_logp, prompt_mask are required")
 
     stats["loss"] = loss.detach()
     return loss, stats

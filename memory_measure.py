@@ -1,7 +1,7 @@
 """An RL step's memory measured from the code that runs it: the peak of live tensor bytes per phase.
 
-    python train.py --config configs/paper_qwen7b.json --dry-run     # 7B widths, 8 fake GPUs, ~30 s
-    python bench/memory_check.py                                      # 12 small CPU configurations, real tensors
+    python train.py --config configs/paper_qwen7b.json --dry-run   # 7B widths, 8 fake GPUs, ~30 s
+    python bench/memory_check.py   # 12 small CPU configurations, real tensors
 
 memory_plan.py says what an RL step should hold, as formulas; this module measures what the code
 holds. train.measure_memory runs the real phases of a step (the FSDP2 decoding copy with the
@@ -13,7 +13,7 @@ everything alive at once, not a sum of named tensors. Two ways to run it:
 - fake tensors (FakeTensorMode: shapes and dtypes, no data, no arithmetic) with a fake process
   group of N ranks: the paper's widths on a laptop, in seconds. Fake tensors have no values, so
   every host-side decision of the step is planned first from the (small, real) masks
-  (train.plan_step), and the two reads of values after backward -- the step's scalars
+  (step_plan.plan_step), and the two reads of values after backward -- the step's scalars
   (distributed.read_scalars) and their cross-rank sums (distributed.all_sums) -- are stubbed
   (stub_scalar_reads; tests/test_memory.py lists them). Fake tensors stand for a GPU's: the
   KV cache takes the compute dtype and LeanStep fuses no weights (what CPU tensors would do).
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
+import batching
 import distributed
 import memory_plan
 import optimizer
@@ -149,7 +150,8 @@ def stub_scalar_reads():
     sums as the values given. Only these two reads are replaced."""
     saved = distributed.read_scalars, distributed.all_sums
     distributed.read_scalars = lambda values, finite=(): {k: 0.0 for k in values}
-    distributed.all_sums = lambda values: {k: 0.0 if torch.is_tensor(v) else float(v) for k, v in values.items()}
+    distributed.all_sums = lambda values: {k: 0.0 if torch.is_tensor(v) else float(v)
+                                           for k, v in values.items()}
     try:
         yield
     finally:
@@ -192,15 +194,17 @@ def step_models(a, needs_ref: bool, device, bf16: bool, fake: bool, mesh=None) -
     `mesh`, --grad-ckpt), the reference in bf16 under bf16 compute, and AdamW (foreach: torch's
     choice on CUDA) holding its state already, as after a run's first step."""
     cfg = model_config(a.model)
-    attn = "sdpa_float32" if bf16 and not fake else "sdpa"            # as train.load_model on a CPU
-    policy = distributed.wrap_model(random_model(cfg, attn=attn), device, a.fsdp, bf16, a.grad_ckpt, mesh=mesh)
+    attn = "sdpa_float32" if bf16 and not fake else "sdpa"            # as models.load_for_training on a CPU
+    policy = distributed.wrap_model(random_model(cfg, attn=attn), device, a.fsdp, bf16, a.grad_ckpt,
+                                    mesh=mesh)
     ref = None
     if needs_ref:
         ref = random_model(cfg, torch.bfloat16 if bf16 else torch.float32, attn).eval().requires_grad_(False)
         ref = distributed.wrap_model(ref, device, a.fsdp, bf16, trainable=False, mesh=mesh)
     opt = optimizer.adamw(policy, a.lr, a.weight_decay, foreach=True)
     allocate_adam_state(policy, opt)
-    spec = rollout.SampleSpec(a.max_new_tokens, [0], 0, a.sampler, a.gen_batch, torch.bfloat16 if bf16 else None, a.kv_budget)
+    spec = rollout.SampleSpec(a.max_new_tokens, [0], 0, a.sampler, a.gen_batch,
+                              torch.bfloat16 if bf16 else None, a.kv_budget)
     return StepModels(policy, ref, opt, spec)
 
 
@@ -227,8 +231,30 @@ def worst_case_rollout(a, rows: int, vocab: int, seed=0) -> rollout.Rollout:
     g = torch.Generator().manual_seed(seed)
     G, P, R = a.group_size, a.max_prompt_len, a.max_new_tokens
     prompts = torch.randint(2, vocab, (rows // G, P), generator=g).repeat_interleave(G, 0)
-    return rollout.Rollout(prompts, torch.ones(rows, P, dtype=torch.long), torch.randint(2, vocab, (rows, R), generator=g),
-                           torch.ones(rows, R, dtype=torch.long), torch.zeros(rows, R), torch.zeros(rows, dtype=torch.bool))
+    return rollout.Rollout(prompts, torch.ones(rows, P, dtype=torch.long),
+                           torch.randint(2, vocab, (rows, R), generator=g),
+                           torch.ones(rows, R, dtype=torch.long), torch.zeros(rows, R),
+                           torch.zeros(rows, dtype=torch.bool))
+
+
+@dataclass
+class WorstCase:
+    """The tensors of a worst-case step on this rank (real, on the CPU: the host-side plan reads them)."""
+    ro: rollout.Rollout
+    packed: object                     # logprobs.Packed of ro
+    update_rows: list                  # the first optimizer step's rows (one is measured)
+    resp_mask: torch.Tensor            # (B, R)
+    prompt_mask: torch.Tensor          # (B, P-1)
+    qref: torch.Tensor                 # (B, P-1) a Query-KL reference's prompt log-probs
+
+
+def worst_case_step(a, world: int, vocab: int) -> WorstCase:
+    """This rank's share of a worst-case RL step (worst_case_rollout) and its masks."""
+    ro = worst_case_rollout(a, a.rollout_batch // world * a.group_size, vocab)
+    packed, B = ro.packed(), ro.response_ids.shape[0]
+    update_rows = batching.microbatches(B, a.update_batch // world * a.group_size)[:1]
+    return WorstCase(ro, packed, update_rows, ro.response_mask.float(), packed.prompt_tok_mask.float(),
+                     torch.zeros(B, packed.P - 1))
 
 
 def decode_once(policy, spec: rollout.SampleSpec, prompts: list[list[int]], max_new_tokens: int):
@@ -236,7 +262,8 @@ def decode_once(policy, spec: rollout.SampleSpec, prompts: list[list[int]], max_
     the first sampler call's rows into a cache of prompt + max_new_tokens positions, and one decode
     step. (The rest of the loop writes into that cache: no new memory, but it needs real values.)"""
     rows = spec.rows_per_call(max(map(len, prompts))) or len(prompts)
-    with torch.no_grad(), distributed.gathered(policy, spec.weights_dtype) as decoder:  # (rollout.sample is no-grad)
+    # (rollout.sample is no-grad)
+    with torch.no_grad(), distributed.gathered(policy, spec.weights_dtype) as decoder:
         pre = rollout.prefill(decoder, prompts[:rows], spec.pad_id, max_new_tokens)
         pre.step(pre.logits.argmax(-1), pre.pos[:, -1] + 1)
         del pre

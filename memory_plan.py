@@ -118,26 +118,31 @@ def terms(arch: Arch, a, gpus: int, needs_ref: bool, device="cuda") -> list[Term
     `gpus` ranks (FSDP2 shards over all of them; DDP keeps full replicas). device "cpu": the
     CPU's choices (LeanStep's fused weight copies, a float32 KV cache under autocast)."""
     p = Precision.of(a, device)
-    return weight_terms(arch, a, gpus, needs_ref, p) + rollout_terms(arch, a, gpus, p, device) + forward_terms(arch, a, p)
+    return (weight_terms(arch, a, gpus, needs_ref, p) + rollout_terms(arch, a, gpus, p, device)
+            + forward_terms(arch, a, p))
 
 
 def weight_terms(arch: Arch, a, gpus, needs_ref, p: Precision) -> list[Term]:
     """The weights, their gradients and optimizer state, the reference, and the copies of them."""
     P, fsdp = arch.params(), bool(a.fsdp)
     shard = gpus if fsdp else 1
-    ref_note = ("bf16" if p.mixed else "the weights' dtype") + (", sharded like the policy" if fsdp else ", a full copy")
+    ref_note = (("bf16" if p.mixed else "the weights' dtype")
+                + (", sharded like the policy" if fsdp else ", a full copy"))
     out = [
         Term("parameters", P * p.master / shard, ALL, f"{P / 1e9:.2f}B x {p.master} B / {shard}"),
-        Term("Adam state", 2 * P * p.master / shard, ALL, "exp_avg + exp_avg_sq (allocated at the first step)"),
+        Term("Adam state", 2 * P * p.master / shard, ALL,
+             "exp_avg + exp_avg_sq (allocated at the first step)"),
         Term("reference", P * p.compute / shard if needs_ref else 0, ALL,
              ref_note if needs_ref else "none (no Policy-KL used or measured)"),
         Term("gradients", P * p.master / shard, ("update", "optimizer"),
              "sharded under FSDP2 (reduced every micro-batch); freed after each step"),
-        Term("optimizer temporaries", P * p.master / shard, ("optimizer",), "foreach AdamW: sqrt(exp_avg_sq) of every parameter"),
+        Term("optimizer temporaries", P * p.master / shard, ("optimizer",),
+             "foreach AdamW: sqrt(exp_avg_sq) of every parameter"),
     ]
     if p.mixed and not fsdp:  # autocast casts each float32 matmul weight once per region (the step)
         matmul = P if arch.tied else P - arch.vocab * arch.hidden          # the input embedding is a lookup
-        out.append(Term("autocast copies", matmul * 2, ALL, "bf16 copies of the matmul weights, kept until the optimizer step"))
+        out.append(Term("autocast copies", matmul * 2, ALL,
+                        "bf16 copies of the matmul weights, kept until the optimizer step"))
     if fsdp:
         gathered = (arch.embedding_params() + arch.hidden + 2 * arch.layer_params()) * p.compute
         out.append(Term("gathered layers", gathered, ("score", "update"),
@@ -151,21 +156,23 @@ def rollout_terms(arch: Arch, a, gpus, p: Precision, device) -> list[Term]:
     rows, seq = kv_rows(a, gpus), a.max_prompt_len + a.max_new_tokens
     prefill_tokens = max(1, rows // a.group_size) * a.max_prompt_len   # each distinct prompt once
     out = [
-        Term("KV cache", rows * seq * arch.kv_bytes_per_position(p.kv), ("rollout",), f"{rows} rows x {seq} positions, {p.kv} B"),
-        Term("prefill", prefill_tokens * (3 * I + 4 * h) * p.compute + rows * arch.vocab * 4 * 2, ("rollout",),
-             f"one layer's working set over {prefill_tokens} distinct prompt tokens"),
+        Term("KV cache", rows * seq * arch.kv_bytes_per_position(p.kv), ("rollout",),
+             f"{rows} rows x {seq} positions, {p.kv} B"),
+        Term("prefill", prefill_tokens * (3 * I + 4 * h) * p.compute + rows * arch.vocab * 4 * 2,
+             ("rollout",), f"one layer's working set over {prefill_tokens} distinct prompt tokens"),
     ]
     if a.fsdp:
         out.insert(0, Term("decoding copy", arch.params() * p.compute, ("rollout",),
                            "distributed.gathered: the whole policy on every GPU, freed before scoring"))
     if device == "cpu":
         fused = arch.layers * (arch.qkv_params() + 2 * h * I) * (2 if p.mixed else 4)
-        out.append(Term("fused copies", fused, ("rollout",), "CPU only: LeanStep's concatenated q/k/v and gate/up weights"))
+        out.append(Term("fused copies", fused, ("rollout",),
+                        "CPU only: LeanStep's concatenated q/k/v and gate/up weights"))
     return out
 
 
 def forward_terms(arch: Arch, a, p: Precision) -> list[Term]:
-    """One micro-batch of scoring (no grad) and of the update. rollout._TokenLogprob works in
+    """One micro-batch of scoring (no grad) and of the update. logprobs._TokenLogprob works in
     float32 blocks: its forward holds z = logits / T (with bf16 logits, also their float32 copy),
     its backward about three blocks (and with bf16 logits, the block cast back)."""
     h, V, L, I = arch.hidden, arch.vocab, arch.layers, arch.inter
@@ -180,9 +187,11 @@ def forward_terms(arch: Arch, a, p: Precision) -> list[Term]:
         Term("scoring forward", max(logits + block * (2 if bf16 else 1), layer_working_set), ("score",),
              f"{f.logit_tokens} tokens of logits + float32 log-softmax blocks (or a layer's working set)"),
         Term("saved activations", saved, ("update",),
-             ("checkpointed layer inputs" if a.grad_ckpt else "every layer's saved tensors") + f" of {f.act_tokens} tokens"),
+             ("checkpointed layer inputs" if a.grad_ckpt else "every layer's saved tensors")
+             + f" of {f.act_tokens} tokens"),
         Term("update working set", max(logits + grad + block * (3.5 if bf16 else 3), recomputed), ("update",),
-             "logits + their gradient + float32 blocks" + (" (or a recomputed layer and its gradients)" if a.grad_ckpt else "")),
+             "logits + their gradient + float32 blocks"
+             + (" (or a recomputed layer and its gradients)" if a.grad_ckpt else "")),
     ]
 
 
@@ -192,12 +201,12 @@ class ForwardShape:
     logit_tokens: int
     grad_tokens: int
     act_tokens: int
-    block: int            # elements of one float32 log-softmax block (rollout._logprob_chunk)
+    block: int            # elements of one float32 log-softmax block (logprobs._logprob_chunk)
 
 
 def forward_shape(a, vocab) -> ForwardShape:
     """One micro-batch's forward. With shared prompts (batching.prompt_group > 1) it is U = rows / G
-    prompts once and the B = rows responses (rollout.shared_prompt_scores): the prompts' logits,
+    prompts once and the B = rows responses (logprobs.shared_prompt_scores): the prompts' logits,
     the responses' twice (their own and the copy that lines them up), and the prompts' gradient
     twice (the slice feeding the first response token zero-fills a second one)."""
     G, Pl, R = a.group_size, a.max_prompt_len, a.max_new_tokens
@@ -252,14 +261,17 @@ def report(a, gpus: int, needs_ref: bool, measured=None) -> str:
         got = f" {measured.peaks[ph] / GIB:13.2f}" if measured else ""
         lines.append(f"  {ph:22s} {plan[ph] / GIB:8.2f}{got}")
     if measured:
-        lines.append(f"  measured: {'fake' if measured.fake else 'real'} tensors on {measured.world} rank(s) running "
-                     f"train.py's step (memory_measure.py; {measured.micro_batches} update micro-batches)")
+        lines.append(f"  measured: {'fake' if measured.fake else 'real'} tensors on {measured.world} "
+                     f"rank(s) running train.py's step (memory_measure.py; "
+                     f"{measured.micro_batches} update micro-batches)")
     lines.append(f"  {NOT_COUNTED}")
     peak, update = max(plan, key=plan.get), max(plan["update"], plan["optimizer"])
     m = ""
     if measured:
-        m = (f" measured_update_gib_per_gpu={max(measured.peaks['update'], measured.peaks['optimizer']) / GIB:.1f}"
+        m = (f" measured_update_gib_per_gpu="
+             f"{max(measured.peaks['update'], measured.peaks['optimizer']) / GIB:.1f}"
              f" measured_rollout_gib_per_gpu={measured.peaks['rollout'] / GIB:.1f}")
     lines.append(f"plan: peak_gib_per_gpu={plan[peak] / GIB:.1f} update_gib_per_gpu={update / GIB:.1f}{m} "
-                 f"gpus={gpus} phase={peak} decode_rows={kv_rows(a, gpus)} micro_tokens={micro_batch_tokens(a)}")
+                 f"gpus={gpus} phase={peak} decode_rows={kv_rows(a, gpus)} "
+                 f"micro_tokens={micro_batch_tokens(a)}")
     return "\n".join(lines)

@@ -11,7 +11,8 @@ def adamw(model, lr, weight_decay, betas=(0.9, 0.999), foreach=None):
     """foreach None: torch's choice (the multi-tensor kernels on CUDA, whose temporaries are as
     large as the optimizer state; a loop over parameters on CPU). memory_measure passes True to
     measure on a CPU what a GPU allocates."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, foreach=foreach)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas,
+                             foreach=foreach)
 
 
 def warmup_then_constant(opt, warmup_steps):

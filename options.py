@@ -113,7 +113,8 @@ def algo_knobs():
 
 def build_parser(table, description):
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="JSON file of defaults (keys as the flags, with _), e.g. configs/paper_qwen7b.json")
+    p.add_argument("--config",
+                   help="JSON file of defaults (keys as the flags, with _), e.g. configs/paper_qwen7b.json")
     for row in table:
         _add(p, *row)
     g = p.add_argument_group("loss knobs (fields of losses.Algo; unset = the algorithm's own value)")
@@ -201,6 +202,14 @@ def parse(argv, table, description) -> Parsed:
     return Parsed(argparse.Namespace(**cfg), cli, set(from_file), parser)
 
 
+def fill(parsed: Parsed, values: dict, skip=()):
+    """Options that neither the command line nor --config gives take `values` instead of the table
+    default (a task's own sets; on --resume, the run's config.json), except those in `skip`."""
+    for name, value in values.items():
+        if hasattr(parsed.args, name) and name not in parsed.cli | parsed.config_keys | set(skip):
+            setattr(parsed.args, name, value)
+
+
 def make_algo(parsed: Parsed):
     """losses.make_algo(args.algo, knobs...), where a knob given on the command line that cannot act
     on the chosen algorithm is an error (a config file may set defaults for unused parts)."""
@@ -214,10 +223,12 @@ def make_algo(parsed: Parsed):
     except ValueError as e:
         parsed.error(str(e))
     if "max_resample_rounds" in parsed.cli and not algo.dynamic_sampling:  # an option that acts via a knob
-        parsed.error("--max-resample-rounds cannot act without dynamic sampling (--algo dapo, or --dynamic-sampling)")
+        parsed.error("--max-resample-rounds cannot act without dynamic sampling "
+                     "(--algo dapo, or --dynamic-sampling)")
     inert = sorted(parsed.cli & losses.unused_fields(algo))
     if inert:
-        parsed.error(f"{_flags(inert)} cannot act on --algo {args.algo} as configured ({algo_summary(algo)}); "
+        parsed.error(f"{_flags(inert)} cannot act on --algo {args.algo} as configured "
+                     f"({algo_summary(algo)}); "
                      "e.g. a Policy-KL estimator needs --beta > 0, a Query-KL estimator --alpha > 0")
     return algo
 

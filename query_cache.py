@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 import distributed
 import faults
+import logprobs
 import rollout
 
 
@@ -37,8 +38,8 @@ class QueryCache:
 
     def ref_logp(self, prompt_idx, group_size, width) -> torch.Tensor:
         """(len(prompt_idx) * G, width) reference prompt log-probs, right-aligned like the
-        prompt slice of rollout.Packed (each prompt repeated for its G responses)."""
-        return rollout.right_align([self.logp[i] for i in prompt_idx for _ in range(group_size)], width)
+        prompt slice of logprobs.Packed (each prompt repeated for its G responses)."""
+        return logprobs.right_align([self.logp[i] for i in prompt_idx for _ in range(group_size)], width)
 
 
 def cache_meta(model_path, data_path, template, temperature, prompt_ids, *, weights, numerics) -> dict:
@@ -48,7 +49,8 @@ def cache_meta(model_path, data_path, template, temperature, prompt_ids, *, weig
 
     return {"model": model_path, "data": data_path, "template": template, "temperature": temperature,
             "n": len(prompt_ids), "prompts_sha1": hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest(),
-            "weights": weights, "numerics": numerics, "versions": f"torch {torch.__version__}, transformers {transformers.__version__}"}
+            "weights": weights, "numerics": numerics,
+            "versions": f"torch {torch.__version__}, transformers {transformers.__version__}"}
 
 
 def weights_fingerprint(model) -> str:
@@ -60,12 +62,14 @@ def weights_fingerprint(model) -> str:
         t = t.to_local() if hasattr(t, "to_local") else t               # DTensor: this rank's shard
         h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
         h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return hashlib.blake2b("".join(distributed.all_gather_list([h.hexdigest()])).encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b("".join(distributed.all_gather_list([h.hexdigest()])).encode(),
+                           digest_size=16).hexdigest()
 
 
 def _shared_path(shared_dir, meta) -> str:
     key = {k: v for k, v in meta.items() if k not in ("model", "data")}
-    return os.path.join(os.path.expanduser(shared_dir), hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".pt")
+    return os.path.join(os.path.expanduser(shared_dir),
+                        hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".pt")
 
 
 def _save(obj, path):
@@ -95,11 +99,11 @@ def build(model, prompt_ids, pad_id, temperature, device, batch=64) -> list[torc
     scores a strided share, then the shares are gathered."""
     mine, _ = distributed.strided_share(len(prompt_ids))  # repeats only overwrite a cache entry alike
     out = []
-    for s in tqdm(range(0, len(mine), batch), desc="query-KL reference cache", disable=not distributed.is_main(),
-                  leave=False):
+    for s in tqdm(range(0, len(mine), batch), desc="query-KL reference cache",
+                  disable=not distributed.is_main(), leave=False):
         rows = [prompt_ids[i] for i in mine[s:s + batch]]
         ids, mask = rollout.left_pad(rows, pad_id, device)
-        logp, _ = rollout.token_logprobs(model, ids, mask, temperature)  # (b, P-1)
+        logp, _ = logprobs.token_logprobs(model, ids, mask, temperature)  # (b, P-1)
         P = ids.shape[1]
         out += [(mine[s + i], logp[i, P - len(r):].float().cpu()) for i, r in enumerate(rows)]
         faults.point("query-cache")
@@ -115,10 +119,11 @@ def for_run(a, d, policy, prompt_ids, pad_id, resuming) -> QueryCache:
     on --resume; else a shared one with the same meta (--query-cache-dir); else built, and shared."""
     meta = cache_meta(a.model, a.train_data, a.template, a.temperature, prompt_ids,
                       weights=None if resuming else weights_fingerprint(policy),
-                      numerics=f"{d.device.type} {a.dtype} {distributed.unwrap(policy).config._attn_implementation} "
+                      numerics=f"{d.device.type} {a.dtype} "
+                               f"{distributed.unwrap(policy).config._attn_implementation} "
                                f"{'fsdp' if a.fsdp else 'ddp'} world {d.world}")
-    return load_or_build(os.path.join(a.out, "query_cache.pt"), meta, policy, prompt_ids, pad_id, a.temperature,
-                         d.device, a.micro_batch, resuming, a.query_cache_dir)
+    return load_or_build(os.path.join(a.out, "query_cache.pt"), meta, policy, prompt_ids, pad_id,
+                         a.temperature, d.device, a.micro_batch, resuming, a.query_cache_dir)
 
 
 def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, batch, resuming,
@@ -130,7 +135,8 @@ def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, ba
         saved = torch.load(path)
         # What is cached must match; how it was computed may not (the weights are trained by now,
         # and a run may resume at another world size or library version).
-        if any(meta.get(k) != v for k, v in saved["meta"].items() if k not in ("weights", "numerics", "versions")):
+        if any(meta.get(k) != v for k, v in saved["meta"].items()
+               if k not in ("weights", "numerics", "versions")):
             raise SystemExit(f"error: {path} was built for {saved['meta']}, this run is {meta}; "
                              "use a fresh --out or delete the cache")
         return QueryCache.from_logp(saved["logp"])

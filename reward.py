@@ -69,7 +69,7 @@ def extract_boxed(text: str) -> str | None:
     if not isinstance(text, str):
         raise ValueError(f"extract_boxed expects a str, got {type(text).__name__}")
     last = None
-    for last in _BOX_RE.finditer(text):   # finditer is linear; we only keep the last match
+    for last in _BOX_RE.finditer(text):   # noqa: B007 -- finditer is linear; we only keep the last match
         pass
     if last is None:
         return None
@@ -429,11 +429,10 @@ def score(completion: str, answer: str, *, format_reward: bool = False) -> float
     return score_batch([completion], [answer], format_reward=format_reward)[0][0]
 
 
-def score_batch(completions: list[str], answers: list[str], *, format_reward: bool = False,
-                timeout: float = DEFAULT_TIMEOUT) -> tuple[list[float], dict]:
-    """Rewards for many completions plus outcome counts for logging:
-    correct + wrong + no_answer + rejected + timeout + error == total; math_verify = completions
-    that needed the slow path; format_ok = completions with the <think>...</think>...\\boxed format."""
+def grade_completions(completions: list[str], answers: list[str],
+                      timeout: float = DEFAULT_TIMEOUT) -> tuple[list[str], int]:
+    """The outcome of each completion's last boxed answer against its gold answer ("correct",
+    "wrong", "no_answer", "rejected", "timeout" or "error") and how many needed math-verify."""
     if len(completions) != len(answers):
         raise ValueError(f"score_batch: {len(completions)} completions but {len(answers)} answers")
     for c, a in zip(completions, answers):
@@ -446,11 +445,20 @@ def score_batch(completions: list[str], answers: list[str], *, format_reward: bo
     except Exception as e:   # a reward bug must not kill a training run; it shows up as "error"
         print(f"[reward] grading failed: {e!r}", file=sys.stderr)
         outcomes, used_mv = ["error"] * len(preds), [False] * len(preds)
+    return outcomes, sum(used_mv)
+
+
+def score_batch(completions: list[str], answers: list[str], *, format_reward: bool = False,
+                timeout: float = DEFAULT_TIMEOUT) -> tuple[list[float], dict]:
+    """Rewards for many completions plus outcome counts for logging:
+    correct + wrong + no_answer + rejected + timeout + error == total; math_verify = completions
+    that needed the slow path; format_ok = completions with the <think>...</think>...\\boxed format."""
+    outcomes, math_verify = grade_completions(completions, answers, timeout)
     fmts = [format_reward and has_format(c) for c in completions]
     rewards = [(0.9 * (o == "correct") + 0.1 * f) if format_reward else float(o == "correct")
                for o, f in zip(outcomes, fmts)]
     stats = dict(total=len(completions), correct=0, wrong=0, no_answer=0, rejected=0, timeout=0,
-                 error=0, math_verify=sum(used_mv), format_ok=sum(fmts))
+                 error=0, math_verify=math_verify, format_ok=sum(fmts))
     for o in outcomes:
         stats[o] += 1
     return rewards, stats

@@ -1,24 +1,22 @@
-"""Rollouts: load a policy, sample G responses per prompt, and score tokens.
+"""Rollouts: sample G responses per prompt.
 
-Used by train.py (training rollouts, the policy forward) and evaluate.py (benchmark sampling).
-Works the same for the embedded ~1M-parameter Qwen2 model on CPU (fp32) and for Qwen2.5-Math-7B
-on GPUs (bf16, possibly wrapped in DDP or sharded with FSDP2 `fully_shard`): prompts and every
-scoring pass go through the model's normal forward; only the sampler's one-token decode steps use
-decode.py's lean step over the same weights (for Llama/Qwen2; the normal forward otherwise).
+Used by train.py (training rollouts) and evaluate.py (benchmark sampling). Works the same for the
+embedded ~1M-parameter Qwen2 model on CPU (fp32) and for Qwen2.5-Math-7B on GPUs (bf16, possibly
+wrapped in DDP or sharded with FSDP2 `fully_shard`): prompts go through the model's normal forward
+into a preallocated KV cache (kv_cache.py: `prefill`); only the sampler's one-token decode steps use
+decode.py's lean step over the same weights (for Llama/Qwen2; the normal forward otherwise). Loading
+a policy is models.py; the training forward over the sampled rows (their log-probs, Query-KL's
+prompt log-probs) is logprobs.py.
 
-Three pieces:
-- `load_policy`   -> (model, tokenizer), with the transformers-5 tokenizer pitfall handled.
-- `sample`        -> `Rollout`: our own KV-cache decoding loop ("kv", default) or HF `generate`
-                     ("hf", a reference). Returns the sampled tokens, masks, and the log-prob of
-                     each sampled token under log_softmax(logits / T) -- the same quantity the
-                     training forward recomputes, so ratio pi_theta / pi_old = 1 on-policy.
-- `token_logprobs`-> one forward over [prompt | response]: per-token log-probs (and entropy) on
-                     logits / T in float32, chunked along the sequence so a 152k vocabulary never
-                     needs several (B, L, V) float32 copies.
+- `sample`   -> `Rollout`: our own KV-cache decoding loop ("kv", default) or HF `generate`
+                ("hf", a reference). Returns the sampled tokens, masks, and the log-prob of each
+                sampled token under log_softmax(logits / T) -- the same quantity the training
+                forward recomputes (logprobs.score_tokens), so ratio pi_theta / pi_old = 1 on-policy.
+- `Rollout.packed()` -> the [prompt | response] layout every training forward reads.
+- `fill_groups`, `decode_responses`: DAPO's dynamic sampling, and the texts the grader reads.
 
-GRPO repeats each prompt for its G responses. Both the sampler and `score_tokens(group=G)` run a
-repeated prompt through the model once and give its G rows copies of its KV cache: causal
-attention makes that the same math as G full rows (`shared_prompt_scores`).
+GRPO repeats each prompt for its G responses: the sampler prefills a repeated prompt once and gives
+its G rows copies of its KV cache.
 
 Per-row reproducible sampling (the "kv" sampler, and "hf" when seeds are given): the token of row i
 at step t is drawn by inverting the CDF of softmax(z), z = logits / T (-inf outside the top-p nucleus):
@@ -28,186 +26,27 @@ with a counter-based integer hash (2-round 32-bit avalanche mixes, computed vect
 That is exact sampling from softmax(z) with ONE random number per row and step (Gumbel-max needs
 one per vocabulary entry: (B, V) hashes and logs at every step), and because u depends only on
 (seed_i, t), row i's sample depends only on seeds[i] and the model: not on the batch it shares,
-the chunking, or which rank runs it. (Caveat: on GPUs the logits themselves can differ in the last bits with batch shape
-and padding width; a near-tie can then flip a token. On CPU fp32 we observe bitwise-equal runs.)
+the chunking, or which rank runs it. (Caveat: on GPUs the logits themselves can differ in the last
+bits with batch shape and padding width; a near-tie can then flip a token. On CPU fp32 we observe
+bitwise-equal runs.)
 Without seeds, one 62-bit seed per row is drawn from torch's global RNG, so
 `torch.manual_seed(s)` makes a call reproducible -- but two ranks with the same global seed draw
 the same per-row seeds: pass `seeds` in distributed runs.
 """
 
-import inspect
-import json
 import math
-import os
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-import decode
 import distributed
+from kv_cache import kv_budget_from_memory, left_pad, prefill
+from kv_cache import kv_dtype  # noqa: F401  (moved; tests/test_memory.py still reads rollout.kv_dtype)
+from logprobs import Packed
 
 # ----------------------------------------------------------------------------------------------
-# Loading
-
-
-def _default_attn_implementation(dtype) -> str:
-    # flash-attn is an optional GPU extra (requirements-gpu.txt); it does not build on CPU boxes,
-    # and it computes only in bf16/fp16: float32 weights (--dtype float32) get SDPA. (Float32 master
-    # weights under bf16 autocast are fine: autocast hands flash-attn bf16 q/k/v.)
-    mixed = dtype == torch.float32 and torch.is_autocast_enabled("cuda")
-    if torch.cuda.is_available() and (dtype in (torch.bfloat16, torch.float16) or mixed):
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except Exception:
-            pass
-    return "sdpa"
-
-
-def _sdpa_float32(module, query, key, value, attention_mask, **kw):
-    """transformers' SDPA attention computed in float32 even under bf16 autocast. On this CPU
-    (AVX512-BF16) torch's fused attention is slow in bf16, its backward most: forward + backward of
-    a 64 x 150-token micro-batch of the tiny model took 0.66 s with bf16 SDPA, 0.40 s with this,
-    0.61 s all in float32, while the projections around it gain from bf16. Float32 SDPA also keeps
-    the fused kernel's memory (no L x L probabilities saved, as eager attention would)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    with torch.autocast(query.device.type, enabled=False):
-        out, w = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kw)
-    return out.to(query.dtype), w
-
-
-def _register_attention():
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register("sdpa_float32", _sdpa_float32)
-    AttentionMaskInterface.register("sdpa_float32", sdpa_mask)  # else padding would not be masked
-
-
-_register_attention()
-
-
-def load_tokenizer(path):
-    """The tokenizer of a model folder or hub id, with a pad token and left padding (see
-    load_policy), or OSError / ValueError with a message naming the folder.
-
-    transformers 5.x: AutoTokenizer in a folder with a Qwen2 config.json returns Qwen2Tokenizer
-    and silently replaces a custom tokenizer's normalizer/pre-tokenizer (method.md §9). A tokenizer
-    saved as a plain PreTrainedTokenizerFast is therefore loaded as exactly that; anything else
-    (e.g. Qwen2.5-Math's own Qwen2Tokenizer) goes through AutoTokenizer. In a folder without any
-    tokenizer file AutoTokenizer builds an empty one (every prompt encodes to no tokens) instead of
-    failing: such a folder is refused here."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    # What a saved tokenizer is made of: the fast one's file, or a slow one's vocabulary.
-    vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in vocab_files):
-        raise OSError(f"{path} holds no tokenizer (none of {', '.join(vocab_files)}): copy the "
-                      "tokenizer files of the model it was trained from into it")
-    tok_json = os.path.join(str(path), "tokenizer.json")
-    cfg_json = os.path.join(str(path), "tokenizer_config.json")
-    try:
-        cls = None
-        if os.path.isfile(tok_json) and os.path.isfile(cfg_json):
-            with open(cfg_json) as f:
-                cls = json.load(f).get("tokenizer_class")
-        # transformers 5.x saves a PreTrainedTokenizerFast (an alias) as "TokenizersBackend".
-        if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError:
-        raise                           # transformers' own message (no such folder or hub id)
-    except Exception as e:              # a truncated tokenizer.json: JSON's or the tokenizers library's error
-        why = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"cannot read the tokenizer in {path}: {why}") from e
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ValueError(f"tokenizer in {path} has neither a pad nor an eos token")
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    return tokenizer
-
-
-def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None, shard=None):
-    """Load (model, tokenizer) from a HF folder (or hub id on machines that have the hub).
-
-    device: a torch device, or "auto" (CUDA when available).
-    dtype: bfloat16 on CUDA devices, float32 otherwise, unless given ("auto" = not given).
-    attn_implementation: "flash_attention_2" when CUDA is available and flash_attn imports, else
-    "sdpa", unless given. The tokenizer (load_tokenizer) gets a pad token (eos if missing) and
-    left padding, which is what batched decoding needs; it is loaded first, so a folder without
-    one fails in a second, not after the weights are read.
-    shard: a function that shards a model in place (FSDP2's fully_shard, distributed.wrap_model);
-    then the model is built on the meta device, sharded, and each rank reads only its shard of each
-    tensor from the safetensors files: no rank ever holds the whole model.
-    Bad folders raise OSError or ValueError (train.py and evaluate.py turn them into one line).
-    """
-    from transformers import AutoModelForCausalLM
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if dtype == "auto":
-        dtype = None
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    if attn_implementation is None:
-        attn_implementation = _default_attn_implementation(dtype) if device.type == "cuda" else "sdpa"
-    tokenizer = load_tokenizer(path)
-    if shard is not None:
-        model = _load_sharded(path, device, dtype, attn_implementation, shard)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation).to(device)
-    return model, tokenizer
-
-
-def _load_sharded(path, device, dtype, attn_implementation, shard):
-    """Meta-device model -> shard() -> materialise each rank's shards -> fill them tensor by tensor
-    from the (memory-mapped) safetensors files, each rank keeping only its slice."""
-    import glob
-
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    if not os.path.isdir(path):  # a hub id, on machines that have the hub
-        from huggingface_hub import snapshot_download
-        path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
-    config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    model = shard(model)
-    model.to_empty(device=device)
-    for parent in list(model.modules()):  # non-persistent buffers (RoPE inv_freq) were never materialised
-        for name, child in list(parent.named_children()):
-            if type(child).__name__.endswith("RotaryEmbedding"):
-                setattr(parent, name, type(child)(config=child.config).to(device))
-    params = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
-    with torch.no_grad():
-        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    p = params.get(name)  # (absent: e.g. the lm_head of a tied model)
-                    if p is None:
-                        continue
-                    full = f.get_tensor(name).to(device=device, dtype=p.dtype)
-                    if isinstance(p, DTensor):  # every rank has the file: no communication
-                        full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                        p = p.to_local()
-                    p.copy_(full)
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:
-        pass
-    return model
+# Stop tokens and turn markers
 
 
 # Chat-template turn markers: (end of a turn, start of the next). A model that does not stop at the
@@ -262,7 +101,7 @@ class SampleSpec:
     sampler: str = "kv"                # "kv" (our KV-cache loop) or "hf" (model.generate)
     batch_size: int | None = None      # rows per sampler call, at most
     weights_dtype: torch.dtype | None = None  # of the gathered decoding copy of a sharded policy
-    kv_budget: int = 0                 # KV-cache positions per sampler call (rows x (prompt + new)); 0 = no cap
+    kv_budget: int = 0                 # KV-cache positions per call (rows x (prompt + new)); 0 = no cap
 
     @classmethod
     def make(cls, model, tokenizer, max_new_tokens, sampler, batch_size, kv_budget, bf16, opt=None):
@@ -275,10 +114,11 @@ class SampleSpec:
             local = sum(_local(p).numel() for p in model.parameters())
             adam = 2 * 4 * local if opt is not None and not opt.state else 0
             casts = 2 * local if bf16 and not any(hasattr(p, "to_local") for p in model.parameters()) else 0
-            kv_budget = kv_budget_from_memory(model.config, torch.bfloat16 if bf16 else next(model.parameters()).dtype,
-                                              reserve_bytes=adam + casts)
-        return cls(max_new_tokens, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, sampler, batch_size,
-                   torch.bfloat16 if bf16 else None, kv_budget)
+            kv_budget = kv_budget_from_memory(
+                model.config, torch.bfloat16 if bf16 else next(model.parameters()).dtype,
+                reserve_bytes=adam + casts)
+        return cls(max_new_tokens, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, sampler,
+                   batch_size, torch.bfloat16 if bf16 else None, kv_budget)
 
     def rows_per_call(self, longest_prompt) -> int | None:
         """Rows decoded at once: batch_size, capped so rows x (prompt + new tokens) <= kv_budget."""
@@ -291,16 +131,6 @@ class SampleSpec:
 def _local(p):
     """This rank's part of a parameter (its shard under FSDP2)."""
     return p.to_local() if hasattr(p, "to_local") else p
-
-
-def kv_budget_from_memory(config, dtype, fraction=0.4, reserve_bytes=0) -> int:
-    """KV-cache positions that fit in `fraction` of the free GPU memory, less `reserve_bytes` still
-    to be allocated: each position holds K and V of every layer, num_key_value_heads x head_dim
-    values each, in `dtype` (the cache's: kv_dtype)."""
-    free = max(0, torch.cuda.mem_get_info()[0] - reserve_bytes)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
-    return int(fraction * free // per_position)
 
 
 @dataclass
@@ -330,114 +160,6 @@ class Rollout:
                       prompt_tok_mask=self.prompt_mask[:, 1:] * self.prompt_mask[:, :-1],
                       P=self.prompt_ids.shape[1],
                       lengths=list(zip(self.prompt_mask.sum(1).tolist(), self.response_mask.sum(1).tolist())))
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """Rows of one forward and the width of their trimmed layout (Packed.trimmed): decided on the
-    host from Packed.lengths, so a micro-batch loop reads nothing back from the device."""
-    rows: torch.Tensor                 # (n,) row indices into the Packed
-    prompt_len: int                    # the rows' longest prompt (the trimmed layout's P, >= 1)
-    response_len: int                  # their longest response (>= 1)
-
-    @property
-    def padded_tokens(self) -> int:
-        return len(self.rows) * (self.prompt_len + self.response_len)
-
-
-@dataclass
-class Packed:
-    """A rollout row is [left-padded prompt | right-padded response], width P + R. One forward
-    over it gives both the response log-probs (policy loss) and the prompt log-probs (Query-KL,
-    method.md §3). Position j of a token_logprobs output scores token j+1, so the prompt slice
-    [:, :P-1] scores the prompt tokens after the first one (prompt_tok_mask needs the previous
-    token to be a real prompt token too) and the response slice is [:, P-1:]."""
-    input_ids: torch.LongTensor        # (B, P+R)
-    attention_mask: torch.LongTensor   # (B, P+R)
-    prompt_tok_mask: torch.LongTensor  # (B, P-1)
-    P: int
-    lengths: list[tuple[int, int]] | None = None  # host copy: (prompt, response) tokens of each row
-
-    def rows(self, sl) -> "Packed":
-        lengths = None if self.lengths is None else self.lengths[sl]
-        return Packed(self.input_ids[sl], self.attention_mask[sl], self.prompt_tok_mask[sl], self.P, lengths)
-
-    def micro_batch(self, rows: list[int]) -> MicroBatch:
-        """Rows as a MicroBatch, its widths from the host lengths."""
-        return MicroBatch(torch.tensor(rows, device=self.input_ids.device),
-                          max(1, max(self.lengths[i][0] for i in rows)), max(1, max(self.lengths[i][1] for i in rows)))
-
-    def trimmed(self, mb) -> tuple["Packed", slice, slice]:
-        """The rows of a MicroBatch (or an index tensor: widths then read from the mask) without the
-        columns that are padding in all of them (a shorter forward), and which columns of the
-        full-width (B, P-1) prompt and (B, R) response score arrays the trimmed rows' scores cover.
-        Positions come from the attention mask, so a row's scores do not depend on how much
-        padding surrounds it."""
-        if not isinstance(mb, MicroBatch):
-            mask = self.attention_mask[mb]
-            mb = MicroBatch(mb, max(1, int(mask[:, :self.P].sum(1).max())), max(1, int(mask[:, self.P:].sum(1).max())))
-        idx, p, r = mb.rows, mb.prompt_len, mb.response_len
-        mask = self.attention_mask[idx]
-        cols = slice(self.P - p, self.P + r)
-        return (Packed(self.input_ids[idx][:, cols], mask[:, cols], self.prompt_tok_mask[idx][:, self.P - p:self.P - 1], p),
-                slice(self.P - p, self.P - 1), slice(0, r))
-
-
-@dataclass
-class TokenScores:
-    response: torch.Tensor             # (B, R) log p of each response token (on logits / T)
-    prompt: torch.Tensor               # (B, P-1) log p of prompt tokens 2..P (mask: prompt_tok_mask)
-    entropy: torch.Tensor | None       # (B, R) entropy of each response position, or None
-
-
-def score_tokens(model, packed: Packed, temperature, with_entropy=False, group=1, checked=False) -> TokenScores:
-    """One forward over [prompt | response] -> response and prompt log-probs (and entropy).
-    group = G > 1: the rows come in consecutive groups of G that repeat one prompt (GRPO's G
-    responses), and each prompt runs once (shared_prompt_scores), unless a group's prompts differ or
-    the model has sliding-window layers (whose cache keeps only a window of the prompt). checked:
-    the caller has verified shares_prompts already (a host read; train.py does it once per step)."""
-    if group > 1 and _full_attention(distributed.unwrap(model).config) and (checked or shares_prompts(packed, group)):
-        return shared_prompt_scores(model, packed, temperature, with_entropy, group)
-    logp, ent = token_logprobs(model, packed.input_ids, packed.attention_mask, temperature, with_entropy)
-    P = packed.P
-    return TokenScores(logp[:, P - 1:], logp[:, :P - 1], None if ent is None else ent[:, P - 1:])
-
-
-def shares_prompts(packed: Packed, G) -> bool:
-    """Rows come in consecutive groups of G with the same (left-padded) prompt tokens."""
-    B, P = packed.input_ids.shape[0], packed.P
-    if B % G:
-        return False
-    ids = packed.input_ids[:, :P].view(B // G, G, P)
-    return bool((ids == ids[:, :1]).all())
-
-
-def shared_prompt_scores(model, packed: Packed, temperature, with_entropy, G) -> TokenScores:
-    """score_tokens for groups of G rows with one prompt each: the U = B / G prompts run through the
-    model once, filling a KV cache; copied G times, it serves the responses' forward. Causal
-    attention makes this the same math as B full rows (a prompt's states never see its response),
-    for (U P + B R) / (B (P + R)) of the work: half of it here (short prompts, short answers), less
-    where responses dwarf prompts. Gradients flow through both forwards (the cache copies sum
-    theirs back into the prompt's). The prompt pass uses the unwrapped module: DDP sees the one
-    forward per backward it expects, and its gradient hooks still fire once per parameter."""
-    ids, mask, P = packed.input_ids, packed.attention_mask, packed.P
-    B = ids.shape[0]
-    first = torch.arange(0, B, G, device=ids.device)                   # (U,) one row per group
-    pos = (mask.long().cumsum(1) - 1).clamp(min=0)                      # (B, P+R) as in token_logprobs
-    inner = distributed.unwrap(model)
-    cache_kw, _ = _forward_kwargs(inner)
-    cache = DynamicCache(config=inner.config)
-    plogits = inner(input_ids=ids[first, :P], attention_mask=mask[first, :P], position_ids=pos[first, :P],
-                    use_cache=True, **{cache_kw: cache}).logits        # (U, P, V)
-    cache.batch_repeat_interleave(G)                                    # (B, Hkv, P, D) per layer
-    rlogits = model(input_ids=ids[:, P:], attention_mask=mask, position_ids=pos[:, P:],
-                    use_cache=True, **{cache_kw: cache}).logits        # (B, R, V)
-    chunk = _logprob_chunk(B, rlogits.shape[-1])
-    prompt, _ = _TokenLogprob.apply(plogits, ids[first, 1:P], float(temperature), chunk, False)  # (unsliced: see _TokenLogprob)
-    # Response token 0 is scored by the prompt's last position, tokens 1.. by the responses' own.
-    logits = torch.cat([plogits[:, -1:].repeat_interleave(G, 0), rlogits[:, :-1]], 1)  # (B, R, V)
-    response, ent = _TokenLogprob.apply(logits, ids[:, P:], float(temperature), chunk, bool(with_entropy))
-    return TokenScores(response, prompt.repeat_interleave(G, 0), ent)
 
 
 def cat_rollouts(ros: list["Rollout"], pad_id) -> "Rollout":
@@ -504,17 +226,6 @@ def new_turns(tokenizer, ro: Rollout) -> int:
     lens = ro.response_mask.sum(1).tolist()
     texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(ro.response_ids.tolist(), lens)])
     return sum(any(m in t for m in starts) for t in texts)
-
-
-def right_align(seqs: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Stack 1-D tensors right-aligned into (B, width) (zeros on the left), matching the
-    left-padded prompt layout (e.g. cached prompt log-probs next to Packed's prompt slice)."""
-    out = torch.zeros(len(seqs), width)
-    for i, s in enumerate(seqs):
-        s = s[-width:] if len(s) > width else s
-        if len(s):
-            out[i, width - len(s):] = s
-    return out
 
 
 _FNV_OFFSET, _FNV_PRIME, _M64 = 1469598103934665603, 1099511628211, 0xFFFFFFFFFFFFFFFF
@@ -601,14 +312,6 @@ def _choose(logits, temperature: float, top_p: float, keys, step: int):
 # Sampling
 
 
-def _forward_kwargs(model) -> tuple[str, bool]:
-    """(name of the cache kwarg, whether logits_to_keep is supported). transformers 5.24 renamed
-    past_key_values -> cache (the old name warns until 5.40)."""
-    params = inspect.signature(type(model).forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"
-    return cache_kw, "logits_to_keep" in params
-
-
 def _lockstep(model) -> bool:
     """FSDP2-sharded models all-gather parameters inside forward, so every rank must make the same
     number of forward calls: decoding then stops only when all ranks are done."""
@@ -629,123 +332,6 @@ def _any_across_ranks(flag: bool, device) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
-
-
-def _distinct(prompts):
-    """-> (the distinct prompts in first-seen order, for each prompt the index of its copy there).
-    GRPO's G responses per prompt repeat each prompt G times: prefilling it once is G x less work."""
-    index = {}
-    copy_of = [index.setdefault(tuple(p), len(index)) for p in prompts]
-    return [list(p) for p in index], copy_of
-
-
-def left_pad(prompts, pad_id, device):
-    """Token-id lists -> (ids, mask) (B, P), left-padded so every row's last token is at P-1."""
-    P = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), P), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        if len(p):
-            ids[i, P - len(p) :] = torch.as_tensor(p, dtype=torch.long)
-            mask[i, P - len(p) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _full_attention(config) -> bool:
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return all(t == "full_attention" for t in types) and not getattr(config, "use_sliding_window", False)
-
-
-def kv_cache(config, capacity, dtype=None):
-    """A KV cache of `capacity` positions per row in `dtype` (None: the first write's), preallocated
-    at the first write and then written in place: transformers' DynamicCache grows by
-    concatenation, copying the whole cache at every generated token. Models with sliding-window or
-    other non-full-attention layers get a DynamicCache."""
-    if not _full_attention(config):
-        return DynamicCache(config=config)
-    return Cache(layers=[PreallocatedLayer(capacity, dtype) for _ in range(config.num_hidden_layers)])
-
-
-class PreallocatedLayer(DynamicLayer):
-    """One layer's K and V in (B, heads, capacity, head_dim) buffers written in place; `keys` and
-    `values` are views of the filled part. Row compaction (batch_select_indices) copies only the
-    kept rows."""
-
-    def __init__(self, capacity, dtype=None):
-        super().__init__()
-        self.capacity, self.length, self.dtype = capacity, 0, dtype
-
-    def lazy_initialization(self, key_states, value_states):
-        B, H, _, D = key_states.shape
-        self.device = key_states.device
-        self.k_buf = key_states.new_empty(B, H, self.capacity, D, dtype=self.dtype or key_states.dtype)
-        self.v_buf = value_states.new_empty(B, H, self.capacity, value_states.shape[-1], dtype=self.dtype or key_states.dtype)
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache full: {end} positions > capacity {self.capacity}")
-        self.k_buf[:, :, self.length:end] = key_states
-        self.v_buf[:, :, self.length:end] = value_states
-        self.length = end
-        self.keys, self.values = self.k_buf[:, :, :end], self.v_buf[:, :, :end]
-        return self.keys, self.values
-
-    def get_seq_length(self):
-        return self.length
-
-    def batch_select_indices(self, indices):
-        if self.is_initialized:
-            self.k_buf, self.v_buf = self.k_buf[indices], self.v_buf[indices]
-            self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
-
-
-@dataclass
-class Prefilled:
-    """The prompts of a sampler chunk run through the model: a KV cache with room for the
-    responses, each row's next-token logits, and the decoding step that continues from there."""
-    ids: torch.LongTensor               # (B, P) left-padded prompts, every row (copies included)
-    mask: torch.LongTensor              # (B, P)
-    pos: torch.LongTensor               # (B, P) positions (left pads shift nothing)
-    logits: torch.FloatTensor           # (B, V) float32 logits of each row's first response token
-    step: object                        # decode.stepper: (tok, pos) (B,) -> next (B, V) logits
-
-
-def kv_dtype(model) -> torch.dtype:
-    """The KV cache's dtype: the compute dtype. Under bf16 autocast on CUDA that is bf16 (the
-    prefill would leave float32 keys: RoPE multiplies by float32 tables), half the bytes of
-    float32; on CPU under autocast float32 (LeanStep's attention is faster in float32 there, and
-    memory is no concern); otherwise the weights' dtype."""
-    p = next(model.parameters())
-    dev = p.device.type
-    if torch.is_autocast_enabled(dev):  # (fake tensors stand for a GPU's: memory_measure)
-        return torch.get_autocast_dtype(dev) if dev == "cuda" or is_fake(p) else torch.float32
-    return p.dtype
-
-
-def prefill(model, prompts, pad_id, max_new_tokens) -> Prefilled:
-    """The sampler's first forward: each distinct prompt once (GRPO repeats a prompt G times) into
-    a preallocated cache of prompt + max_new_tokens positions, then the cache rows copied to the
-    prompt's repeats."""
-    dev = next(model.parameters()).device
-    distinct, copy_of = _distinct(prompts)
-    ids, mask = left_pad(distinct, pad_id, dev)  # (U, P): as wide as all of `prompts`
-    cache_kw, has_keep = _forward_kwargs(model)
-    keep = {"logits_to_keep": 1} if has_keep else {}
-    cache = kv_cache(model.config, capacity=ids.shape[1] + max_new_tokens, dtype=kv_dtype(model))
-    pos = (mask.cumsum(1) - 1).clamp(min=0)  # (U, P) explicit positions: left pads shift nothing
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                **{cache_kw: cache}, **keep)
-    logits = out.logits[:, -1].float()  # only the last position is upcast
-    del out
-    if len(distinct) < len(prompts):  # a group's G rows share its prompt's cache rows, as copies
-        copy_of = torch.tensor(copy_of, device=dev)
-        ids, mask, pos, logits = ids[copy_of], mask[copy_of], pos[copy_of], logits[copy_of]
-        cache.batch_select_indices(copy_of)
-    return Prefilled(ids, mask, pos, logits, decode.stepper(model, cache, mask, cache_kw, keep))
 
 
 def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature, top_p,
@@ -799,7 +385,8 @@ def _sample_hf(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
                lockstep, seeded):
     """Reference sampler through model.generate. With seeds, sampling is done by a logits
     processor that makes the same draw as "kv" (temperature, top-p, inverse CDF at the row's
-    uniform) followed by greedy choice, so both samplers draw identical tokens; without seeds, HF's own sampling."""
+    uniform) followed by greedy choice, so both samplers draw identical tokens; without seeds, HF's
+    own sampling."""
     from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
     dev = next(model.parameters()).device
@@ -867,8 +454,8 @@ def _check_sample_args(prompts, max_new_tokens, temperature, top_p, seeds, sampl
 
 def sample_with(model, prompts, spec: SampleSpec, *, temperature, seeds, top_p=1.0) -> Rollout:
     """`sample` with the decoding settings of a SampleSpec."""
-    return sample(model, prompts, max_new_tokens=spec.max_new_tokens, eos_ids=spec.eos_ids, pad_id=spec.pad_id,
-                  temperature=temperature, top_p=top_p, seeds=seeds, sampler=spec.sampler,
+    return sample(model, prompts, max_new_tokens=spec.max_new_tokens, eos_ids=spec.eos_ids,
+                  pad_id=spec.pad_id, temperature=temperature, top_p=top_p, seeds=seeds, sampler=spec.sampler,
                   batch_size=spec.rows_per_call(max(map(len, prompts))))
 
 
@@ -932,84 +519,3 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
         finished=torch.cat(cols[5], 0),
     )
 
-
-# ----------------------------------------------------------------------------------------------
-# Scoring: per-token log-probs (and entropy) of given sequences
-
-
-class _TokenLogprob(torch.autograd.Function):
-    """logp[b, l] = log_softmax(logits[b, l] / T)[targets[b, l]] in float32, plus the entropy of
-    that distribution (no grad). Chunked along l in forward AND backward, saving only the
-    (model-dtype) logits and the (B, L) log-normalisers, so no (B, L, V) float32 copy is ever
-    held: backward recomputes softmax per chunk (d logp / d logits = (onehot - softmax) / T).
-    targets (B, L) may be shorter than logits (B, L', V): positions >= L are not scored. That lets
-    a caller pass the model's logits unsliced: the backward of a slice logits[:, :-1] would
-    allocate a second zero-filled (B, L', V) gradient next to this one."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk, with_entropy):
-        B, L = targets.shape
-        logp = torch.empty((B, L), dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(logp)
-        ent = torch.empty_like(logp) if with_entropy else None
-        for s in range(0, L, chunk):
-            e = min(L, s + chunk)
-            z = logits[:, s:e].float() / temperature  # (B, c, V) float32
-            lse_c = torch.logsumexp(z, -1)
-            lse[:, s:e] = lse_c
-            logp[:, s:e] = z.gather(-1, targets[:, s:e, None]).squeeze(-1) - lse_c
-            if with_entropy:  # H = lse - sum_j p_j z_j
-                ent[:, s:e] = lse_c - (torch.exp(z - lse_c[..., None]) * z).sum(-1)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        if with_entropy:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, g_logp, g_ent):
-        logits, targets, lse = ctx.saved_tensors
-        T, chunk, L = ctx.temperature, ctx.chunk, targets.shape[1]
-        grad = torch.empty_like(logits)
-        grad[:, L:].zero_()                     # unscored positions
-        for s in range(0, L, chunk):
-            e = min(L, s + chunk)
-            z = logits[:, s:e].float() / T
-            g = g_logp[:, s:e, None]  # (B, c, 1)
-            gl = -torch.exp(z - lse[:, s:e, None]) * g
-            gl.scatter_add_(-1, targets[:, s:e, None], g)
-            grad[:, s:e] = (gl / T).to(grad.dtype)
-        return grad, None, None, None, None
-
-
-def _logprob_chunk(B, V, elems=2**26) -> int:
-    """Positions per log-softmax chunk so that a (B, chunk, V) float32 block has <= elems elements."""
-    return max(1, elems // max(1, B * V))
-
-
-def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=False,
-                   chunk_elems=2**26):
-    """One forward over prompt+response (left padding allowed).
-
-    input_ids, attention_mask: (B, L). Returns (logp, entropy), each (B, L-1) float32, with
-    logp[:, j] = log p(input_ids[:, j+1] | input_ids[:, :j+1]) under softmax(logits / T), and
-    entropy[:, j] the entropy of that distribution (None unless with_entropy; never has grad).
-    Positions whose target is padding carry garbage: mask them with attention_mask[:, 1:].
-    Gradients flow through logp (wrap in torch.no_grad() when not needed). chunk_elems bounds the
-    float32 working set (B * chunk * V elements) of the log-softmax.
-    """
-    if temperature <= 0:
-        raise ValueError(f"token_logprobs needs temperature > 0, got {temperature}")
-    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
-        raise ValueError(
-            f"input_ids and attention_mask must both be (B, L); got {tuple(input_ids.shape)} and "
-            f"{tuple(attention_mask.shape)}"
-        )
-    if input_ids.shape[1] < 2:
-        raise ValueError("need sequences of length >= 2 to score any token")
-    pos = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                   use_cache=False).logits  # (B, L, V) in the model dtype; the last scores nothing
-    chunk = _logprob_chunk(logits.shape[0], logits.shape[2], chunk_elems)
-    return _TokenLogprob.apply(logits, input_ids[:, 1:], float(temperature), chunk,
-                               bool(with_entropy))

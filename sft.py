@@ -14,8 +14,9 @@ from tqdm import tqdm
 
 import distributed
 import optimizer
+import logprobs
 import rollout
-import run_dir
+import checkpoints
 from heldout import heldout_accuracy
 from data.benchmarks import DataError, load_benchmark
 from data.prompts import build_prompt, step_indices
@@ -53,7 +54,7 @@ def sft_loss(model, batch, pad_id, n_tok_global, device):
     L = max(map(len, batch))
     ids = torch.tensor([x + [pad_id] * (L - len(x)) for x in batch], device=device)
     mask = torch.tensor([[1] * len(x) + [0] * (L - len(x)) for x in batch], device=device)
-    logp, _ = rollout.token_logprobs(model, ids, mask)
+    logp, _ = logprobs.token_logprobs(model, ids, mask)
     return -(logp * mask[:, 1:]).sum() / n_tok_global
 
 
@@ -71,7 +72,8 @@ def train_sft(model, tokenizer, seqs, *, steps, batch, micro_batch, lr, warmup, 
     bar = tqdm(range(steps), desc="sft", disable=rank != 0)
     for step in bar:
         t0 = time.time()
-        mine = [seqs[i] for i in step_indices(len(seqs), step, batch, seed)[rank * per_rank:(rank + 1) * per_rank]]
+        mine = [seqs[i]
+                for i in step_indices(len(seqs), step, batch, seed)[rank * per_rank:(rank + 1) * per_rank]]
         n_tok = distributed.all_sum(torch.tensor(float(sum(len(s) - 1 for s in mine))))
         tot = torch.zeros(())
         for s in range(0, len(mine), micro_batch):
@@ -93,11 +95,13 @@ def train_sft(model, tokenizer, seqs, *, steps, batch, micro_batch, lr, warmup, 
 def run(a, d, model, tokenizer, seqs, evalsets, log, amp):
     """--algo sft: the warm start, with held-out accuracy and an HF folder at each --save-every."""
     bf16 = distributed.uses_bf16(a.dtype, d.device)
-    spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget, bf16)
+    spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget,
+                                   bf16)
     model = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16)
 
     def on_checkpoint(step):
-        run_dir.export(model, tokenizer, os.path.join(a.out, f"sft-{step:05d}"), a.export_dtype, bf16=bf16)
+        checkpoints.export(model, tokenizer, os.path.join(a.out, f"sft-{step:05d}"), a.export_dtype,
+                           bf16=bf16)
         return heldout_accuracy(model, tokenizer, evalsets, spec, a.eval_temperature, a.seed)
     with amp():
         train_sft(model, tokenizer, seqs, steps=a.sft_steps, batch=a.sft_batch, micro_batch=a.micro_batch,
@@ -106,4 +110,4 @@ def run(a, d, model, tokenizer, seqs, evalsets, log, amp):
         acc = heldout_accuracy(model, tokenizer, evalsets, spec, a.eval_temperature, a.seed)
     log({"step": a.sft_steps, **acc})
     distributed.print0(json.dumps(acc, indent=1))
-    run_dir.export(model, tokenizer, a.export, a.export_dtype, bf16=bf16)
+    checkpoints.export(model, tokenizer, a.export, a.export_dtype, bf16=bf16)

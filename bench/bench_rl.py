@@ -143,10 +143,10 @@ def trl_worker(steps, out, dtype):
     from trl import GRPOConfig, GRPOTrainer
 
     import reward
-    import rollout
+    import models
     from data.prompts import build_prompt
 
-    model, tok = rollout.load_policy(os.path.join(ROOT, "data", "tinymath", "warmstart"), dtype=torch.float32)
+    model, tok = models.load_policy(os.path.join(ROOT, "data", "tinymath", "warmstart"), dtype=torch.float32)
     with open(os.path.join(ROOT, "data", "tinymath", "train.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     data = Dataset.from_list([{"prompt": build_prompt(tok, r["problem"], "plain"), "answer": r["answer"]} for r in rows])

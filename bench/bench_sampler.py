@@ -23,7 +23,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import rollout as R  # noqa: E402
+import kv_cache
+import logprobs
+import rollout as R
 
 PRESETS = {  # Qwen2Config kwargs
     "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
@@ -47,7 +49,7 @@ def hf_plain(model, prompts, new, temperature):
     """The pinned baseline: HF generate, plain sampling, nothing kept but the tokens; no EOS."""
     from transformers import GenerationConfig
 
-    ids, mask = R.left_pad(prompts, 0, next(model.parameters()).device)
+    ids, mask = kv_cache.left_pad(prompts, 0, next(model.parameters()).device)
     cfg = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                            eos_token_id=None, pad_token_id=0)
     return model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
@@ -99,7 +101,7 @@ def main(argv=None):
     for B in args.batch:
         prompts = make_prompts(B)
 
-        def go(extra):
+        def go(extra, prompts=prompts, B=B):                # this batch size's (bound now)
             if extra.get("plain"):
                 return timed(lambda: hf_plain(model, prompts, args.new, args.temperature), device)
             extra = dict(extra, seeds=list(range(B))) if extra.get("seeds") else extra
@@ -135,7 +137,7 @@ def main(argv=None):
         s3 = (whole.response_ids == whole.response_ids).all(1).sum().item()
         print(f"seeded re-batching: chunked {s1}/{B}, reversed {s2}/{B} rows identical (self {s3})")
         with torch.no_grad():
-            sc = R.score_tokens(model, whole.packed(), args.temperature, with_entropy=True)
+            sc = logprobs.score_tokens(model, whole.packed(), args.temperature, with_entropy=True)
         diff = (whole.logprobs - sc.response * whole.response_mask).abs()
         print(f"sampled logprob vs token_logprobs: max |diff| {diff.max():.3e}, mean {diff.mean():.3e}; "
               f"mean entropy {sc.entropy[whole.response_mask.bool()].mean():.3f}")

@@ -10,7 +10,7 @@ in its own try/except, so an API difference (another transformers, no flash-attn
 that item a FAIL or SKIP line, not the run. The items, in the order they run:
 
 1. ragged-score/<attn>/<precision> and ragged-sample/<attn>/<precision>: left-padded prompts of
-   different lengths with right-padded responses through `rollout.token_logprobs` (forward and
+   different lengths with right-padded responses through `logprobs.token_logprobs` (forward and
    backward) and through our "kv" sampler (`rollout.sample`); attn sdpa or flash_attention_2 (SKIP
    where flash_attn does not import, and for fp32, which flash-attn does not compute); precision
    fp32, bf16 (bf16 weights) or bf16-mixed (fp32 weights under bf16 autocast, training's default
@@ -39,7 +39,7 @@ that item a FAIL or SKIP line, not the run. The items, in the order they run:
    memory_plan.phases(), or where that does not exist the rollout/update sums of memory_plan.terms()
    (the line says which); FAIL where a phase exceeds its plan by more than 20% + 256 MiB (the plan
    would hide an out-of-memory). SKIP on the CPU (no CUDA allocator), with the plan's figures.
-   train/reload: <out>/hf loads with `rollout.load_policy`, gives finite logits, and differs from
+   train/reload: <out>/hf loads with `models.load_policy`, gives finite logits, and differs from
    the initial weights (the optimizer moved them).
 3. kv-cache: our sampler under the training precision (`rollout.SampleSpec.make`, `sample_with`):
    the cache's buffers are in the compute dtype (bf16 under autocast on CUDA) and, with a budget of
@@ -73,8 +73,11 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import batching  # noqa: E402
 import distributed  # noqa: E402
+import kv_cache  # noqa: E402
+import logprobs  # noqa: E402
 import losses  # noqa: E402
 import memory_plan  # noqa: E402
+import models  # noqa: E402
 import optimizer  # noqa: E402
 import rollout  # noqa: E402
 
@@ -284,7 +287,7 @@ def ragged_score(model, amp, tol):
     ids, mask, spans = ragged_batch(model.config.vocab_size, dev)
     model.zero_grad(set_to_none=True)
     with amp():
-        logp, _ = rollout.token_logprobs(model, ids, mask)       # (B, L-1): position j scores token j+1
+        logp, _ = logprobs.token_logprobs(model, ids, mask)       # (B, L-1): position j scores token j+1
     bad = int((~torch.isfinite(logp)).sum())                      # pads included: NaN * 0 is NaN
     sum(logp[i, s:e - 1].sum() for i, (s, e) in enumerate(spans)).backward()
     g_batch = grads(model)
@@ -296,13 +299,13 @@ def ragged_score(model, amp, tol):
     diff = 0.0
     for i, (s, e) in enumerate(spans):                            # each row alone, no padding
         with amp():
-            alone, _ = rollout.token_logprobs(model, ids[i:i + 1, s:e], mask[i:i + 1, s:e])
+            alone, _ = logprobs.token_logprobs(model, ids[i:i + 1, s:e], mask[i:i + 1, s:e])
         alone.sum().backward()                                    # gradients add up over the rows
         diff = max(diff, float((logp[i, s:e - 1] - alone[0].detach().float()).abs().max()))
     g_rel = rel_l2(g_batch, grads(model))
     model.zero_grad(set_to_none=True)
     with torch.no_grad(), amp():                                  # the same batch, its padding attended
-        blind, _ = rollout.token_logprobs(model, ids, torch.ones_like(mask))
+        blind, _ = logprobs.token_logprobs(model, ids, torch.ones_like(mask))
     bug = max(float((blind[i, s:e - 1].float() - logp[i, s:e - 1]).abs().max()) for i, (s, e) in enumerate(spans))
     figures = (f"max|dlogp|={diff:.2e} (tol {tol['logp']:g}) grad_rel={g_rel:.2e} (tol {tol['grad']:g}) "
                f"unmasked_padding={bug:.2e}")
@@ -329,7 +332,7 @@ def ragged_sample(model, amp, tol):
     for i, p in enumerate(prompts):
         toks = torch.tensor([p + ro.response_ids[i, :lens[i]].tolist()], device=dev)
         with torch.no_grad(), amp():
-            alone, _ = rollout.token_logprobs(model, toks, torch.ones_like(toks))
+            alone, _ = logprobs.token_logprobs(model, toks, torch.ones_like(toks))
         diff = max(diff, float((ro.logprobs[i, :lens[i]].float() - alone[0, len(p) - 1:].float()).abs().max()))
         with amp():
             solo = rollout.sample(model, [p], seeds=seeds[i:i + 1], **kw)
@@ -560,10 +563,10 @@ def safetensors_in(folder) -> dict:
 
 
 def train_reload(dev, tmp, out):
-    """<out>/hf loads with rollout.load_policy, gives finite logits, and moved from the initial weights."""
+    """<out>/hf loads with models.load_policy, gives finite logits, and moved from the initial weights."""
     check("seconds" in out, "train.main did not finish")
     hf = os.path.join(tmp, "run", "hf")
-    model, tok = rollout.load_policy(hf, device=dev)
+    model, tok = models.load_policy(hf, device=dev)
     ids = torch.tensor([tok("Leo owns 36 buttons. How many buttons does Leo have?").input_ids], device=dev)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -580,7 +583,7 @@ def train_reload(dev, tmp, out):
 
 
 def kv_cache_check(a, dev):
-    _, tok = rollout.load_policy(WARM)                   # stop and pad ids for SampleSpec.make
+    _, tok = models.load_policy(WARM)                   # stop and pad ids for SampleSpec.make
     dtype, amp = distributed.precision("auto", dev)      # train.py's default: bf16 autocast on CUDA
     bf16 = distributed.uses_bf16("auto", dev)
     model = build(model_config(a.preset, a.p["ragged_layers"]), dev, dtype)
@@ -599,9 +602,9 @@ def kv_cache_check(a, dev):
         made.append(base(*args, **kw))
         return made[-1]
 
-    with patched(rollout, "kv_cache", recording) as base, amp():
+    with patched(kv_cache, "kv_cache", recording) as base, amp():
         ro = rollout.sample_with(model, prompts, spec, temperature=1.0, seeds=list(range(len(prompts))))
-    check(made, "rollout.sample_with made no rollout.kv_cache")
+    check(made, "rollout.sample_with made no kv_cache.kv_cache")
     want = torch.bfloat16 if bf16 and dev.type == "cuda" else dtype   # precision("auto")'s compute dtype
     bpp = arch.kv_bytes_per_position(want.itemsize)
     per_call = []
@@ -661,7 +664,7 @@ def erpo_update(model, ro, qref_logp, a, opt, amp, mem):
         r = torch.tensor(mb, device=packed.input_ids.device)
         pk, pc, rc = packed.trimmed(r)
         with amp():
-            s = rollout.score_tokens(model, pk, a.temperature)
+            s = logprobs.score_tokens(model, pk, a.temperature)
             loss, _ = losses.rl_loss(algo, logp=s.response, old_logp=s.response.detach(), ref_logp=None,
                                      resp_mask=resp_mask[r][:, rc], advantages=adv[r], weights=w[r],
                                      prompt_logp=s.prompt, prompt_ref_logp=qref_logp[r][:, pc],
@@ -686,7 +689,7 @@ def update_mfu(a, dev, name):
     _, amp = precision("bf16-mixed", dev)
     ro = synthetic_rollout(a, model.config.vocab_size, dev)
     with torch.no_grad(), amp():  # the Query-KL cache: the prompts' log-probs under the initial weights
-        qref = rollout.token_logprobs(model, ro.prompt_ids, ro.prompt_mask, a.temperature)[0].float()
+        qref = logprobs.token_logprobs(model, ro.prompt_ids, ro.prompt_mask, a.temperature)[0].float()
     model = distributed.wrap_model(model.train(), dev, grad_ckpt=True)
     opt = optimizer.adamw(model, 1e-6, 0.01)
     warm = argparse.Namespace(**{**vars(a), "rows": a.group})      # a first small step: kernels, Adam state
@@ -720,7 +723,7 @@ def decode_speed(a, dev):
                        seeds=list(range(len(prompts))))
 
     def hf(n):
-        ids, mask = rollout.left_pad(prompts, 0, dev)
+        ids, mask = kv_cache.left_pad(prompts, 0, dev)
         model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
             max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=a.temperature, top_k=0, top_p=1.0,
             eos_token_id=None, pad_token_id=0))

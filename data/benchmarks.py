@@ -318,7 +318,8 @@ def read_rows(path):
                 data = json.load(f)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
-            raise DataError(f"{path}{line}: not a valid UTF-8 JSON file ({e}; expected a JSON list of rows)") from None
+            raise DataError(f"{path}{line}: not a valid UTF-8 JSON file "
+                            f"({e}; expected a JSON list of rows)") from None
         if isinstance(data, dict):  # {"data": [...]} or {"test": [...]}: take the one list
             lists = [v for v in data.values() if isinstance(v, list)]
             if len(lists) != 1:

@@ -72,7 +72,8 @@ def load_prompt_set(source, tokenizer, template, max_prompt_len=None, limit=None
     or an answer unless strict; prompts longer than max_prompt_len are dropped, with a count."""
     from data.benchmarks import load_benchmark, load_problems
 
-    rows = load_problems(source, limit=limit, strict=strict) if training else load_benchmark(source, limit=limit)
+    rows = (load_problems(source, limit=limit, strict=strict) if training
+            else load_benchmark(source, limit=limit))
     ids = encode_prompts(tokenizer, rows, template)
     keep = [i for i, x in enumerate(ids) if max_prompt_len is None or len(x) <= max_prompt_len]
     if not keep:
@@ -93,8 +94,9 @@ def check_positions(name, ids, max_new_tokens, max_positions, flag="--max-new-to
     longest = max(over)
     fix = (f"lower {flag} to {max_positions - longest}" if longest < max_positions else
            f"drop those problems (a prompt of {longest} tokens alone exceeds the {max_positions} positions)")
-    raise DataError(f"{name}: {len(over)} of {len(ids)} prompts do not fit the model's {max_positions} positions "
-                    f"with {flag} {max_new_tokens} (longest prompt {longest} tokens): {fix}, or leave the set out")
+    raise DataError(f"{name}: {len(over)} of {len(ids)} prompts do not fit the model's {max_positions} "
+                    f"positions with {flag} {max_new_tokens} (longest prompt {longest} tokens): {fix}, "
+                    "or leave the set out")
 
 
 def step_indices(n_data, step, batch, seed) -> list[int]:

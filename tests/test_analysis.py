@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import analysis
+import models
 import rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +37,7 @@ def test_run_plots_and_gap(tmp_path, capsys):
 
 def test_query_response_nll_matches_separate_forwards():
     """Query/response NLL from one forward equals the NLL computed on each part separately."""
-    model, tok = rollout.load_policy(WARM)
+    model, tok = models.load_policy(WARM)
     prompts = [tok("Mia has 3 apples.", add_special_tokens=False)["input_ids"],
                tok("12 + 5", add_special_tokens=False)["input_ids"]]  # different lengths: padding
     eos = rollout.eos_token_ids(model, tok)

@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 import evaluate as E
 import heldout
-import rollout
-import run_dir
+import models
+import checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
@@ -58,9 +58,9 @@ def weights(model):
 def test_a_sharded_checkpoint_loads_as_the_same_steps_hf_export(fsdp_run):
     run = fsdp_run["run"]
     assert not list((run / "ckpt").glob("*.safetensors")) and not (run / "ckpt" / "config.json").exists()
-    src = run_dir.find_model(str(run / "ckpt"))
+    src = checkpoints.find_model(str(run / "ckpt"))
     assert src.model == WARM and src.dcp == str(run / "ckpt" / "dcp")                  # the run's --model
-    hf, tok_hf = rollout.load_policy(str(run / "hf"))
+    hf, tok_hf = models.load_policy(str(run / "hf"))
     want = weights(hf)
     ids = torch.tensor([tok_hf("Mia has 23 apples. Mia gives 5 apples to Tom.", add_special_tokens=False).input_ids])
     for path in (run / "ckpt", run):                                     # the checkpoint, or its run folder
@@ -74,7 +74,7 @@ def test_a_sharded_checkpoint_loads_as_the_same_steps_hf_export(fsdp_run):
         assert tok.padding_side == "left" and model.generation_config.eos_token_id == hf.generation_config.eos_token_id
     # In the dtype evaluate asks for: the export loaded in bfloat16, bit for bit.
     model, _ = heldout.load_model(str(run / "ckpt"), "cpu", "bfloat16")
-    hf16, _ = rollout.load_policy(str(run / "hf"), dtype="bfloat16")
+    hf16, _ = models.load_policy(str(run / "hf"), dtype="bfloat16")
     assert next(model.parameters()).dtype == torch.bfloat16
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), hf16.state_dict().values()))
 
@@ -83,11 +83,11 @@ def test_an_intermediate_checkpoint_loads_and_evaluates(fsdp_run, tmp_path):
     """The checkpoint of step 1 of a run killed in step 2: no HF folder anywhere, yet evaluate.py
     takes the run folder (or its ckpt/) and its weights are step 1's: neither the warm start's nor step 2's."""
     cut, final = fsdp_run["cut"], fsdp_run["run"]
-    assert run_dir.load_state(str(cut)).step == 1 and not (cut / "hf").exists()
+    assert checkpoints.load_state(str(cut)).step == 1 and not (cut / "hf").exists()
     step1 = weights(heldout.load_model(str(cut / "ckpt"), "cpu", "auto")[0])
     assert all(torch.equal(step1[k], v) for k, v in weights(heldout.load_model(str(cut), "cpu", "auto")[0]).items())
     for other in (WARM, str(final / "hf")):
-        theirs = weights(rollout.load_policy(other)[0])
+        theirs = weights(models.load_policy(other)[0])
         assert any(not torch.equal(step1[k], theirs[k]) for k in theirs), other
     out = tmp_path / "eval"
     summary = E.main(["--model", str(cut), "--labels", "step1", "--benchmarks", "tiny-test", "--limit", "2",
@@ -98,7 +98,7 @@ def test_an_intermediate_checkpoint_loads_and_evaluates(fsdp_run, tmp_path):
 
 def test_a_folder_that_is_neither_a_model_nor_a_checkpoint_is_one_line(fsdp_run, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        run_dir.find_model(str(tmp_path))
+        checkpoints.find_model(str(tmp_path))
     msg = str(e.value.code)
     assert msg.startswith(f"error: {tmp_path} is neither a model folder") and "\n" not in msg
     with pytest.raises(SystemExit) as e:                                 # evaluate.py says so before anything else
@@ -108,12 +108,12 @@ def test_a_folder_that_is_neither_a_model_nor_a_checkpoint_is_one_line(fsdp_run,
     orphan = tmp_path / "orphan"                                         # a checkpoint without its run's config.json
     shutil.copytree(fsdp_run["cut"] / "ckpt", orphan / "ckpt")
     with pytest.raises(SystemExit) as e:
-        run_dir.find_model(str(orphan / "ckpt"))
+        checkpoints.find_model(str(orphan / "ckpt"))
     assert "the architecture is the initial model named by" in str(e.value.code)
     cfg = json.loads((fsdp_run["cut"] / "config.json").read_text())
     (orphan / "config.json").write_text(json.dumps({**cfg, "model": str(tmp_path / "gone")}))
     with pytest.raises(SystemExit) as e:
-        run_dir.find_model(str(orphan))
+        checkpoints.find_model(str(orphan))
     assert "is not a model folder from here" in str(e.value.code)
 
 
@@ -131,12 +131,12 @@ def file_dtypes(folder):
 def test_export_dtype(tmp_path):
     """auto: bfloat16 when the run computed in bf16, else the weights' own (float32: the tiny warm
     start stays float32); or as asked. config.json names the files' dtype; the model is unchanged."""
-    model, tok = rollout.load_policy(WARM)
+    model, tok = models.load_policy(WARM)
     before = weights(model)
     cases = {"fp32": (None, False, "F32", "float32"), "auto_bf16": ("auto", True, "BF16", "bfloat16"),
              "fp16": ("float16", True, "F16", "float16"), "bf16": (torch.bfloat16, False, "BF16", "bfloat16")}
     for name, (dtype, bf16, stored, config) in cases.items():
-        run_dir.export(model, tok, str(tmp_path / name), dtype, bf16=bf16)
+        checkpoints.export(model, tok, str(tmp_path / name), dtype, bf16=bf16)
         assert file_dtypes(tmp_path / name) == {stored}, name
         assert json.loads((tmp_path / name / "config.json").read_text())["dtype"] == config, name
     assert all(torch.equal(v, model.state_dict()[k]) and v.dtype == torch.float32 for k, v in before.items())
@@ -146,25 +146,25 @@ def test_export_dtype(tmp_path):
         assert "lm_head.weight" not in s.keys()                           # tied weights stay tied
     half = (tmp_path / "auto_bf16" / "model.safetensors").stat().st_size
     assert half < 0.55 * (tmp_path / "fp32" / "model.safetensors").stat().st_size
-    loaded, _ = rollout.load_policy(str(tmp_path / "auto_bf16"), dtype="bfloat16")
+    loaded, _ = models.load_policy(str(tmp_path / "auto_bf16"), dtype="bfloat16")
     assert all(torch.equal(loaded.state_dict()[k], v.to(torch.bfloat16)) for k, v in before.items())
     with pytest.raises(ValueError):
-        run_dir.export_dtype("int8", False, torch.float32)
+        checkpoints.export_dtype("int8", False, torch.float32)
 
 
 FSDP_SAVE = r'''
 import json, os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-import distributed, optimizer, rollout, run_dir
+import checkpoints, distributed, models, optimizer, run_dir
 torch.set_num_threads(1)
 d = distributed.setup(fsdp=True)                      # world size 1: a process group of one
 out = sys.argv[3]
-model, tok = rollout.load_policy(sys.argv[2], shard=distributed.sharder(True, d.device, bf16=False))
+model, tok = models.load_policy(sys.argv[2], shard=distributed.sharder(True, d.device, bf16=False))
 opt = optimizer.adamw(model, 1e-3, 0.0)
 sched = optimizer.warmup_then_constant(opt, 0)
 run_dir.write_config(out, {"model": sys.argv[2]})
-run_dir.save_checkpoint(out, model, tok, opt, sched, 1, final=True, export_dtype="auto", bf16=True)
+checkpoints.save_checkpoint(out, model, tok, opt, sched, 1, final=True, export_dtype="auto", bf16=True)
 distributed.teardown()
 '''
 
@@ -178,10 +178,10 @@ def test_the_final_export_of_an_fsdp2_run_takes_the_export_dtype(tmp_path):
     r = subprocess.run([sys.executable, str(tmp_path / "w.py"), ROOT, WARM, str(out)], cwd=ROOT,
                        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert file_dtypes(out / "hf") == {"BF16"} and run_dir.is_sharded(str(out))
+    assert file_dtypes(out / "hf") == {"BF16"} and checkpoints.is_sharded(str(out))
     import torch.distributed.checkpoint as dcp
     md = dcp.FileSystemReader(str(out / "ckpt" / "dcp")).read_metadata().state_dict_metadata
     assert {m.properties.dtype for k, m in md.items() if k.startswith("model.")} == {torch.float32}
     a = heldout.load_model(str(out / "ckpt"), "cpu", "bfloat16")[0].state_dict()
-    b = rollout.load_policy(str(out / "hf"), dtype="bfloat16")[0].state_dict()
+    b = models.load_policy(str(out / "hf"), dtype="bfloat16")[0].state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

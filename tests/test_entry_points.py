@@ -29,7 +29,9 @@ COMMANDS = {
     "bench/memory_check.py": [["--help"]],
     "bench/reliability_sweep.py": [["--help"]],
     "data/tinymath/prepare.py": [["--help"]],
+    "data/countdown/prepare.py": [["--help"]],
     "tests/test_golden.py": [["--help"]],
+    "tests/test_style.py": [["--help"]],
 }
 # `python mathverify_pool.py --server N` is the grader pool's own child process, not a command;
 # tests/test_docs.py's main guard runs pytest.

@@ -15,8 +15,11 @@ import time
 import pytest
 
 import analysis
+import checkpoints
+import eval_folder
 import evaluate as E
 import heldout
+import models
 import rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,30 +143,30 @@ def test_only_samples_on_disk_make_a_folder_refuse(tmp_path):
     """check_config on hand-made folders: no samples (or none of that model) -> any key is taken;
     samples in samples.jsonl or in a killed torchrun sweep's rank file -> the key they were made
     under holds; a config.json that cannot be read refuses only a folder that has samples."""
-    settings = {k: 1 for k in E.GENERATION_KEYS}
+    settings = {k: 1 for k in eval_folder.GENERATION_KEYS}
     out = str(tmp_path)
-    E.write_config(out, settings, {"a": "fp-a"})
-    E.check_config(out, {**settings, "top_p": 0.5}, {"a": "fp-new"})    # nothing sampled yet
+    eval_folder.write_config(out, settings, {"a": "fp-a"})
+    eval_folder.check_config(out, {**settings, "top_p": 0.5}, {"a": "fp-new"})    # nothing sampled yet
     (tmp_path / "samples.rank1.jsonl").write_text(json.dumps({"model": "a"}) + "\n")
     with pytest.raises(ValueError, match=r"other settings: --top-p 1 \(now 0.5\)"):
-        E.check_config(out, {**settings, "top_p": 0.5}, {"a": "fp-a"})
+        eval_folder.check_config(out, {**settings, "top_p": 0.5}, {"a": "fp-a"})
     with pytest.raises(ValueError, match="samples of a made from other weights"):
-        E.check_config(out, settings, {"a": "fp-new"})
-    E.check_config(out, settings, {"a": "fp-a", "b": "fp-b"})          # b: a new model, nothing of it yet
-    E.write_config(out, settings, {"b": "fp-b"})
+        eval_folder.check_config(out, settings, {"a": "fp-new"})
+    eval_folder.check_config(out, settings, {"a": "fp-a", "b": "fp-b"})          # b: a new model, nothing of it yet
+    eval_folder.write_config(out, settings, {"b": "fp-b"})
     assert config_of(out)["models"] == {"a": "fp-a", "b": "fp-b"}      # a's fingerprint is kept
     (tmp_path / "config.json").write_text('{"top_p": 1, "mod')
     with pytest.raises(ValueError, match="config.json, the settings its samples were made under, cannot be"):
-        E.check_config(out, settings, {"a": "fp-a"})
+        eval_folder.check_config(out, settings, {"a": "fp-a"})
     os.remove(tmp_path / "samples.rank1.jsonl")
-    E.check_config(out, settings, {"a": "fp-a"})
+    eval_folder.check_config(out, settings, {"a": "fp-a"})
     # a config.json of before the seed scheme was recorded: its samples have other seeds
     (tmp_path / "samples.jsonl").write_text(json.dumps({"model": "a"}) + "\n")
     old = {k: v for k, v in settings.items() if k not in ("seed_scheme", "dtype")}
     (tmp_path / "config.json").write_text(json.dumps(old))
     with pytest.raises(ValueError, match="the seed scheme None"):
-        E.check_config(out, settings, {"a": "fp-a"})
-    E.check_config(out, {**settings, "seed_scheme": None}, {"a": "fp-a"})   # dtype: newer, any value
+        eval_folder.check_config(out, settings, {"a": "fp-a"})
+    eval_folder.check_config(out, {**settings, "seed_scheme": None}, {"a": "fp-a"})   # dtype: newer, any value
 
 
 def test_a_finished_sweep_with_dtype_auto_rebuilds_its_tables_on_another_device(tmp_path, capsys, monkeypatch):
@@ -182,21 +185,21 @@ def test_the_weights_fingerprint_follows_the_files_contents(tmp_path):
     """Same bytes at another path: the same fingerprint; retrained or another shard: another one.
     An FSDP2 checkpoint's dcp/ folder is read the same way (.metadata and shards); a hub id is itself."""
     a, b = copy_of_warm(tmp_path / "a"), copy_of_warm(tmp_path / "b")
-    fp = E.weights_fingerprint(E.run_dir.ModelSource(a))
-    assert fp == E.weights_fingerprint(E.run_dir.ModelSource(b))
+    fp = eval_folder.weights_fingerprint(checkpoints.ModelSource(a))
+    assert fp == eval_folder.weights_fingerprint(checkpoints.ModelSource(b))
     retrain(b)
-    assert E.weights_fingerprint(E.run_dir.ModelSource(b)) != fp
+    assert eval_folder.weights_fingerprint(checkpoints.ModelSource(b)) != fp
     dcp = tmp_path / "run" / "ckpt" / "dcp"
     dcp.mkdir(parents=True)
     (dcp / ".metadata").write_bytes(b"layout" * 100)
     (dcp / "__0_0.distcp").write_bytes(os.urandom(100_000))
-    src = E.run_dir.ModelSource(WARM, str(dcp))
-    assert [os.path.basename(p) for p in E.weight_files(src)] == [".metadata", "__0_0.distcp"]
-    before = E.weights_fingerprint(src)
-    assert E.weights_fingerprint(src) == before
+    src = checkpoints.ModelSource(WARM, str(dcp))
+    assert [os.path.basename(p) for p in eval_folder.weight_files(src)] == [".metadata", "__0_0.distcp"]
+    before = eval_folder.weights_fingerprint(src)
+    assert eval_folder.weights_fingerprint(src) == before
     (dcp / "__0_0.distcp").write_bytes(os.urandom(100_000))        # retrained: every byte of the data moves
-    assert E.weights_fingerprint(src) != before
-    assert E.weights_fingerprint(E.run_dir.ModelSource("Qwen/Qwen2.5-Math-7B")) == "hub:Qwen/Qwen2.5-Math-7B"
+    assert eval_folder.weights_fingerprint(src) != before
+    assert eval_folder.weights_fingerprint(checkpoints.ModelSource("Qwen/Qwen2.5-Math-7B")) == "hub:Qwen/Qwen2.5-Math-7B"
 
 
 # ----------------------------------------------------------------------------- flag values
@@ -277,7 +280,7 @@ def test_a_model_folder_without_a_tokenizer_is_one_line_before_anything_is_writt
     why = (f"{bare} holds no tokenizer (none of tokenizer.json, tokenizer.model, vocab.json, vocab.txt, "
            "spiece.model): copy the tokenizer files of the model it was trained from into it")
     with pytest.raises(OSError) as e:                         # what train.py turns into its one line
-        rollout.load_policy(str(bare))
+        models.load_policy(str(bare))
     assert str(e.value) == why
     out = tmp_path / "out"
     assert refusal(E.main, ["--model", str(bare), *TINY, "--out", str(out)], capsys) == \

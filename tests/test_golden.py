@@ -60,14 +60,14 @@ TRACED_TRAIN = """
 import hashlib, json, os, sys, torch
 torch.set_num_threads(1)
 import train
-digests, sample = {}, train.sample_and_score
+digests, sample = {}, train.experience.sample_and_score
 def traced(run, decoder, prompt_idx, step, round_):
     g = sample(run, decoder, prompt_idx, step, round_)
     ids = (g.ro.response_ids * g.ro.response_mask).numpy()
     h = hashlib.sha256(str(ids.shape).encode() + ids.tobytes())
     digests.setdefault(step + 1, []).append(h.hexdigest()[:16])
     return g
-train.sample_and_score = traced
+train.experience.sample_and_score = traced
 train.main(sys.argv[1:])
 with open(os.path.join(sys.argv[sys.argv.index("--out") + 1], "tokens.json"), "w") as f:
     json.dump({str(k): "+".join(v) for k, v in digests.items()}, f)

@@ -138,7 +138,7 @@ def _loop_advantages(rewards, G, kind, eps=1e-6):
         g = rewards[k:k + G]
         mean = sum(g) / G
         std = math.sqrt(sum((x - mean) ** 2 for x in g) / (G - 1))
-        for i, x in enumerate(g):
+        for x in g:
             if all(y == g[0] for y in g):
                 out.append(0.0)
             elif kind == "grpo":
@@ -204,7 +204,9 @@ def test_query_kl_mask_and_zero():
     base = query_kl(logp, ref, mask)
     assert (base > 0).all()
     changed = logp.clone()
-    changed[0, 0] -= 5.0; changed[0, 4] += 1.0; changed[2, 3] -= 2.0       # unmasked positions only
+    changed[0, 0] -= 5.0                                                 # unmasked positions only
+    changed[0, 4] += 1.0
+    changed[2, 3] -= 2.0
     torch.testing.assert_close(query_kl(changed, ref, mask), base)
     changed[0, 2] -= 1.0                                                  # a masked one does count
     assert not torch.allclose(query_kl(changed, ref, mask)[0], base[0])
@@ -369,7 +371,8 @@ def _batch(seed=0, B=8, T=9):
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_aggregate_microbatch_invariance(mode):
     theta, mask = _batch()
-    f = lambda t: torch.sin(t) * t ** 2                                  # any per-token loss
+    def f(t):                                                            # any per-token loss
+        return torch.sin(t) * t ** 2
     full = aggregate(f(theta), mask, mode, max_len=9)
     (g_full,) = torch.autograd.grad(full, theta)
     denom = dict(num_tokens=mask.sum(), num_seqs=mask.shape[0], max_len=9)
@@ -403,11 +406,13 @@ def test_aggregate_hand_values_and_errors():
 
 def _inputs(seed=0, B=4, Tr=6, Tp=5):
     g = torch.Generator().manual_seed(seed)
-    lp = lambda *s: -torch.rand(*s, generator=g, dtype=torch.float64) * 3
+    def lp(*s):
+        return -torch.rand(*s, generator=g, dtype=torch.float64) * 3
     logp = lp(B, Tr).requires_grad_(True)
     prompt_logp = lp(B, Tp).requires_grad_(True)
     resp_mask = (torch.arange(Tr)[None] < torch.tensor([6, 3, 4, 1])[:, None]).long()
-    prompt_mask = torch.ones(B, Tp, dtype=torch.long); prompt_mask[:, 0] = 0
+    prompt_mask = torch.ones(B, Tp, dtype=torch.long)
+    prompt_mask[:, 0] = 0
     return dict(logp=logp, old_logp=logp.detach() + 0.1 * lp(B, Tr), ref_logp=lp(B, Tr),
                 resp_mask=resp_mask, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64),
                 weights=torch.tensor([1.5, 0.5, 1.0, 2.0], dtype=torch.float64),
@@ -423,7 +428,8 @@ def _grads(name, **changes):
     kw.update(changes)
     loss, stats = rl_loss(algo, **kw)
     g1, g2 = torch.autograd.grad(loss, [kw["logp"], kw["prompt_logp"]], allow_unused=True)
-    zero = lambda g, like: torch.zeros_like(like) if g is None else g
+    def zero(g, like):
+        return torch.zeros_like(like) if g is None else g
     return torch.cat([zero(g1, kw["logp"]).flatten(), zero(g2, kw["prompt_logp"]).flatten()]), stats
 
 

@@ -16,6 +16,7 @@ import batching
 import distributed
 import memory_measure
 import memory_plan
+import models
 import rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,8 +157,8 @@ def test_micro_batches_hold_at_most_micro_tokens_padded_tokens():
 def test_float32_never_picks_flash_attn(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "flash_attn", object())
-    assert rollout._default_attn_implementation(torch.float32) == "sdpa"
-    assert rollout._default_attn_implementation(torch.bfloat16) == "flash_attention_2"
+    assert models._default_attn_implementation(torch.float32) == "sdpa"
+    assert models._default_attn_implementation(torch.bfloat16) == "flash_attention_2"
 
 
 def test_the_kv_cache_takes_the_compute_dtype():

@@ -196,7 +196,7 @@ def test_adversarial_inputs_are_bounded_off_main_thread():
     reward.warmup()   # server start-up (~1-3 s) is a one-time cost, not part of the per-answer bound
     timings = {}
     for name, completion in ADVERSARIAL.items():
-        value, dt = _run_in_thread(lambda: score(completion, "2"))
+        value, dt = _run_in_thread(lambda completion=completion: score(completion, "2"))
         timings[name] = dt
         assert value == 0.0, name
         assert dt < 1.5, f"{name}: {dt:.2f}s"

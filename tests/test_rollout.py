@@ -6,6 +6,9 @@ import math
 import pytest
 import torch
 
+import kv_cache
+import logprobs
+import models
 import rollout as R
 
 V = 64
@@ -69,12 +72,12 @@ def test_sampled_logprobs_match_recomputed(model, temperature, top_p):
                   temperature=temperature, top_p=top_p, seeds=list(range(12)))
     packed = ro.packed()
     ids, mask, P = packed.input_ids, packed.attention_mask, packed.P
-    resp_logp = R.score_tokens(model, packed, temperature).response * ro.response_mask
+    resp_logp = logprobs.score_tokens(model, packed, temperature).response * ro.response_mask
     assert ro.logprobs.dtype == torch.float32
     torch.testing.assert_close(ro.logprobs, resp_logp.detach(), atol=1e-4, rtol=0)
     assert (ro.logprobs[ro.response_mask == 0] == 0).all()
     # The test can fail: log-probs at another temperature differ by far more than the tolerance.
-    other, _ = R.token_logprobs(model, ids, mask, temperature=temperature + 0.3)
+    other, _ = logprobs.token_logprobs(model, ids, mask, temperature=temperature + 0.3)
     assert (ro.logprobs - other[:, P - 1 :] * ro.response_mask).abs().max() > 1e-2
 
 
@@ -95,7 +98,7 @@ def test_token_logprobs_values_entropy_and_grad(model):
     ref_grad = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     # Ours, with a tiny chunk so several chunks are used in forward and backward.
-    logp, ent = R.token_logprobs(model, ids, mask, temperature=T, with_entropy=True, chunk_elems=V * 3 * 2)
+    logp, ent = logprobs.token_logprobs(model, ids, mask, temperature=T, with_entropy=True, chunk_elems=V * 3 * 2)
     torch.testing.assert_close(logp, ref.detach(), atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, ref_ent.detach(), atol=1e-5, rtol=0)
     assert not ent.requires_grad
@@ -229,13 +232,14 @@ def test_eos_masking_finished_and_truncation(model, sampler):
 
 
 def test_load_policy_roundtrip_keeps_custom_tokenizer(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
     from transformers import PreTrainedTokenizerFast
 
     # Spaces are tokens and digits are split one by one: Qwen2Tokenizer's own pre-tokenizer would
     # drop the spaces (the transformers-5 pitfall this guards against).
     vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", " ", *"0123456789", "+", "="])}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(" ", behavior="isolated"), pre_tokenizers.Digits(individual_digits=True)])
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>")
@@ -247,7 +251,7 @@ def test_load_policy_roundtrip_keeps_custom_tokenizer(tmp_path):
     m.generation_config.eos_token_id = [7, 1]
     m.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    m2, tok2 = R.load_policy(tmp_path)
+    m2, tok2 = models.load_policy(tmp_path)
     assert tok2(text, add_special_tokens=False)["input_ids"] == before
     assert tok2.padding_side == "left" and tok2.pad_token_id == tok2.eos_token_id == 1
     assert R.eos_token_ids(m2, tok2) == [7, 1]
@@ -263,7 +267,7 @@ def test_bad_input_raises(model):
     with pytest.raises(ValueError):
         R.sample(model, [[3, 4]], max_new_tokens=2, eos_ids=[1], pad_id=0, sampler="vllm")
     with pytest.raises(ValueError):
-        R.token_logprobs(model, torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4), temperature=0)
+        logprobs.token_logprobs(model, torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4), temperature=0)
 
 
 def _arch_model(arch):
@@ -282,9 +286,9 @@ def _arch_model(arch):
 
 def _decode_steps(model, make_step, n=6, drop_at=3):
     """Greedy decoding of PROMPTS through a decode step object, dropping rows midway (compaction)."""
-    ids, mask = R.left_pad(PROMPTS, 0, "cpu")
+    ids, mask = kv_cache.left_pad(PROMPTS, 0, "cpu")
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    cache = R.kv_cache(model.config, ids.shape[1] + n)
+    cache = kv_cache.kv_cache(model.config, ids.shape[1] + n)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, cache=cache, logits_to_keep=1)
         step = make_step(model, cache, mask)
@@ -306,7 +310,7 @@ def test_lean_decode_step_matches_the_hf_forward(arch):
     model = _arch_model(arch)
     assert decode.supports(model)
     lean = _decode_steps(model, decode.LeanStep)
-    hf = _decode_steps(model, lambda m, c, mask: decode.HFStep(m, c, mask, R._forward_kwargs(m)[0], {}))
+    hf = _decode_steps(model, lambda m, c, mask: decode.HFStep(m, c, mask, logprobs.forward_kwargs(m)[0], {}))
     for a, b in zip(lean, hf):  # same math; float32 rounding differs (fused matmuls)
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -320,10 +324,10 @@ def test_lean_decode_under_bf16_autocast():
     model = _arch_model("qwen2")
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         lean = _decode_steps(model, decode.LeanStep)
-        hf = _decode_steps(model, lambda m, c, mask: decode.HFStep(m, c, mask, R._forward_kwargs(m)[0], {}))
-        cache = R.kv_cache(model.config, 8)
+        hf = _decode_steps(model, lambda m, c, mask: decode.HFStep(m, c, mask, logprobs.forward_kwargs(m)[0], {}))
+        cache = kv_cache.kv_cache(model.config, 8)
         ids = torch.tensor([[3, 4, 5]])
-        model(input_ids=ids, use_cache=True, **{R._forward_kwargs(model)[0]: cache})
+        model(input_ids=ids, use_cache=True, **{logprobs.forward_kwargs(model)[0]: cache})
         step = decode.LeanStep(model, cache, torch.ones_like(ids))
     assert step.layers[0].qkv.parts[0][0].dtype == torch.bfloat16
     a, b = lean[0], hf[0]  # the first step (later ones feed each path's own greedy token: ties split)
@@ -335,7 +339,7 @@ def test_lean_decode_falls_back_to_the_hf_forward():
 
     model = _arch_model("qwen3")  # q/k norms: not what LeanStep computes
     assert not decode.supports(model)
-    cache = R.kv_cache(model.config, 16)
+    cache = kv_cache.kv_cache(model.config, 16)
     assert isinstance(decode.stepper(model, cache, torch.ones(1, 2, dtype=torch.long), "cache", {}), decode.HFStep)
 
 
@@ -347,12 +351,12 @@ def test_a_group_scores_its_prompt_once_with_the_same_values_and_gradients():
     ro = R.sample(model, [p for p in prompts for _ in range(G)], max_new_tokens=6, eos_ids=[1], pad_id=0,
                   temperature=1.0, seeds=list(range(9)))
     packed = ro.packed()
-    assert R.shares_prompts(packed, G) and not R.shares_prompts(packed, 2)
+    assert logprobs.shares_prompts(packed, G) and not logprobs.shares_prompts(packed, 2)
     w = torch.randn(packed.input_ids.shape[0], packed.input_ids.shape[1] - 1)
 
     def run(group):
         model.zero_grad()
-        s = R.score_tokens(model, packed, 0.8, with_entropy=True, group=group)
+        s = logprobs.score_tokens(model, packed, 0.8, with_entropy=True, group=group)
         m = ro.response_mask.float()
         ((s.response * m * w[:, packed.P - 1:]).sum() + (s.prompt * packed.prompt_tok_mask * w[:, :packed.P - 1]).sum()).backward()
         return s, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -374,9 +378,9 @@ def test_sliding_window_models_score_full_rows(monkeypatch):
                       num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     ro = R.sample(model, [PROMPTS[1]] * 2, max_new_tokens=4, eos_ids=[], pad_id=0, seeds=[1, 2])
-    monkeypatch.setattr(R, "shared_prompt_scores", lambda *a: pytest.fail("shared pass on a sliding window"))
+    monkeypatch.setattr(logprobs, "shared_prompt_scores", lambda *a: pytest.fail("shared pass on a sliding window"))
     with torch.no_grad():
-        R.score_tokens(model, ro.packed(), 1.0, group=2)
+        logprobs.score_tokens(model, ro.packed(), 1.0, group=2)
 
 
 def test_trimmed_rows_score_like_the_full_width(model):
@@ -385,10 +389,10 @@ def test_trimmed_rows_score_like_the_full_width(model):
     ro = R.sample(model, PROMPTS, max_new_tokens=10, eos_ids=[1, 5, 9], pad_id=0, temperature=1.0, seeds=list(range(6)))
     packed = ro.packed()
     with torch.no_grad():
-        full = R.score_tokens(model, packed, 1.0)
+        full = logprobs.score_tokens(model, packed, 1.0)
         idx = torch.tensor([4, 2])  # short prompts (lengths 2 and 1): most columns go
         pk, pc, rc = packed.trimmed(idx)
-        part = R.score_tokens(model, pk, 1.0)
+        part = logprobs.score_tokens(model, pk, 1.0)
     assert pk.input_ids.shape[1] < packed.input_ids.shape[1]
     m_resp, m_prompt = ro.response_mask[idx][:, rc].bool(), packed.prompt_tok_mask[idx][:, pc].bool()
     assert ro.response_mask[idx][:, rc.stop:].sum() == 0 and packed.prompt_tok_mask[idx][:, :pc.start].sum() == 0

@@ -11,7 +11,10 @@ import sys
 import pytest
 import torch
 
+import kv_cache
 import losses
+import logprobs
+import models
 import rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +37,7 @@ def base_like(tmp_path_factory):
 
 
 def test_chat_templated_model_stops_at_the_end_of_turn_token(base_like):
-    model, tok = rollout.load_policy(base_like)
+    model, tok = models.load_policy(base_like)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.eos_token_id == 0 and model.generation_config.eos_token_id == 0
     eos = rollout.eos_token_ids(model, tok)
@@ -56,7 +59,7 @@ def test_chat_templated_model_stops_at_the_end_of_turn_token(base_like):
 
 
 def test_new_turns_counts_responses_that_start_a_turn(base_like):
-    model, tok = rollout.load_policy(base_like)
+    model, tok = models.load_policy(base_like)
     texts = ["<think> 1 </think> \\boxed{1}", "\\boxed{2}<|im_start|>user\nmore", "no marker"]
     ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
     R = max(map(len, ids))
@@ -88,11 +91,11 @@ from torch.profiler import ProfilerActivity, profile
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 sys.path.insert(0, sys.argv[1])
-import distributed, rollout
+import distributed, models, rollout
 
 NEVER = 5  # "#": a token the tiny model never writes, so every row decodes the full length
 COMMS = ("all_gather", "allgather", "all_reduce", "allreduce", "broadcast", "reduce_scatter", "record_param_comms")
-model, tok = rollout.load_policy(sys.argv[2])
+model, tok = models.load_policy(sys.argv[2])
 policy = distributed.wrap_model(model, torch.device("cpu"), fsdp=True)
 prompts, seeds = json.loads(sys.argv[3]), json.loads(sys.argv[4])
 out = {}
@@ -115,7 +118,7 @@ def test_sharded_rollout_gathers_once(tmp_path):
     """FSDP2 on 2 CPU processes (gloo): the collectives of one rollout do not grow with the number
     of decoded tokens (the weights are gathered once), and the sampled tokens equal a 1-process
     run's. Decoding through the sharded model itself, the count grows: the counter can fail."""
-    model, tok = rollout.load_policy(WARM)
+    model, tok = models.load_policy(WARM)
     from data.prompts import build_prompt
     prompts = [tok(build_prompt(tok, f"Mia has {n} apples. Mia gives 5 apples to Tom. How many apples does Mia "
                                      f"have now?", "plain"), add_special_tokens=False).input_ids for n in (23, 41, 7)]
@@ -142,7 +145,7 @@ def test_sharded_rollout_gathers_once(tmp_path):
 def test_preallocated_kv_cache_matches_hf_generate_with_compaction(monkeypatch):
     """Greedy decoding through the preallocated cache (written in place, rows compacted as they
     finish) gives HF generate's tokens on ragged left-padded prompts (float32, CPU)."""
-    model, tok = rollout.load_policy(WARM)
+    model, tok = models.load_policy(WARM)
     from data.prompts import build_prompt
     problems = ["Mia has 23 apples.", "Mia has 23 apples. Mia gives 5 apples to Tom. Tom eats 2 apples. Mia buys "
                 "7 apples. How many apples does Mia have now?", "How many?", "Leo owns 36 buttons. Leo gives 19 "
@@ -150,7 +153,7 @@ def test_preallocated_kv_cache_matches_hf_generate_with_compaction(monkeypatch):
     prompts = [tok(build_prompt(tok, p, "plain"), add_special_tokens=False).input_ids for p in problems]
     eos = rollout.eos_token_ids(model, tok)
     writes, compactions = [], []
-    real_update, real_select = rollout.PreallocatedLayer.update, rollout.PreallocatedLayer.batch_select_indices
+    real_update, real_select = kv_cache.PreallocatedLayer.update, kv_cache.PreallocatedLayer.batch_select_indices
 
     def update(self, k, v, *a, **kw):
         out = real_update(self, k, v, *a, **kw)
@@ -160,8 +163,8 @@ def test_preallocated_kv_cache_matches_hf_generate_with_compaction(monkeypatch):
     def select(self, idx):
         compactions.append(len(idx))
         return real_select(self, idx)
-    monkeypatch.setattr(rollout.PreallocatedLayer, "update", update)
-    monkeypatch.setattr(rollout.PreallocatedLayer, "batch_select_indices", select)
+    monkeypatch.setattr(kv_cache.PreallocatedLayer, "update", update)
+    monkeypatch.setattr(kv_cache.PreallocatedLayer, "batch_select_indices", select)
     kv = rollout.sample(model, prompts, max_new_tokens=64, eos_ids=eos, pad_id=tok.pad_token_id, temperature=0)
     hf = rollout.sample(model, prompts, max_new_tokens=64, eos_ids=eos, pad_id=tok.pad_token_id, temperature=0,
                         sampler="hf")
@@ -170,13 +173,13 @@ def test_preallocated_kv_cache_matches_hf_generate_with_compaction(monkeypatch):
     assert len(set(lens.tolist())) > 2
     assert torch.equal(kv.response_ids, hf.response_ids[:, :kv.response_ids.shape[1]]) and torch.equal(lens, hf.response_mask.sum(1))
     first = {}
-    for layer, ptr, length in writes[:4 * len(model.model.layers)]:  # before any compaction: one buffer, in place
+    for layer, ptr, _length in writes[:4 * len(model.model.layers)]:  # before any compaction: one buffer, in place
         first.setdefault(layer, set()).add(ptr)
     assert all(len(p) == 1 for p in first.values())
 
 
 def test_kv_budget_caps_the_rows_decoded_at_once_and_changes_no_sample():
-    model, tok = rollout.load_policy(WARM)
+    model, tok = models.load_policy(WARM)
     prompts = [tok(f"Mia has {n} apples.", add_special_tokens=False).input_ids for n in range(10, 22)]
     P = max(map(len, prompts))
     spec = rollout.SampleSpec(40, rollout.eos_token_ids(model, tok), tok.pad_token_id, "kv", 256, None,
@@ -201,8 +204,8 @@ def test_activation_checkpointing_gives_the_same_gradients():
     1e-6), same KV-cache sampling, and a checkpoint saved from it loads as a plain model."""
     import distributed
     torch.manual_seed(0)
-    plain, tok = rollout.load_policy(WARM)
-    ckpt, _ = rollout.load_policy(WARM)
+    plain, tok = models.load_policy(WARM)
+    ckpt, _ = models.load_policy(WARM)
     ckpt = distributed.wrap_model(ckpt, torch.device("cpu"), grad_ckpt=True)
     assert "CheckpointWrapper" in type(ckpt.model.layers[0]).__name__
     ids = torch.randint(3, 600, (4, 40))
@@ -210,7 +213,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     mask[0, :7] = 0                                                        # a left-padded row
     grads = []
     for m in (plain, ckpt):
-        logp, _ = rollout.token_logprobs(m, ids, mask, temperature=0.8)
+        logp, _ = logprobs.token_logprobs(m, ids, mask, temperature=0.8)
         (logp * mask[:, 1:]).sum().backward()
         grads.append({n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in m.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
@@ -243,7 +246,7 @@ def test_memory_plan_terms_match_real_tensor_bytes():
                   group_size=2, gen_batch=4, kv_budget=0, dtype="float32")
     plan = {t.name: t.bytes for t in memory_plan.terms(arch, a, 1, needs_ref=False, device="cpu")}
     ids = torch.randint(0, 32000, (2, 16))
-    logp, _ = rollout.token_logprobs(model, ids, torch.ones_like(ids))
+    logp, _ = logprobs.token_logprobs(model, ids, torch.ones_like(ids))
     logp.sum().backward()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     opt.step()
@@ -252,9 +255,9 @@ def test_memory_plan_terms_match_real_tensor_bytes():
             "Adam state": sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                               if t.dim() > 0)}
     prompts = torch.randint(0, 32000, (4, 24))
-    cache = rollout.kv_cache(model.config, capacity=24 + 8)
+    cache = kv_cache.kv_cache(model.config, capacity=24 + 8)
     with torch.no_grad():
-        model(input_ids=prompts, use_cache=True, **{rollout._forward_kwargs(model)[0]: cache})
+        model(input_ids=prompts, use_cache=True, **{logprobs.forward_kwargs(model)[0]: cache})
     real["KV cache"] = sum(layer.k_buf.numel() * 4 + layer.v_buf.numel() * 4 for layer in cache.layers)
     for name, b in real.items():
         assert abs(plan[name] - b) <= 0.15 * b, (name, plan[name], b)
@@ -270,10 +273,10 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 sys.path.insert(0, sys.argv[1])
-import distributed, rollout
+import distributed, models, rollout
 
 shard = lambda m: distributed.wrap_model(m, torch.device("cpu"), fsdp=True, grad_ckpt=sys.argv[4] == "ckpt")
-model, tok = rollout.load_policy(sys.argv[2], shard=shard)
+model, tok = models.load_policy(sys.argv[2], shard=shard)
 ids = torch.tensor(json.loads(sys.argv[3]))
 sharded = all(hasattr(p, "to_local") for p in model.parameters())     # (before a forward unshards the root)
 local = sum(p.to_local().numel() for p in model.parameters())
@@ -290,7 +293,7 @@ dist.destroy_process_group()
 def test_sharded_loading_gives_the_single_process_logits(tmp_path, ckpt):
     """FSDP2 on 2 CPU processes: built on the meta device, sharded, each rank reads only its slice
     of every tensor; the logits equal a plain single-process load's."""
-    model, tok = rollout.load_policy(WARM)
+    model, tok = models.load_policy(WARM)
     ids = [tok("Mia has 23 apples. Mia gives 5 apples to Tom.", add_special_tokens=False).input_ids[:10],
            tok("Leo owns 36 buttons. How many buttons?", add_special_tokens=False).input_ids[:10]]
     (tmp_path / "w.py").write_text(LOAD_WORKER)
@@ -329,8 +332,8 @@ def test_sharded_checkpoint_resumes_at_world_size_1_and_2(tmp_path):
             return [json.loads(line) for line in f], r.stdout
 
     full, _ = run(2, tmp_path / "full", 4)
-    exported, _ = rollout.load_policy(str(tmp_path / "full" / "hf"))          # the final save's HF export
-    assert exported.num_parameters() == rollout.load_policy(WARM)[0].num_parameters()
+    exported, _ = models.load_policy(str(tmp_path / "full" / "hf"))          # the final save's HF export
+    assert exported.num_parameters() == models.load_policy(WARM)[0].num_parameters()
     run(2, tmp_path / "cut2", 2)
     assert (tmp_path / "cut2" / "ckpt" / "dcp").is_dir() and not list((tmp_path / "cut2" / "ckpt").glob("*.safetensors"))
     shutil.copytree(tmp_path / "cut2", tmp_path / "cut1")

@@ -57,7 +57,7 @@ def rl_loss_statistics(algo):
 
 
 def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeypatch):
-    before = {k: v.clone() for k, v in train.rollout.load_policy(WARM)[0].state_dict().items()}
+    before = {k: v.clone() for k, v in train.models.load_policy(WARM)[0].state_dict().items()}
     real, real_clip, opt_steps = train.losses.rl_loss, train.optimizer.clip_grad, [{}]
 
     def spy(algo, **kw):                       # each optimizer step's clip statistics, micro-batches summed
@@ -90,7 +90,7 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeyp
     assert steps[0]["query_kl"] < 1e-6          # step 1 samples from the reference itself
     assert steps[-1]["query_kl"] > 0            # ... and the queries drift once it trains
     assert "eval_acc" in steps[1] and "eval_acc" in steps[3]
-    after = train.rollout.load_policy(os.path.join(tmp_path, "ckpt"))[0].state_dict()
+    after = train.models.load_policy(os.path.join(tmp_path, "ckpt"))[0].state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     cfg = json.load(open(os.path.join(tmp_path, "config.json")))
     assert cfg["algo"] == "erpo" and cfg["alpha"] is None   # the algorithm's own alpha (0.01)

@@ -95,13 +95,14 @@ def test_levels_get_harder():
 def test_shipped_checkpoint_loads_through_the_real_path():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import models
     import rollout
     from data.prompts import build_prompt
 
     path = os.path.join(TINY, "warmstart")
     model = AutoModelForCausalLM.from_pretrained(path)
     auto_tok = AutoTokenizer.from_pretrained(path)
-    model2, tok = rollout.load_policy(path)
+    model2, tok = models.load_policy(path)
     assert model.config.model_type == "qwen2" and model.num_parameters() < 2_000_000
     text = _rows("ood")[0]["problem"] + "\n" + _rows("ood")[0]["solution"] + "  \n\n 1,000"
     # AutoTokenizer (Qwen2Tokenizer) and our loader tokenize alike, and decoding is lossless

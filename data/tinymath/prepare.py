@@ -137,7 +137,8 @@ def main(argv=None):
     model.save_pretrained(base)
     tokenizer.save_pretrained(base)
     row = splits["train"][0]
-    n_prompt = len(tokenizer(build_prompt(tokenizer, row["problem"], "plain"), add_special_tokens=False).input_ids)
+    n_prompt = len(tokenizer(build_prompt(tokenizer, row["problem"], "plain"),
+                             add_special_tokens=False).input_ids)
     n_sol = len(tokenizer(row["solution"], add_special_tokens=False).input_ids)
     print(f"tokenizer: {len(tokenizer)} tokens; model: {model.num_parameters() / 1e6:.2f}M params -> {base}")
     print(f"example: prompt {n_prompt} tokens, solution {n_sol} tokens")

@@ -1,0 +1,82 @@
+"""One RL step's experience: this rank's prompts, G responses to each from the rollout policy,
+graded by their tasks, and (DAPO) more sampling rounds where groups carry no signal.
+
+train.rl_step calls `collect` once per step, on the decoding copy of the policy
+(distributed.gathered). What a row is worth is its task's business (tasks.score_rows, which sees
+the whole row); what enters the advantages here is that reward, plus DAPO's overlong penalty.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+import batching
+import losses
+import rollout
+import tasks
+from data.prompts import step_indices
+from distributed import all_sum
+
+
+@dataclass
+class Collected:
+    """This rank's share of one RL step's rollouts: rows of a group are consecutive."""
+    ro: rollout.Rollout
+    rewards: torch.Tensor               # (B,) the rewards that enter the advantages
+    valid: torch.Tensor                 # (B,) 0 for DAPO filler groups (no loss)
+    prompt_idx: list[int]               # (B / G,) training-set index of each group's prompt
+    first_rewards: torch.Tensor         # the first sampling round's rewards and accuracies:
+    first_acc: torch.Tensor             # what reward / train_acc report
+    info: dict                          # grader outcome counts, zero_var_frac, resampling
+
+
+def my_prompts(run, step, round_=0) -> list[int]:
+    """Training-set indices of this rank's prompts of an RL step (a sampling round of it): a
+    function of (seed, step, round), so a resumed run samples what the uninterrupted one would."""
+    args = run.args
+    order = step_indices(len(run.data), step if round_ == 0 else step * 7919 + round_, args.rollout_batch,
+                         args.seed + round_)
+    return batching.rank_share(order, run.dist.rank, run.dist.world, args.rollout_batch, args.update_batch)
+
+
+def sample_and_score(run, decoder, prompt_idx, step, round_) -> rollout.Graded:
+    """G responses per prompt (consecutive rows), each graded by its row's task against the whole
+    row; DAPO's overlong penalty enters the rewards, not the accuracies."""
+    args, G = run.args, run.args.group_size
+    with run.timer("gen"):
+        seeds = [rollout.row_seed(args.seed, step, round_, i, j) for i in prompt_idx for j in range(G)]
+        ro = rollout.sample_with(decoder, [run.data.ids[i] for i in prompt_idx for _ in range(G)], run.spec,
+                                 temperature=args.temperature, top_p=args.top_p, seeds=seeds)
+    with run.timer("reward"):
+        rows = [run.data.rows[i] for i in prompt_idx for _ in range(G)]
+        scores, correct, counts = tasks.score_rows(rollout.decode_responses(run.tokenizer, ro), rows,
+                                                   format_reward=args.reward == "acc+format")
+    rewards = torch.tensor(scores)
+    if run.algo.overlong:
+        L = args.max_new_tokens
+        rewards += losses.overlong_penalty(ro.response_mask.sum(1).float(), L, run.algo.overlong_cache_len(L))
+    acc, counts["new_turn"] = torch.tensor(correct).float(), rollout.new_turns(run.tokenizer, ro)
+    return rollout.Graded(ro, rewards, acc, prompt_idx, counts, keep=losses.nonconstant_groups(acc, G))
+
+
+def collect(run, decoder, step) -> Collected:
+    """Sample and grade this rank's prompts. DAPO's dynamic sampling then drops groups whose
+    accuracies are all equal and samples more prompts (at most --max-resample-rounds extra rounds)
+    until this rank's share is full; unfilled slots become zero-weight filler groups, so every rank
+    still runs the same number of micro-batches (DDP and FSDP2 need that)."""
+    G, mine = run.args.group_size, my_prompts(run, step)
+    first = sample_and_score(run, decoder, mine, step, 0)
+    info = {"zero_var_frac": 1 - first.keep.float().mean().item(), "resample_rounds": 0, **first.counts}
+    if not run.algo.dynamic_sampling:
+        everyone = torch.ones(len(mine) * G)                             # every group is trained on
+        return Collected(first.ro, first.rewards, everyone, mine, first.rewards, first.acc, info)
+    rounds, have = [first], int(first.keep.sum())
+    for r in range(1, run.args.max_resample_rounds + 1):
+        if all_sum(torch.tensor(float(have < len(mine)))).item() == 0:  # every rank full (they
+            break                                                      # sample together: FSDP2)
+        rounds.append(sample_and_score(run, decoder, my_prompts(run, step, r), step, r))
+        have += int(rounds[-1].keep.sum())
+        info["resample_rounds"] = r
+    kept = rollout.fill_groups(rounds, len(mine), G, run.tokenizer.pad_token_id)
+    info["kept_groups"] = int(kept.valid.sum()) // G
+    return Collected(kept.ro, kept.rewards, kept.valid, kept.prompt_idx, first.rewards, first.acc, info)

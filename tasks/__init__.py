@@ -1,0 +1,21 @@
+"""Tasks: what a training or held-out row asks, and how a completion of it is scored.
+
+A task is one small module in this folder that builds a `Task` and registers it:
+
+    TASK = tasks.register(tasks.Task(name="countdown", doc="...", score=score, read_row=read_row,
+                                     datasets={"countdown-test": ".../test.jsonl"}, ...))
+
+Training (train.py), the held-out evaluation during training (heldout.py) and evaluate.py all
+grade through `score_rows`, which hands each completion to its row's task together with the
+WHOLE row, so per-row data (Countdown's numbers) reaches the scorer. A row's task is its "task"
+field, set when the row is loaded (`load_rows`): the task that owns the set by name, else the
+run's --task. A run may therefore mix tasks (a JSONL file whose rows carry "task"); metrics then
+report accuracy per task.
+
+The task layer sits under the entry scripts and heldout.py, above reward.py (the math verifier,
+which tasks/math.py calls) and data/ (reading files, prompt templates).
+"""
+
+from tasks.task import (TASKS, Scored, Task, get, keep_row, load_rows, owner, prompt_set,  # noqa: F401
+                        register, score_rows, source_of, task_names_in)
+from tasks import countdown, math  # noqa: F401  -- the built-in tasks register themselves

@@ -1,0 +1,32 @@
+"""The math task (the default): the last \\boxed{} answer of a completion against the row's gold
+answer, by reward.py's verifier (exact strings, numbers, then math-verify in a process pool with a
+per-answer timeout). Its sets are the embedded tiny world (data/tinymath/) and the paper's
+benchmarks, whose names data/benchmarks.py knows."""
+
+import reward
+from tasks.task import Scored, Task, register
+
+OUTCOMES = ("correct", "wrong", "no_answer", "rejected", "timeout", "error")
+
+
+def score(completion: str, row: dict) -> Scored:
+    """1.0 if the completion's last boxed answer equals row["answer"], else 0.0."""
+    return score_batch([completion], [row], reward.DEFAULT_TIMEOUT)[0][0]
+
+
+def score_batch(completions, rows, timeout):
+    """All at once: the verifier's pool grades distinct (gold, answer) pairs once, in parallel."""
+    outcomes, math_verify = reward.grade_completions(completions, [r["answer"] for r in rows], timeout)
+    return [Scored(float(o == "correct"), o) for o in outcomes], {"math_verify": math_verify}
+
+
+TASK = register(Task(
+    name="math",
+    doc="a boxed final answer, checked by reward.py (the paper's task)",
+    score=score,
+    score_batch=score_batch,
+    train_data="tiny-train",
+    heldout=("tiny-test", "tiny-ood", "tiny-hard"),
+    outcomes=OUTCOMES,
+    format_ok=reward.has_format,
+))

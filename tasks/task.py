@@ -1,0 +1,152 @@
+"""The task record and its registry (tasks/__init__.py tells the story; the built-in tasks,
+tasks/math.py and tasks/countdown.py, register themselves with `register`)."""
+
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from data.prompts import PromptSet, load_prompt_set
+from errors import DataError
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One completion's score."""
+    reward: float                      # what enters the advantages (before --reward's format bonus)
+    outcome: str                       # "correct" counts as accurate; every outcome is counted by name
+
+
+def keep_row(row: dict, where: str) -> dict:
+    """The default `Task.read_row`: the normalized row (data.benchmarks) as it is."""
+    return row
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    doc: str                                              # one line, for --help and the README
+    score: Callable[[str, dict], Scored]                  # (completion, the whole row) -> Scored
+    read_row: Callable[[dict, str], dict] = keep_row      # (row, "file:line") -> row; DataError if bad
+    datasets: dict = field(default_factory=dict)          # set name -> file (e.g. "countdown-test")
+    train_data: str | None = None                         # its default training set (--train-data)
+    heldout: tuple = ()                                   # its default held-out sets (--eval-data)
+    outcomes: tuple = ("correct", "wrong", "no_answer")   # outcomes logged as counts (others: "error")
+    # (completions, rows, timeout) -> ([Scored], extra counts): for scorers that batch (math's
+    # process pool); None: `score` one completion at a time
+    score_batch: Callable | None = None
+    format_ok: Callable[[str], bool] | None = None        # the format of --reward acc+format
+
+
+TASKS: dict[str, Task] = {}
+
+
+def register(task: Task) -> Task:
+    """Add a task to TASKS (a name registered again is replaced: a test's or a notebook's)."""
+    TASKS[task.name] = task
+    return task
+
+
+def get(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r} (tasks: {', '.join(sorted(TASKS))})")
+    return TASKS[name]
+
+
+def owner(set_name: str) -> Task | None:
+    """The task whose `datasets` or `heldout` name this set, or whose file it is; else None."""
+    path = os.path.abspath(set_name)
+    for task in TASKS.values():
+        files = {os.path.abspath(f) for f in task.datasets.values()}
+        if set_name in task.datasets or set_name in task.heldout or path in files:
+            return task
+    return None
+
+
+def source_of(set_name: str) -> str:
+    """The file behind a task's named set, else the name itself (a benchmark name or a path)."""
+    task = owner(set_name)
+    return task.datasets.get(set_name, set_name) if task else set_name
+
+
+def load_rows(rows: list[dict], where: list[str] | str, set_name: str, default_task: str) -> list[dict]:
+    """Rows of a set as their task reads them: each row's "task" field (kept when the file gives
+    one), else the set's owner, else the run's --task; then that task's `read_row` checks its
+    own fields (a bad row: DataError naming it)."""
+    task_of_set = owner(set_name)
+    out = []
+    for i, row in enumerate(rows):
+        name = row.get("task") or (task_of_set.name if task_of_set else default_task)
+        place = where[i] if isinstance(where, list) else f"{where}: row {i}"
+        try:
+            task = get(name)
+        except ValueError as e:
+            raise DataError(f"{place}: {e}") from None
+        out.append({**task.read_row(row, place), "task": name})
+    return out
+
+
+def prompt_set(set_name: str, tokenizer, template: str, default_task: str, **load) -> PromptSet:
+    """A training or held-out set by name or path, encoded (data.prompts.load_prompt_set, whose
+    keyword arguments `load` takes), its rows read by their tasks (load_rows). A task's
+    read_row checks and adds fields; it does not change the problem, which is encoded already."""
+    source = source_of(set_name)
+    ps = load_prompt_set(source, tokenizer, template, **load)
+    return PromptSet(load_rows(ps.rows, source, set_name, default_task), ps.ids)
+
+
+def score_rows(completions: list[str], rows: list[dict], timeout: float = 1.0,
+               format_reward: bool = False) -> tuple[list[float], list[bool], dict]:
+    """Score completion i against rows[i] by the row's task -> (rewards, correct, counts).
+    format_reward: 0.9 * reward + 0.1 * the task's format check (--reward acc+format).
+    counts: total, one count per outcome, "format_ok", the batch scorers' extras, and per task
+    "total/<task>" and "correct/<task>" (per-task accuracy of runs that mix tasks)."""
+    if len(completions) != len(rows):
+        raise ValueError(f"score_rows: {len(completions)} completions but {len(rows)} rows")
+    by_task: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_task.setdefault(row.get("task", "math"), []).append(i)
+    scored: list[Scored | None] = [None] * len(rows)
+    counts = {"total": len(rows), "format_ok": 0}
+    for name, idx in by_task.items():
+        task = get(name)
+        for o in task.outcomes:
+            counts.setdefault(o, 0)
+        if task.score_batch is not None:
+            got, extra = task.score_batch([completions[i] for i in idx], [rows[i] for i in idx], timeout)
+            for k, v in extra.items():
+                counts[k] = counts.get(k, 0) + v
+        else:
+            got = [_safe_score(task, completions[i], rows[i]) for i in idx]
+        for i, s in zip(idx, got):
+            scored[i] = s
+        counts[f"total/{name}"] = len(idx)
+        counts[f"correct/{name}"] = sum(s.outcome == "correct" for s in got)
+    rewards, correct = [], []
+    for i, s in enumerate(scored):
+        counts[s.outcome] = counts.get(s.outcome, 0) + 1
+        fmt = format_reward and _format_ok(rows[i], completions[i])
+        counts["format_ok"] += fmt
+        rewards.append(0.9 * s.reward + 0.1 * fmt if format_reward else float(s.reward))
+        correct.append(s.outcome == "correct")
+    return rewards, correct, counts
+
+
+def _safe_score(task, completion, row) -> Scored:
+    """A scorer's bug must not end a training run: it is counted as the outcome "error"."""
+    try:
+        return task.score(completion, row)
+    except Exception as e:                                 # any bug of a researcher's scorer
+        import sys
+        print(f"[{task.name}] scoring failed: {e!r}", file=sys.stderr)
+        return Scored(0.0, "error")
+
+
+def _format_ok(row, completion) -> bool:
+    check = get(row.get("task", "math")).format_ok
+    return bool(check and check(completion))
+
+
+def task_names_in(rows: list[dict]) -> list[str]:
+    """The tasks of a set's rows, in order of first appearance."""
+    return list(dict.fromkeys(r.get("task", "math") for r in rows))

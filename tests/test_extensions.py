@@ -1,0 +1,177 @@
+"""The extension points, used as a researcher would: a task, a Query-KL reference (and a
+surrogate: tests/test_train.py) registered from inside a test, with no other file edited, each
+training a real step of the tiny model; the live reference against the paper's cache; the
+Countdown task end to end and a run that mixes tasks."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import query_reference
+import tasks
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    """64 training problems, so the Query-KL cache costs nothing."""
+    d = tmp_path_factory.mktemp("data")
+    with open(os.path.join(ROOT, "data", "tinymath", "train.jsonl")) as f:
+        rows = [next(f) for _ in range(64)]
+    (d / "train.jsonl").write_text("".join(rows))
+    return str(d / "train.jsonl")
+
+
+def run(out, data, *extra, steps=1):
+    argv = ["--model", WARM, "--train-data", data, "--out", str(out), "--steps", str(steps),
+            "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--micro-batch", "8",
+            "--max-new-tokens", "48", "--eval-every", "0", "--save-every", "0", "--query-cache-dir", "", *extra]
+    train.main(argv)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_live_reference_is_the_cache_recomputed(tmp_path, small_data):
+    """--qkl-ref live (the released code: the reference model's forward over the step's prompts)
+    and the paper's cache are the same initial policy: at step 1 the policy is the reference, so
+    Query-KL is ~0, and the whole step (loss, its gradient, the monitors) agrees with the cache's
+    to float32 rounding. Two optimizer steps, so the second one's Query-KL is not zero."""
+    common = ("--algo", "erpo", "--update-batch", "4", "--dtype", "float32")
+    cached = run(tmp_path / "cache", small_data, *common, "--qkl-ref", "cache", steps=2)
+    live = run(tmp_path / "live", small_data, *common, "--qkl-ref", "live", steps=2)
+    assert abs(live[0]["query_kl"]) <= 1e-7 and abs(cached[0]["query_kl"]) <= 1e-7
+    for c, v in zip(cached, live):
+        for key in ("reward", "loss", "grad_norm", "loss_query_kl", "query_kl", "policy_kl", "entropy"):
+            assert v[key] == pytest.approx(c[key], rel=1e-4, abs=1e-9), key
+    assert live[1]["loss_query_kl"] > 0                                 # the policy moved after step 1
+    for key in ("prompt_kl", "response_kl", "all_kl"):                  # the released code's monitors
+        assert key in live[1] and live[1][key] >= 0
+
+
+class EmaReference(query_reference.QueryReference):
+    """A toy reference that follows the policy: an exponential moving average of each prompt's
+    log-probs under the rollout policy, started at the reference model's. State: one tensor per
+    prompt seen, saved in the checkpoint and restored on --resume."""
+    needs_model = True
+    initial_policy = False                                              # query_kl stays on pi_0
+    loaded = []
+
+    def __init__(self):
+        self.avg = {}
+
+    def prompt_logp(self, batch):
+        rows = []
+        for g, i in enumerate(batch.prompt_idx):
+            start = batch.model_prompt[g * batch.group_size]
+            rows += [self.avg.get(i, start).to(start.device)] * batch.group_size
+        return torch.stack(rows)
+
+    def after_step(self, batch):
+        for g, i in enumerate(batch.prompt_idx):
+            now = batch.policy_prompt[g * batch.group_size].detach().cpu()
+            self.avg[i] = 0.5 * self.avg.get(i, now) + 0.5 * now
+
+    def state_dict(self):
+        return {"avg": dict(self.avg)}
+
+    def load_state_dict(self, state):
+        EmaReference.loaded.append(state)
+        self.avg = dict(state.get("avg", {}))
+
+
+def test_a_reference_registered_from_outside_trains_and_resumes(tmp_path, small_data, monkeypatch):
+    """A new Query-KL reference is a class and a row of query_reference.REFERENCES: --qkl-ref picks
+    it, its state goes into the checkpoint's one slot and comes back on --resume, and the query_kl
+    monitor still measures the drift from the initial policy."""
+    monkeypatch.setitem(query_reference.REFERENCES, "ema", EmaReference)
+    out = tmp_path / "ema"
+    ms = run(out, small_data, "--algo", "erpo", "--qkl-ref", "ema", "--save-every", "1", steps=1)
+    assert math.isfinite(ms[-1]["loss"]) and abs(ms[-1]["query_kl"]) <= 1e-6
+    saved = torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=False)["extra"]["query_reference"]
+    assert len(saved["avg"]) == 8                                       # the step's 8 prompts
+    EmaReference.loaded.clear()
+    ms = run(out, small_data, "--resume", "--steps", "2")
+    assert ms[-1]["step"] == 2 and math.isfinite(ms[-1]["loss"])
+    assert [set(s["avg"]) for s in EmaReference.loaded] == [set(saved["avg"])]
+    with pytest.raises(SystemExit):                                     # unregistered: an argparse error
+        train.main(["--qkl-ref", "nope", "--out", str(tmp_path / "x")])
+
+
+def test_a_task_registered_from_outside_scores_whole_rows(tmp_path, monkeypatch):
+    """A new task is a Task and its registration: --task picks it, its rows' own fields reach the
+    scorer (training and the held-out evaluation), and its accuracy is what train_acc reports."""
+    seen = []
+
+    def score(completion, row):                     # reward: the completion names the row's color
+        seen.append(row["color"])
+        ok = row["color"] in completion
+        return tasks.Scored(float(ok), "correct" if ok else "wrong")
+
+    def read_row(row, where):
+        if not isinstance(row.get("color"), str):
+            raise tasks.task.DataError(f"{where}: a color row needs a 'color' string")
+        return row
+    monkeypatch.setitem(tasks.TASKS, "color", tasks.Task("color", "name a color", score, read_row))
+    data = tmp_path / "colors.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "problem": f"Name a color, number {i}.", "answer": "x",
+                                        "color": c}) + "\n" for i, c in enumerate(["red", "blue"] * 8)))
+    ms = run(tmp_path / "run", str(data), "--task", "color", "--algo", "grpo", "--eval-data", str(data),
+             "--eval-every", "1", "--eval-limit", "4")
+    assert set(seen) == {"red", "blue"} and len(seen) == 8 * 4 + 2 * 4   # 8 prompts x G; 4 held-out rows
+                                                                         # at step 0 and after step 1
+    assert ms[-1]["train_acc"] == 0 and "eval_acc" in ms[-1]             # the tiny math model names none
+    data.write_text(json.dumps({"id": "0", "problem": "Name a color.", "answer": "x"}) + "\n")
+    with pytest.raises(SystemExit, match="color"):                      # its row check: one line
+        run(tmp_path / "bad", str(data), "--task", "color", "--overwrite")
+
+
+def test_countdown_is_graded_by_its_own_scorer():
+    """A Countdown row carries a numeric answer the math grader would accept; its task grades the
+    expression: boxing only the target scores 0, a correct expression 1."""
+    row = tasks.load_rows([{"id": "0", "problem": "Use 3, 5 and 2 to make 16.", "answer": "(3 + 5) * 2",
+                            "numbers": [3, 5, 2], "target": 16}], "x.jsonl", "countdown-test", "math")[0]
+    rewards, correct, counts = tasks.score_rows(["\\boxed{16}", "\\boxed{(3 + 5) * 2}"], [row, row])
+    assert rewards == [0.0, 1.0] and correct == [False, True] and counts["total/countdown"] == 2
+    math_only = tasks.score_rows(["\\boxed{16}"], [{**row, "task": "math", "answer": "16"}])[1]
+    assert math_only == [True]                                          # what the math grader would say
+    test_file = tasks.get("countdown").datasets["countdown-test"]      # its file, by path, is its own too
+    assert tasks.owner(test_file).name == "countdown" and tasks.owner("tiny-test").name == "math"
+    assert tasks.owner(os.path.join(ROOT, "data", "tinymath", "test.jsonl")) is None
+
+
+def test_countdown_trains_end_to_end_and_a_mixed_run_reports_each_task(tmp_path, small_data):
+    """--task countdown: its own training and held-out sets, graded by its scorer; a training file
+    whose rows name their tasks mixes them, with train_acc per task."""
+    ms = run(tmp_path / "cd", tasks.get("countdown").train_data, "--task", "countdown", "--eval-every", "1",
+             "--eval-limit", "8", "--eval-data", "countdown-test")
+    assert "eval_acc/countdown-test" in ms[-1] and math.isfinite(ms[-1]["loss"])
+    mixed = tmp_path / "mixed.jsonl"
+    with open(small_data) as f, open(tasks.get("countdown").datasets["countdown-train"]) as g:
+        rows = [json.loads(next(f)) for _ in range(8)] + [{**json.loads(next(g)), "task": "countdown"}
+                                                          for _ in range(8)]
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ms = run(tmp_path / "mixed", str(mixed), "--rollout-batch", "16", "--update-batch", "8")
+    assert {"train_acc/math", "train_acc/countdown"} <= set(ms[-1])
+
+
+def test_the_released_recipe_is_a_config_that_fits_its_gpus():
+    """configs/released_qwen25_7b.json (the released code's recipe: Qwen2.5-7B base, live Query-KL
+    reference, code weights, 128 x 8 rollouts, one optimizer step each, 16 GPUs) parses, divides
+    over its 16 GPUs, and its memory plan, which counts the live reference's forward, fits an 80 GB
+    GPU. (README: the plan beside its fake-tensor measurement, from --dry-run.)"""
+    import batching
+    import memory_plan
+
+    a, algo = train.parse_args(["--config", os.path.join(ROOT, "configs", "released_qwen25_7b.json")])
+    assert (a.qkl_ref, algo.weights, algo.agg, a.update_batch, a.plan_gpus) == \
+        ("live", "code", "seq-mean-token-mean", a.rollout_batch, 16)
+    batching.check(a, a.plan_gpus)
+    assert train.needs_reference_model(a, algo)
+    plan = memory_plan.phases(memory_plan.arch_for(a.model), a, a.plan_gpus, True, "cuda")
+    assert max(plan.values()) / memory_plan.GIB <= 74.5                 # an 80 GB (74.5 GiB) card
