@@ -21,11 +21,9 @@ import torch
 from tqdm import tqdm
 
 import heldout
-import interrupts
-import plots
 import logprobs
 import rollout
-import run_dir
+from plumbing import interrupts, plots, run_dir
 
 # ----------------------------------------------------------------------------- training runs
 

@@ -23,7 +23,7 @@ study are analysis.py. Sampling is seeded per sample: the seed of (salt, benchma
 temperature, sample index) is rollout.row_seed, so a resumed or re-run evaluation draws the same
 samples, and all models see the same seeds.
 
-Resuming (eval_folder.py): --out/config.json is the folder's resume key, the settings that change
+Resuming (plumbing/eval_folder.py): --out/config.json is the folder's resume key, the settings that change
 what a sample is (GENERATION_KEYS, --dtype included) and a fingerprint of each model's weight files
 (a few KB read, no model loaded). A command whose key differs from the one its folder's samples
 were made under (another --top-p, a checkpoint retrained at the same path) is refused with one
@@ -43,15 +43,11 @@ from collections import Counter, defaultdict
 
 from tqdm import tqdm
 
-import distributed
-import eval_folder
 import heldout
-import interrupts
-import plots
 import reward
-import run_dir
 from data.prompts import PromptSet, encode_prompts
-from errors import DataError
+from plumbing import distributed, eval_folder, interrupts, plots, run_dir
+from plumbing.errors import DataError
 
 # The paper's temperature grid (method.md §6): 0.1 ... 1.0 and 1.2 ... 1.5, 14 points.
 DEFAULT_TEMPERATURES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.3, 1.4, 1.5]

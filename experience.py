@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-import batching
 import losses
 import rollout
 import tasks
 from data.prompts import step_indices
-from distributed import all_sum
+from plumbing import batching
+from plumbing.distributed import all_sum
 
 
 @dataclass

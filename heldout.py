@@ -7,7 +7,7 @@ accuracy). The full protocol (temperature grid, n samples, pass@k) is evaluate.p
 
 The two sampling scripts also share their command line here: the flags (add_sampling_args), the
 checks of their values (check_sampling_args) and of the models (model_source): both refuse the
-same bad input the same way, before writing. (What Ctrl-C and SIGTERM do: interrupts.py.)
+same bad input the same way, before writing. (What Ctrl-C and SIGTERM do: plumbing/interrupts.py.)
 """
 
 import math
@@ -18,15 +18,13 @@ from collections import Counter
 import torch
 from safetensors import SafetensorError
 
-import distributed
-import errors
 import models
 import reward
 import rollout
-import checkpoints
 import tasks
 from data.benchmarks import benchmark_label, expand_benchmarks, load_benchmark
 from data.prompts import TEMPLATES, PromptSet, check_positions, encode_prompts
+from plumbing import checkpoints, distributed, errors
 
 
 def add_sampling_args(p, *, benchmarks, out, out_help="output folder",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
-import distributed
+from plumbing import distributed
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     python train.py --config configs/paper_qwen7b.json --dry-run   # 7B widths, 8 fake GPUs, ~30 s
     python bench/memory_check.py   # 12 small CPU configurations, real tensors
 
-memory_plan.py says what an RL step should hold, as formulas; this module measures what the code
+plumbing/memory_plan.py says what an RL step should hold, as formulas; this module measures what the code
 holds. train.measure_memory runs the real phases of a step (the FSDP2 decoding copy with the
 sampler's prefill and one decode step, the no-grad scoring forwards, `train.ppo_update` with its
 micro-batches, gradient sync and optimizer step) under `PhasePeaks`, torch's MemTracker: every
@@ -29,11 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-import batching
-import distributed
-import memory_plan
-import optimizer
+import kv_cache
 import rollout
+from plumbing import batching, distributed, memory_plan, optimizer
+
 
 class PhasePeaks(MemTracker):
     """torch's MemTracker with a peak per phase: `with tracker.phase(name)` restarts the peak at
@@ -264,6 +263,6 @@ def decode_once(policy, spec: rollout.SampleSpec, prompts: list[list[int]], max_
     rows = spec.rows_per_call(max(map(len, prompts))) or len(prompts)
     # (rollout.sample is no-grad)
     with torch.no_grad(), distributed.gathered(policy, spec.weights_dtype) as decoder:
-        pre = rollout.prefill(decoder, prompts[:rows], spec.pad_id, max_new_tokens)
+        pre = kv_cache.prefill(decoder, prompts[:rows], spec.pad_id, max_new_tokens)
         pre.step(pre.logits.argmax(-1), pre.pos[:, -1] + 1)
         del pre

@@ -10,9 +10,9 @@ train.rl_step: `c` its experience.Collected, `batch` its train.UpdateBatch.
 
 import torch
 
-import distributed
 import losses
-from distributed import all_max, all_sums
+from plumbing import distributed
+from plumbing.distributed import all_max, all_sums
 
 
 def released_kl_terms(sc, qmask, resp_mask, agg) -> dict:

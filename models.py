@@ -12,7 +12,7 @@ import os
 
 import torch
 
-import errors
+from plumbing import errors
 
 # ----------------------------------------------------------------------------------------------
 # Attention implementations

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-import distributed
-import faults
 import logprobs
-import rollout
+import kv_cache
+from plumbing import distributed, faults
 
 
 @dataclass
@@ -102,7 +101,7 @@ def build(model, prompt_ids, pad_id, temperature, device, batch=64) -> list[torc
     for s in tqdm(range(0, len(mine), batch), desc="query-KL reference cache",
                   disable=not distributed.is_main(), leave=False):
         rows = [prompt_ids[i] for i in mine[s:s + batch]]
-        ids, mask = rollout.left_pad(rows, pad_id, device)
+        ids, mask = kv_cache.left_pad(rows, pad_id, device)
         logp, _ = logprobs.token_logprobs(model, ids, mask, temperature)  # (b, P-1)
         P = ids.shape[1]
         out += [(mine[s + i], logp[i, P - len(r):].float().cpu()) for i, r in enumerate(rows)]

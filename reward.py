@@ -12,7 +12,7 @@ The pipeline for one completion, cheapest step first:
                                                    otherwise: math-verify (time-bounded) -> decided
 
 Only the last step is slow (sympy), so the common case (integer answers) never touches it. When it
-is needed it goes through mathverify_pool.py, which runs math-verify in forked worker processes
+is needed it goes through plumbing/mathverify_pool.py, which runs math-verify in forked worker processes
 under a hard per-answer time limit (DEFAULT_TIMEOUT) that also holds off the main thread;
 score_batch verifies identical (pred, gold) pairs only once. Cheap guards (length, nesting depth)
 reject junk before it gets there. Timeouts, rejections and parse failures grade as incorrect and
@@ -33,7 +33,7 @@ import sys
 from fractions import Fraction
 from functools import lru_cache
 
-import mathverify_pool
+from plumbing import mathverify_pool
 
 DEFAULT_TIMEOUT = 1.0       # seconds of math-verify time per answer before it counts as "timeout"
 MAX_ANSWER_CHARS = 300      # longest real gold answer in MATH500 is 53 chars; longer preds are junk
@@ -351,7 +351,7 @@ def _reject_reason(pred):
 
 
 # -----------------------------------------------------------------------------
-# math-verify: the time-bounded pool lives in mathverify_pool.py
+# math-verify: the time-bounded pool lives in plumbing/mathverify_pool.py
 
 def warmup():
     """Start the math-verify pool now (~1-3 s) instead of at the first non-trivial answer."""

@@ -40,10 +40,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-import distributed
 from kv_cache import kv_budget_from_memory, left_pad, prefill
-from kv_cache import kv_dtype  # noqa: F401  (moved; tests/test_memory.py still reads rollout.kv_dtype)
 from logprobs import Packed
+from plumbing import distributed
 
 # ----------------------------------------------------------------------------------------------
 # Stop tokens and turn markers

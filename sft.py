@@ -12,14 +12,12 @@ import time
 import torch
 from tqdm import tqdm
 
-import distributed
-import optimizer
 import logprobs
 import rollout
-import checkpoints
-from heldout import heldout_accuracy
 from data.benchmarks import DataError, load_benchmark
 from data.prompts import build_prompt, step_indices
+from heldout import heldout_accuracy
+from plumbing import checkpoints, distributed, optimizer
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
 OPTIONS = [  # train.py's options table ends with these (same columns)

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-import batching
-import distributed
 import logprobs
+from plumbing import batching, distributed
 
 
 @dataclass

@@ -19,32 +19,23 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-import batching
-import distributed
-import errors
 import experience
-import faults
-import interrupts
+import logprobs
 import losses
 import memory_measure
-import memory_plan
 import metrics
-import optimizer
-import options
-import logprobs
 import models
 import query_cache
 import query_reference
 import rollout
-import checkpoints
-import run_dir
 import sft
 import step_plan
 import tasks
-import timer
 from data.prompts import PromptSet
-from distributed import all_sum, print0
 from heldout import check_fits, heldout_accuracy
+from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan, optimizer,
+                      options, run_dir, timer)
+from plumbing.distributed import all_sum, print0
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
 
@@ -92,7 +83,7 @@ OPTIONS = [
     ("fsdp",              False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
     ("grad_ckpt",         False,                               "activation checkpointing of every decoder layer (long sequences)"),
     ("share_prompts",     True,                                "training forwards run each prompt once for its G responses (not with --fsdp/--grad-ckpt)"),
-    ("dry_run",           False,                               "print the per-GPU memory plan (memory_plan.py) and exit; no weights loaded"),
+    ("dry_run",           False,                               "print the per-GPU memory plan (plumbing/memory_plan.py) and exit; no weights loaded"),
     ("plan_gpus",         8,                                   "GPUs the --dry-run plan assumes", ">=1"),
     ("qkl_ref",           "cache",                             "the Query-KL reference (query_reference.py): the "
                                                                "initial policy's prompt log-probs cached before RL "

@@ -1,5 +1,5 @@
 """
-Our math-verify pool (mathverify_pool.py: a server subprocess that forks warm runners and SIGKILLs
+Our math-verify pool (plumbing/mathverify_pool.py: a server subprocess that forks warm runners and SIGKILLs
 one that overruns) against pebble.ProcessPool (fork context, per-task timeout), side by side:
 
   start-up      seconds from nothing running to the first answer
@@ -29,7 +29,7 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import mathverify_pool as mvp  # noqa: E402
+from plumbing import mathverify_pool as mvp  # noqa: E402
 
 TOWER = r"9^{9^{9^{9^{9}}}}"
 NORMAL = [(r"\sqrt{8}", r"2\sqrt{2}"), ("(x+1)^2", "x^2+2x+1"), (r"\{1,3\}", r"\{3, 1\}"),

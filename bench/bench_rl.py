@@ -142,8 +142,8 @@ def trl_worker(steps, out, dtype):
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    import reward
     import models
+    import reward
     from data.prompts import build_prompt
 
     model, tok = models.load_policy(os.path.join(ROOT, "data", "tinymath", "warmstart"), dtype=torch.float32)

@@ -71,15 +71,12 @@ import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-import batching  # noqa: E402
-import distributed  # noqa: E402
 import kv_cache  # noqa: E402
 import logprobs  # noqa: E402
 import losses  # noqa: E402
-import memory_plan  # noqa: E402
 import models  # noqa: E402
-import optimizer  # noqa: E402
 import rollout  # noqa: E402
+from plumbing import batching, distributed, memory_plan, optimizer  # noqa: E402
 
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
 GIB, MIB = 2 ** 30, 2 ** 20
@@ -414,7 +411,7 @@ def instrumented_training(peaks, sharded):
     cut `peaks`; wrap_model records whether the policy came back FSDP2-sharded; rewards become
     coin flips of the response text (a random model solves nothing: no advantage, no update)."""
     import reward
-    import timer
+    from plumbing import timer
 
     base_phases, base_step, base_wrap = timer.Phases, optimizer.step, distributed.wrap_model
     base_score = reward.score_batch

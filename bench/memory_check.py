@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import memory_plan
+from plumbing import memory_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results", "memory_check.json")
@@ -40,8 +40,8 @@ def measure_here(name) -> dict:
     """This process's measurement (run under torchrun for the 2-process configurations)."""
     import torch
 
-    import distributed
     import train
+    from plumbing import distributed
 
     torch.manual_seed(0)
     a, algo = train.parse_args(train_argv(name))

@@ -52,7 +52,7 @@ Groups: "tiny" = tiny-test + tiny-hard + tiny-ood; "paper" = the six paper bench
 import json
 import os
 
-from errors import DataError
+from plumbing.errors import DataError
 from reward import extract_boxed, gold_answer
 
 HERE = os.path.dirname(os.path.abspath(__file__))

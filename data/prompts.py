@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from errors import DataError
+from plumbing.errors import DataError
 
 # The instruction appended to every problem in the paper (method.md §5).
 PAPER_INSTRUCTION = (

@@ -38,7 +38,7 @@ from collections import Counter
 from fractions import Fraction
 
 import reward
-from errors import DataError
+from plumbing.errors import DataError
 from tasks.task import Scored, Task, register
 
 HERE = os.path.dirname(os.path.abspath(__file__))

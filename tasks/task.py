@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from data.prompts import PromptSet, load_prompt_set
-from errors import DataError
+from plumbing.errors import DataError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from safetensors import safe_open
 import evaluate as E
 import heldout
 import models
-import checkpoints
+from plumbing import checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
@@ -156,7 +156,8 @@ FSDP_SAVE = r'''
 import json, os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-import checkpoints, distributed, models, optimizer, run_dir
+import models
+from plumbing import checkpoints, distributed, optimizer, run_dir
 torch.set_num_threads(1)
 d = distributed.setup(fsdp=True)                      # world size 1: a process group of one
 out = sys.argv[3]

@@ -10,7 +10,7 @@ import pytest
 
 import tasks
 from data.countdown import prepare
-from errors import DataError
+from plumbing.errors import DataError
 from tasks import countdown
 
 ROW = {"numbers": [3, 5, 2], "target": 16}

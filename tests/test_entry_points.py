@@ -33,9 +33,9 @@ COMMANDS = {
     "tests/test_golden.py": [["--help"]],
     "tests/test_style.py": [["--help"]],
 }
-# `python mathverify_pool.py --server N` is the grader pool's own child process, not a command;
+# `python plumbing/mathverify_pool.py --server N` is the grader pool's own child process, not a command;
 # tests/test_docs.py's main guard runs pytest.
-NOT_COMMANDS = {"mathverify_pool.py", "tests/test_docs.py"}
+NOT_COMMANDS = {"plumbing/mathverify_pool.py", "tests/test_docs.py"}
 
 
 def scripts_with_a_main_guard():

@@ -15,12 +15,11 @@ import time
 import pytest
 
 import analysis
-import checkpoints
-import eval_folder
 import evaluate as E
 import heldout
 import models
 import rollout
+from plumbing import checkpoints, eval_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")

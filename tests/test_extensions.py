@@ -165,8 +165,7 @@ def test_the_released_recipe_is_a_config_that_fits_its_gpus():
     reference, code weights, 128 x 8 rollouts, one optimizer step each, 16 GPUs) parses, divides
     over its 16 GPUs, and its memory plan, which counts the live reference's forward, fits an 80 GB
     GPU. (README: the plan beside its fake-tensor measurement, from --dry-run.)"""
-    import batching
-    import memory_plan
+    from plumbing import batching, memory_plan
 
     a, algo = train.parse_args(["--config", os.path.join(ROOT, "configs", "released_qwen25_7b.json")])
     assert (a.qkl_ref, algo.weights, algo.agg, a.update_batch, a.plan_gpus) == \

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from losses import (AGG_MODES, ALGOS, Algo, aggregate, clip_masks, group_advantages, kl_penalized_rewards,
-                    make_algo, nonconstant_groups, overlong_penalty, policy_kl, ppo_loss, query_kl,
-                    query_weights, rl_loss, SURROGATES)
+from losses import (AGG_MODES, ALGOS, SURROGATES, Algo, aggregate, clip_masks, group_advantages,
+                    kl_penalized_rewards, make_algo, nonconstant_groups, overlong_penalty, policy_kl,
+                    ppo_loss, query_kl, query_weights, rl_loss)
 
 # -----------------------------------------------------------------------------
 # KL estimators on a 5-category toy where both KL directions are exact and clearly different

@@ -12,12 +12,11 @@ import weakref
 import pytest
 import torch
 
-import batching
-import distributed
 import memory_measure
-import memory_plan
 import models
+import kv_cache
 import rollout
+from plumbing import batching, distributed, memory_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -170,10 +169,10 @@ def test_the_kv_cache_takes_the_compute_dtype():
     cfg = memory_measure.model_config("memcheck-20m", layers=1)
     real = memory_measure.random_model(cfg)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert rollout.kv_dtype(real) == torch.float32
+        assert kv_cache.kv_dtype(real) == torch.float32
         with FakeTensorMode():
-            assert rollout.kv_dtype(memory_measure.random_model(cfg)) == torch.bfloat16
-    assert rollout.kv_dtype(real.to(torch.bfloat16)) == torch.bfloat16
-    pre = rollout.prefill(real.float(), [[3, 4, 5], [3, 4, 5]], 0, 4)
+            assert kv_cache.kv_dtype(memory_measure.random_model(cfg)) == torch.bfloat16
+    assert kv_cache.kv_dtype(real.to(torch.bfloat16)) == torch.bfloat16
+    pre = kv_cache.prefill(real.float(), [[3, 4, 5], [3, 4, 5]], 0, 4)
     layer = pre.step.cache.layers[0]
     assert layer.k_buf.dtype == layer.v_buf.dtype == torch.float32 and layer.k_buf.shape[2] == 3 + 4

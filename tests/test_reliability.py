@@ -1,7 +1,7 @@
 """Bad input ends in one clear line; no fault loses a run; non-finite steps are skipped; a run ends
 with a summary; metrics can be mirrored to TensorBoard.
 
-The fault tests run train.py in a subprocess that a failpoint (faults.py) SIGKILLs at a named
+The fault tests run train.py in a subprocess that a failpoint (plumbing/faults.py) SIGKILLs at a named
 place, then `--resume` it, and require the metrics of an uninterrupted run."""
 
 import glob
@@ -19,8 +19,8 @@ import torch
 
 import evaluate
 import query_cache
-import run_dir
 import train
+from plumbing import run_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
@@ -377,7 +377,7 @@ def test_a_fresh_run_never_replaces_a_run(tmp_path, capsys, data, uninterrupted_
 
 def test_one_process_per_run_folder_and_a_kill_releases_it(tmp_path, capsys, data):
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, run_dir; lock = run_dir.RunLock(sys.argv[1]); "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from plumbing import run_dir; lock = run_dir.RunLock(sys.argv[1]); "
                                "assert lock.acquire() is None; print('held', flush=True); time.sleep(600)", str(out)],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

@@ -1,4 +1,4 @@
-"""Tests for reward.py and mathverify_pool.py: extraction, normalization, equivalence, benchmark
+"""Tests for reward.py and plumbing/mathverify_pool.py: extraction, normalization, equivalence, benchmark
 self-consistency, adversarial time bounds (also off the main thread), the pool's server, its
 outcomes and fork safety, the format reward and score_batch counts."""
 
@@ -14,8 +14,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import mathverify_pool  # noqa: E402
 import reward  # noqa: E402
+from plumbing import mathverify_pool  # noqa: E402
 from reward import extract_boxed, grade, normalize, score, score_batch  # noqa: E402
 
 # the shared benchmark files beside the checkout (../shared), as on CI; tests skip without them
@@ -108,12 +108,12 @@ def test_importing_reward_does_not_import_sympy():
 
 def test_pool_is_beneath_reward():
     # the pool is a mechanism reward.py uses, it knows nothing about grading
-    code = ("import sys, mathverify_pool; "
+    code = ("import sys; from plumbing import mathverify_pool; "
             "assert 'reward' not in sys.modules and 'sympy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
-@pytest.mark.parametrize("path", ["reward.py", "mathverify_pool.py"])
+@pytest.mark.parametrize("path", ["reward.py", "plumbing/mathverify_pool.py"])
 def test_functions_are_short(path):
     with open(os.path.join(ROOT, path)) as f:
         tree = ast.parse(f.read())
@@ -209,7 +209,7 @@ def test_adversarial_inputs_are_bounded_off_main_thread():
 def test_pool_outcomes_and_server_command():
     mathverify_pool.warmup()
     args = mathverify_pool._server.args
-    assert args[1:3] == [os.path.join(ROOT, "mathverify_pool.py"), "--server"]
+    assert args[1:3] == [os.path.join(ROOT, "plumbing", "mathverify_pool.py"), "--server"]
     pairs = [(r"\sqrt{8}", r"2\sqrt{2}"), ("2", r"9^{9^{9^{9^{9}}}}"), (r"\sqrt{3}", r"\sqrt{2}"),
              ("x", ""), (r"(x+1)^2", "x^2+2x+1")]   # "": nothing to parse
     t = time.perf_counter()

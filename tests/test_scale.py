@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import kv_cache
-import losses
 import logprobs
+import losses
 import models
 import rollout
 
@@ -91,7 +91,8 @@ from torch.profiler import ProfilerActivity, profile
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 sys.path.insert(0, sys.argv[1])
-import distributed, models, rollout
+import models, rollout
+from plumbing import distributed
 
 NEVER = 5  # "#": a token the tiny model never writes, so every row decodes the full length
 COMMS = ("all_gather", "allgather", "all_reduce", "allreduce", "broadcast", "reduce_scatter", "record_param_comms")
@@ -202,7 +203,7 @@ def test_kv_budget_caps_the_rows_decoded_at_once_and_changes_no_sample():
 def test_activation_checkpointing_gives_the_same_gradients():
     """--grad-ckpt recomputes each decoder layer in backward: same loss and gradients (float32,
     1e-6), same KV-cache sampling, and a checkpoint saved from it loads as a plain model."""
-    import distributed
+    from plumbing import distributed
     torch.manual_seed(0)
     plain, tok = models.load_policy(WARM)
     ckpt, _ = models.load_policy(WARM)
@@ -234,7 +235,7 @@ def test_memory_plan_terms_match_real_tensor_bytes():
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import memory_plan
+    from plumbing import memory_plan
     cfg = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
                num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False)
     arch = memory_plan.Arch.from_config(cfg)
@@ -273,7 +274,8 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 sys.path.insert(0, sys.argv[1])
-import distributed, models, rollout
+import models, rollout
+from plumbing import distributed
 
 shard = lambda m: distributed.wrap_model(m, torch.device("cpu"), fsdp=True, grad_ckpt=sys.argv[4] == "ckpt")
 model, tok = models.load_policy(sys.argv[2], shard=shard)

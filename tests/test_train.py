@@ -139,8 +139,7 @@ def test_each_optimizer_step_is_seen_inside_one_autocast_region():
     """The RL step and the SFT loop run in one autocast region (--dtype bf16-mixed; auto on CUDA),
     where torch reuses each float32 weight's bf16 copy until the region exits: optimizer.step
     must drop those copies, or every forward after the first step would see the old weights."""
-    import distributed
-    import optimizer
+    from plumbing import distributed, optimizer
 
     torch.manual_seed(0)
     lin, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
@@ -303,7 +302,7 @@ def test_sft_is_deterministic_and_every_prefix_is_a_run(tmp_path):
 
 
 def test_microbatch_plan_by_rows_tokens_and_count():
-    import batching
+    from plumbing import batching
 
     lens = [5, 40, 12, 40, 7, 30, 1, 22]
     plan = batching.microbatch_plan(lens, size=3)

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
-import distributed
+from plumbing import distributed
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

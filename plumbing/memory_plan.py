@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import dataclass
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (configs/)
 GIB = 2 ** 30
 
 
@@ -71,11 +71,11 @@ class Arch:
 def config_path(model: str) -> str:
     """A local folder's config.json, or the shipped configs/models/<name>.json of a hub id."""
     for path in (os.path.join(model, "config.json"),
-                 os.path.join(HERE, "configs", "models", os.path.basename(model.rstrip("/")) + ".json")):
+                 os.path.join(ROOT, "configs", "models", os.path.basename(model.rstrip("/")) + ".json")):
         if os.path.isfile(path):
             return path
     raise SystemExit(f"error: no config.json for {model!r} (a model folder, or one of "
-                     f"{sorted(os.listdir(os.path.join(HERE, 'configs', 'models')))} in configs/models/)")
+                     f"{sorted(os.listdir(os.path.join(ROOT, 'configs', 'models')))} in configs/models/)")
 
 
 def arch_for(model: str) -> Arch:
@@ -102,7 +102,7 @@ class Precision:
     master: int
     compute: int
     mixed: bool            # float32 weights computing in bf16 (autocast / FSDP2's param_dtype)
-    kv: int                # the KV cache's element size (rollout.kv_dtype)
+    kv: int                # the KV cache's element size (kv_cache.kv_dtype)
 
     @classmethod
     def of(cls, a, device) -> "Precision":

@@ -20,12 +20,8 @@ import os
 import shutil
 import socket
 
-
-import checkpoints
-import distributed
-import faults
 import losses
-import options
+from plumbing import checkpoints, distributed, faults, options
 
 
 def write_config(out, cfg: dict):

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import distributed
-import faults
+from plumbing import distributed, faults
 
 
 def saved_step(ckpt) -> int | None:
@@ -384,7 +383,8 @@ def _initial_model(ckpt):
     except (OSError, ValueError, KeyError):
         raise SystemExit(f"error: {ckpt} holds sharded weights only; the architecture is the initial model "
                          f"named by {cfg_path} (\"model\"), which cannot be read") from None
-    for candidate in (model, os.path.join(os.path.dirname(os.path.abspath(__file__)), model)):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's (data/tinymath/...)
+    for candidate in (model, os.path.join(root, model)):
         if _is_hf_folder(candidate):
             return candidate
     if os.path.isabs(model) or os.path.exists(model) or model.startswith("."):

@@ -6,7 +6,7 @@ confusion in the big frameworks).
     each update batch is split evenly across the W ranks; each rank micro-batches its share
 """
 
-from errors import DataError
+from plumbing.errors import DataError
 
 
 def check(a, world):

@@ -16,8 +16,7 @@ import json
 import os
 import struct
 
-import checkpoints
-import run_dir
+from plumbing import checkpoints, run_dir
 
 SAMPLES_FILE = "samples.jsonl"
 # Settings that change what a sample is: a resumed run must use the same ones (and the same weights:
