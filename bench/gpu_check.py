@@ -172,7 +172,7 @@ def model_config(preset, layers, vocab=None):
 
     c = PRESETS[preset]["model"]
     if isinstance(c, str):
-        with open(os.path.join(memory_plan.HERE, "configs", "models", c + ".json")) as f:
+        with open(os.path.join(memory_plan.ROOT, "configs", "models", c + ".json")) as f:
             c = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
     c = {**c, "num_hidden_layers": layers or c["num_hidden_layers"]}
     return Qwen2Config(**{**c, "vocab_size": vocab} if vocab else c)

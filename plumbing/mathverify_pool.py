@@ -16,7 +16,7 @@ Timeouts, crashes and parse failures come back as outcomes, never as exceptions.
 
 Why a plain subprocess and not multiprocessing: multiprocessing refuses to start children from
 daemonic processes (DataLoader workers are daemonic), and "spawn" re-imports the caller's __main__
-(a train.py without a main guard would run again). `python mathverify_pool.py --server N` has
+(a train.py without a main guard would run again). `python plumbing/mathverify_pool.py --server N` has
 neither problem. The server dies on stdin EOF, so it never outlives its parent; its runners die
 with it (PR_SET_PDEATHSIG), even when stuck inside sympy.
 
@@ -73,7 +73,7 @@ def _read_line(fd, buf, deadline):
 # an id; the server answers them in any order (it runs several runners).
 
 _lock = threading.Lock()
-_server = None           # subprocess.Popen of `python mathverify_pool.py --server N`
+_server = None           # subprocess.Popen of `python plumbing/mathverify_pool.py --server N`
 _server_owner = None     # pid that started it (a fork()ed child must not share its pipes)
 _rbuf = bytearray()      # bytes read from the server not yet consumed as a line
 _start_failed_at = None  # time.monotonic() of the last failed start: retry at most once a minute
@@ -227,7 +227,7 @@ if hasattr(os, "register_at_fork"):
 
 
 # -----------------------------------------------------------------------------
-# server side: `python mathverify_pool.py --server N`. Reads requests on stdin, hands each to one
+# server side: `python plumbing/mathverify_pool.py --server N`. Reads requests on stdin, hands each to one
 # of N forked runners, kills a runner that overruns its timeout. Replies go to the protocol fd.
 
 def _wrap_latex(s):
