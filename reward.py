@@ -22,8 +22,9 @@ The same code reads the gold side: gold_answer turns a raw dataset value (27.0, 
 "4.5e33") into the answer text the grader compares against, so data/benchmarks.py has no
 normaliser or \\boxed{} extractor of its own.
 
-Public API: extract_boxed, normalize, gold_answer, grade, has_format, score, score_batch,
-warmup, shutdown (the last two start and stop the math-verify pool), DEFAULT_TIMEOUT.
+Public API: extract_boxed, normalize, gold_answer, grade, grade_completions (the outcomes
+tasks/math.py scores by), has_format, score, score_batch, warmup, shutdown (the last two start
+and stop the math-verify pool), DEFAULT_TIMEOUT.
 """
 
 import json

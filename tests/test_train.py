@@ -18,16 +18,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
 
 
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory):
-    """64 training problems, so the Query-KL cache costs nothing."""
-    d = tmp_path_factory.mktemp("data")
-    with open(os.path.join(ROOT, "data", "tinymath", "train.jsonl")) as f:
-        rows = [next(f) for _ in range(64)]
-    (d / "train.jsonl").write_text("".join(rows))
-    return str(d / "train.jsonl")
-
-
 def run(out, data, *extra, steps=2):
     argv = ["--model", WARM, "--train-data", data, "--out", str(out), "--steps", str(steps),
             "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--micro-batch", "8",
