@@ -22,6 +22,7 @@ COMMANDS = {
     "evaluate.py": [["--help"]],
     "analysis.py": [["--help"], ["runs", "--help"], ["nll", "--help"]],
     "study/miniature.py": [["--help"]],
+    "study/walkthrough.py": [["--help"]],
     "bench/bench_rl.py": [["--help"]],
     "bench/bench_sampler.py": [["--help"]],
     "bench/bench_grader_pool.py": [["--help"]],

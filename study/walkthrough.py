@@ -1,0 +1,332 @@
+"""One real RL step of the tiny warm start, traced tensor by tensor: docs/walkthrough.md.
+
+    python -m study.walkthrough                  # rewrites docs/walkthrough.md and docs/img/walkthrough_*.png
+    python -m study.walkthrough --out DIR        # the same into DIR/ (what tests/test_walkthrough.py does)
+    python -m study.walkthrough --tolerances     # re-measures tests/golden/walkthrough_tolerances.json
+
+Nothing here re-implements the step. `trace` runs train.py's own code on ARGV: `train.parse_args`,
+`train.load_data`, `train.setup_rl`, then `train.rl_step` for steps 1..TRACED, with two of
+train.py's functions wrapped to keep what they are given in the traced step: `train.rollouts` (the
+graded experience) and `train.ppo_update` (the UpdateBatch and the plan of the update). The wrapped
+update runs the real one (ERPO's optimizer step, what train.py logs), then, from the weights before
+it, splits the micro-batch's loss into its terms with losses.py's functions for ERPO and for GRPO
+(each term's gradient alone, by autograd), checks Proposition 1 and runs GRPO's real update from
+the same weights too, so "what changed" compares the two algorithms on one batch; it puts ERPO's
+weights back before rl_step goes on. The numbers of the document are this trace's:
+`walkthrough_doc.render` prints
+each through `Doc.num` (4 significant figures), and tests/test_walkthrough.py regenerates the
+document, compares its text exactly and each number within a tolerance measured across CPU kernel
+variants (as the golden metrics', tests/rounding.py), and checks the traced step's metrics against
+the metrics.jsonl line of `train.py` run with ARGV.
+"""
+
+import argparse
+import copy
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field, replace
+
+import torch
+
+import losses
+import models
+import train
+from plumbing import distributed
+from study import walkthrough_doc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+TOLERANCES = os.path.join(ROOT, "tests", "golden", "walkthrough_tolerances.json")
+SUBSET = 64        # the golden test's training subset, the first 64 tiny-train problems (s-bar: their NLL)
+TRACED = 4         # the traced RL step (1-based): after 3 updates the policy is no longer the reference
+SEED = 7           # its step 4 has groups with 1, 2 and 3 of 4 responses correct and one with none
+FOLLOWED = 0       # the group (prompt) whose Query-KL and Policy-KL are shown token by token
+GRPO = losses.ALGOS["grpo"]
+METRICS = ("reward", "query_kl", "policy_kl", "loss", "grad_norm")   # checked against metrics.jsonl
+
+
+def argv(data, out):
+    """train.py's arguments: 4 prompts x G = 4 responses per step, one optimizer step of one
+    micro-batch per RL step (so the step's loss IS the micro-batch's), up to 48 new tokens."""
+    return ["--algo", "erpo", "--train-data", data, "--out", out, "--steps", str(TRACED + 1),
+            "--rollout-batch", "4", "--update-batch", "4", "--group-size", "4", "--micro-batch", "16",
+            "--max-new-tokens", "48", "--eval-every", "0", "--save-every", "0", "--seed", str(SEED),
+            "--query-cache-dir", ""]
+
+
+def write_subset(folder) -> str:
+    path = os.path.join(folder, "train-subset.jsonl")
+    with open(os.path.join(ROOT, "data", "tinymath", "train.jsonl")) as f:
+        rows = [next(f) for _ in range(SUBSET)]
+    with open(path, "w") as f:
+        f.write("".join(rows))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# The trace
+
+
+@dataclass
+class Terms:
+    """One algorithm's micro-batch loss, term by term (losses.py's functions on rl_loss's inputs)."""
+    values: dict                       # term -> value (pg, policy_kl or query_kl: with beta / alpha)
+    grads: dict                        # term -> flat gradient of that term alone
+    shares: dict                       # term -> each prompt's part of it (they sum to the term)
+    share_norms: dict                  # term -> the gradient norm of each prompt's part
+    rl_loss: float                     # losses.rl_loss's loss on the same inputs
+    query_kl: torch.Tensor             # (groups,) each prompt's Query-KL (k3 mean over its tokens)
+
+
+@dataclass
+class Trace:
+    """What the wrapped functions of train.py saw in the traced step, and what was measured there."""
+    collected: object = None           # experience.Collected
+    batch: object = None               # train.UpdateBatch
+    plan: object = None                # step_plan.StepPlan
+    terms: dict = field(default_factory=dict)   # "erpo" / "grpo" -> Terms
+    prop1: dict = field(default_factory=dict)   # Proposition 1: gradients with the responses swapped
+    after: dict = field(default_factory=dict)   # "erpo" / "grpo" -> (response, prompt) log-probs after
+    updates: dict = field(default_factory=dict)  # "erpo" / "grpo" -> ppo_update's statistics
+    metrics: dict = field(default_factory=dict)  # train.rl_step's metrics line of the step
+    next_metrics: dict = field(default_factory=dict)  # and of the step after it
+
+
+def snapshot(run):
+    model = distributed.unwrap(run.policy)
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            copy.deepcopy(run.opt.state_dict()), copy.deepcopy(run.sched.state_dict()))
+
+
+def restore(run, snap):
+    distributed.unwrap(run.policy).load_state_dict(snap[0])
+    run.opt.load_state_dict(copy.deepcopy(snap[1]))
+    run.sched.load_state_dict(snap[2])
+
+
+def flat_grad(term, params):
+    """d term / d params as one float64 vector (float32 norms over ~1M entries are off by ~1e-5)."""
+    grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
+    flat = [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)]
+    return torch.cat(flat).double()
+
+
+def loss_terms(run, algo, batch, plan) -> Terms:
+    """The micro-batch's loss as train.accumulate_gradient builds it, one term at a time."""
+    args, G, update = run.args, run.args.group_size, plan.updates[0]
+    mb = update.micro_batches[0]
+    part, pcols, rcols = batch.packed.trimmed(mb)
+    rows = mb.rows
+    now = train.logprobs.score_tokens(run.policy, part, args.temperature, False, plan.group, checked=True)
+    old, ref = batch.scores.old[rows, rcols], batch.scores.ref[rows, rcols]
+    mask, pmask, qref = batch.resp_mask[rows, rcols], batch.prompt_mask[rows, pcols], batch.qref[rows, pcols]
+    weights = None if algo.weights == "none" else batch.weights[rows]
+    denom = dict(num_tokens=update.num_tokens, num_seqs=update.num_seqs, max_len=args.max_new_tokens)
+    adv = batch.adv[rows] * (1.0 if weights is None else weights)
+    per_token = {"pg": losses.SURROGATES[algo.surrogate](now.response, old, adv, mask, algo).loss}
+    if algo.has_policy_kl_loss:
+        per_token["policy_kl"] = algo.beta * losses.policy_kl(now.response, ref, algo.kl, clamp=algo.kl_clamp)
+    qkl = losses.query_kl(now.prompt, qref, pmask, algo.qkl_estimator, algo.kl_clamp)   # (B,)
+
+    def term(name, r):                                                   # rows r of one term
+        if name == "query_kl":
+            return algo.alpha * losses.aggregate(qkl[r], None, "seq-mean", num_seqs=update.num_seqs)
+        return losses.aggregate(per_token[name][r], mask[r], algo.agg, **denom)
+    names = [*per_token, *(["query_kl"] if algo.alpha > 0 else [])]
+    # positions of each prompt's G rows in the micro-batch (step_plan orders rows by length)
+    groups = [torch.nonzero(rows // G == g).squeeze(1) for g in range(len(rows) // G)]
+    params = [p for p in run.policy.parameters() if p.requires_grad]
+    values = {n: term(n, slice(None)) for n in names}
+    loss, _ = losses.rl_loss(algo, logp=now.response, old_logp=old,
+                             ref_logp=ref if algo.has_policy_kl_loss else None, resp_mask=mask,
+                             advantages=batch.adv[rows], weights=weights, prompt_logp=now.prompt,
+                             prompt_ref_logp=qref, prompt_mask=pmask, **denom)
+    parts = {n: [term(n, g) for g in groups] for n in names}
+    return Terms({n: v.item() for n, v in values.items()},
+                 {n: flat_grad(v, params) for n, v in values.items()},
+                 {n: [x.item() for x in xs] for n, xs in parts.items()},
+                 {n: [flat_grad(x, params).norm().item() for x in xs] for n, xs in parts.items()},
+                 loss.item(),
+                 torch.stack([qkl.detach()[g[0]] for g in groups]))
+
+
+def swap_responses(packed, shift):
+    """The same prompts with each row's response replaced by the one `shift` rows before it (rows in
+    the step's order: shift = G gives each prompt another prompt's responses), its mask coming along."""
+    P = packed.P
+    ids = torch.cat([packed.input_ids[:, :P], packed.input_ids[:, P:].roll(shift, 0)], 1)
+    mask = torch.cat([packed.attention_mask[:, :P], packed.attention_mask[:, P:].roll(shift, 0)], 1)
+    return replace(packed, input_ids=ids, attention_mask=mask, lengths=None)
+
+
+def proposition_1(run, batch, plan) -> dict:
+    """Gradients of ERPO's alpha * Query-KL and PG terms from full [prompt | response] rows (one
+    forward per row, group 1), with the sampled responses and with each prompt given another
+    prompt's responses. The Query-KL gradient is the same (method.md §3, Proposition 1)."""
+    algo, args, update = run.algo, run.args, plan.updates[0]
+    mb = update.micro_batches[0]                    # every row of the step (one micro-batch)
+    sampled, pcols, _ = batch.packed.trimmed(mb)
+    swapped = swap_responses(batch.packed, args.group_size).trimmed(mb)[0]
+    qref, pmask = batch.qref[mb.rows, pcols], batch.prompt_mask[mb.rows, pcols]
+    adv = batch.adv[mb.rows] * batch.weights[mb.rows]
+    params = [p for p in run.policy.parameters() if p.requires_grad]
+    out = {}
+    for name, rows in (("sampled", sampled), ("swapped", swapped)):
+        s = train.logprobs.score_tokens(run.policy, rows, args.temperature)             # group 1: full rows
+        qkl = losses.query_kl(s.prompt, qref, pmask, algo.qkl_estimator, algo.kl_clamp)
+        mask = rows.attention_mask[:, rows.P:].float()
+        pg = losses.aggregate(losses.ppo_surrogate(s.response, s.response.detach(), adv, mask, algo).loss,
+                              mask, algo.agg, num_tokens=mask.sum(), num_seqs=len(mask))
+        q = algo.alpha * losses.aggregate(qkl, None, "seq-mean", num_seqs=update.num_seqs)
+        out[name] = {"query_kl": flat_grad(q, params), "pg": flat_grad(pg, params)}
+    return out
+
+
+@torch.no_grad()
+def rescore(run, batch, group):
+    """(response, prompt) log-probs of the step's rows under the current weights."""
+    s = train.logprobs.score_tokens(run.policy, batch.packed, run.args.temperature, group=group)
+    return s.response.clone(), s.prompt.clone()
+
+
+def traced_update(trace, real_update):
+    """train.ppo_update, recording: the real ERPO update, then (from the weights before it) the
+    loss terms of both algorithms, Proposition 1 and GRPO's real update; ERPO's weights go back."""
+    def update(run, batch, plan):
+        trace.batch, trace.plan = batch, plan
+        before = snapshot(run)
+        trace.updates["erpo"] = real_update(run, batch, plan)             # the step train.py takes
+        trace.after["erpo"], erpo = rescore(run, batch, plan.group), snapshot(run)
+        restore(run, before)
+        trace.terms["erpo"] = loss_terms(run, run.algo, batch, plan)
+        grpo_batch = replace(batch, weights=None, scores=copy.deepcopy(batch.scores))  # its own pi_old
+        trace.terms["grpo"] = loss_terms(run, GRPO, grpo_batch, plan)
+        trace.prop1 = proposition_1(run, batch, plan)
+        trace.updates["grpo"] = real_update(replace(run, algo=GRPO), grpo_batch, plan)
+        trace.after["grpo"] = rescore(run, batch, plan.group)
+        restore(run, erpo)
+        return trace.updates["erpo"]
+    return update
+
+
+def trace(folder):
+    """Steps 1..TRACED of train.py on ARGV, the last traced -> (Trace, Run)."""
+    args, algo = train.parse_args(argv(write_subset(folder), os.path.join(folder, "run")))
+    torch.manual_seed(args.seed)
+    dist = distributed.setup(fsdp=False)
+    dtype, amp = distributed.precision(args.dtype, dist.device)
+    model, tokenizer = models.load_for_training(args.model, dist.device, dtype)
+    _, data = train.load_data(args, tokenizer)
+    run = train.setup_rl(args, algo, dist, model, tokenizer, data, None)
+    with amp():
+        for step in range(TRACED - 1):
+            train.rl_step(run, step)
+    t = Trace()
+    real_rollouts, real_update = train.rollouts, train.ppo_update
+
+    def rollouts(run, step):
+        t.collected = real_rollouts(run, step)
+        return t.collected
+    train.rollouts, train.ppo_update = rollouts, traced_update(t, real_update)
+    try:
+        with amp():
+            t.metrics = train.rl_step(run, TRACED - 1)
+    finally:
+        train.rollouts, train.ppo_update = real_rollouts, real_update
+    with amp():                                      # the next step: on the weights the trace put back
+        t.next_metrics = train.rl_step(run, TRACED)
+    return t, run
+
+
+def own_metrics(t: Trace, run) -> dict:
+    """The metrics train.py logs for the step, recomputed from the trace (metrics.rl_step's
+    formulas): they must equal t.metrics (checked in `main`) and metrics.jsonl (the test)."""
+    b, sc = t.batch, t.batch.scores
+    erpo = t.terms["erpo"]
+    k3 = losses.policy_kl(sc.old, sc.ref, "k3") * b.resp_mask
+    return {"reward": t.collected.first_rewards.mean().item(),
+            "query_kl": losses.query_kl(sc.prompt, b.qref, b.prompt_mask).mean().item(),
+            "policy_kl": (k3.sum() / b.resp_mask.sum()).item(),
+            "loss": sum(erpo.values.values()),
+            "grad_norm": torch.stack(list(erpo.grads.values())).sum(0).norm().item()}
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+
+
+def generate(out) -> dict:
+    """Trace, render, write out/walkthrough.md and out/img/walkthrough_*.png -> what the test and
+    --tolerances need: the skeleton, the numbers, the traced metrics."""
+    torch.set_num_threads(1)                                             # as the golden runs: one thread
+    with tempfile.TemporaryDirectory() as tmp:
+        t, run = trace(tmp)
+    mine = own_metrics(t, run)
+    for k in METRICS:
+        if abs(mine[k] - t.metrics[k]) > 1e-5 * abs(t.metrics[k]) + 1e-9:
+            raise SystemExit(f"error: the walkthrough's {k} {mine[k]} is not train.rl_step's {t.metrics[k]}: "
+                             "study/walkthrough.py is out of step with train.py")
+    prop1 = walkthrough_doc.rel_diff(t.prop1["sampled"]["query_kl"], t.prop1["swapped"]["query_kl"])
+    if prop1 > 1e-6:
+        raise SystemExit(f"error: Proposition 1: the Query-KL gradient moved by {prop1:.2e} (relative) "
+                         "when the responses were swapped")
+    setup = {"traced": TRACED, "subset": SUBSET, "followed": FOLLOWED, "metrics": mine,
+             "metric_keys": METRICS,
+             "command": shlex.join(["python", "train.py", *argv("/tmp/subset.jsonl", "runs/walkthrough")])}
+    doc, figures = walkthrough_doc.render(t, run, setup)
+    os.makedirs(os.path.join(out, "img"), exist_ok=True)
+    with open(os.path.join(out, "walkthrough.md"), "w") as f:
+        f.write(doc.text())
+    walkthrough_doc.figures(figures, os.path.join(out, "img"))
+    values, atols = doc.in_order()
+    return {"skeleton": doc.skeleton(), "values": values, "atols": atols, "metrics": mine,
+            "next_metrics": {k: t.next_metrics[k] for k in METRICS}}
+
+
+def measure_tolerances():
+    """The walkthrough under each CPU kernel variant of tests/rounding.py, in fresh interpreters:
+    SAFETY x the worst difference of each number from the native kernels' (rounding.tolerance)."""
+    from tests.rounding import KERNELS, kernel_env, tolerance
+    runs = {}
+    for variant in KERNELS:
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "study.walkthrough", "--out", tmp, "--record",
+                            os.path.join(tmp, "record.json")], check=True, cwd=ROOT, env=kernel_env(variant))
+            with open(os.path.join(tmp, "record.json")) as f:
+                runs[variant] = json.load(f)
+        print(f"{variant}: {len(runs[variant]['values'])} numbers")
+    native = runs["native"]
+    for variant, r in runs.items():
+        if r["skeleton"] != native["skeleton"]:
+            raise SystemExit(f"error: under the {variant} kernels the walkthrough's text differs "
+                             "(its sampled tokens?)")
+    worst = [[abs(r["values"][i] - v) for r in runs.values()] for i, v in enumerate(native["values"])]
+    tol = [max(tolerance(w, v), atol) for w, v, atol in zip(worst, native["values"], native["atols"])]
+    with open(TOLERANCES, "w") as f:
+        json.dump({"numbers": len(tol), "kernels": list(KERNELS), "tolerance": tol}, f, indent=0)
+        f.write("\n")
+    print(f"wrote {TOLERANCES}: {len(tol)} tolerances, {sum(w > 0 for w in map(max, worst))} numbers moved")
+
+
+def main(argv_=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=DOCS, help="folder of walkthrough.md and img/ (default: docs/)")
+    p.add_argument("--record", help="also write the skeleton, numbers and traced metrics to this JSON file")
+    p.add_argument("--tolerances", action="store_true",
+                   help="re-measure " + os.path.relpath(TOLERANCES, ROOT))
+    a = p.parse_args(argv_)
+    if a.tolerances:
+        return measure_tolerances()
+    rec = generate(a.out)
+    if a.record:
+        with open(a.record, "w") as f:
+            json.dump(rec, f)
+    print(f"wrote {os.path.join(a.out, 'walkthrough.md')} ({len(rec['values'])} numbers) and its figures")
+
+
+if __name__ == "__main__":
+    main()
