@@ -209,6 +209,21 @@ def heldout_accuracy(model, tokenizer, evalsets: dict[str, PromptSet], spec: rol
     return out
 
 
+def heldout_at_temperatures(model, tokenizer, evalsets, spec, temperatures, seed) -> dict:
+    """heldout_accuracy at each of `temperatures` (train.py's --eval-temperatures): the first's keys
+    as they are (eval_acc, eval_acc/<name>, ...); with more than one, every temperature's also as
+    eval_acc@T<t>, eval_acc@T<t>/<name>, ... (t as %g: 0.4, 1, 1.2). Every temperature samples with
+    the same per-problem seeds, so the curves differ by the temperature, not by the noise."""
+    out = {}
+    for i, t in enumerate(temperatures):
+        acc = heldout_accuracy(model, tokenizer, evalsets, spec, t, seed)
+        if i == 0:
+            out.update(acc)
+        if len(temperatures) > 1:
+            out.update({f"eval_acc@T{t:g}{k[len('eval_acc'):]}": v for k, v in acc.items()})
+    return out
+
+
 def generate_samples(model, tokenizer, problems, temperature, sample_indices, *, benchmark, template,
                      max_new_tokens, top_p=1.0, batch_size=None, seed=0, sampler="kv"):
     """Sample the responses (problem, i) for i in sample_indices[problem id]; no grading. The

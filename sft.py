@@ -16,7 +16,7 @@ import logprobs
 import rollout
 from data.benchmarks import DataError, load_benchmark
 from data.prompts import build_prompt, step_indices
-from heldout import heldout_accuracy
+from heldout import heldout_at_temperatures
 from plumbing import checkpoints, distributed, optimizer
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
@@ -100,12 +100,12 @@ def run(a, d, model, tokenizer, seqs, evalsets, log, amp):
     def on_checkpoint(step):
         checkpoints.export(model, tokenizer, os.path.join(a.out, f"sft-{step:05d}"), a.export_dtype,
                            bf16=bf16)
-        return heldout_accuracy(model, tokenizer, evalsets, spec, a.eval_temperature, a.seed)
+        return heldout_at_temperatures(model, tokenizer, evalsets, spec, a.eval_temperatures, a.seed)
     with amp():
         train_sft(model, tokenizer, seqs, steps=a.sft_steps, batch=a.sft_batch, micro_batch=a.micro_batch,
                   lr=a.sft_lr, warmup=a.sft_warmup, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
                   seed=a.seed, device=d.device, log=log, save_every=a.save_every, on_checkpoint=on_checkpoint)
-        acc = heldout_accuracy(model, tokenizer, evalsets, spec, a.eval_temperature, a.seed)
+        acc = heldout_at_temperatures(model, tokenizer, evalsets, spec, a.eval_temperatures, a.seed)
     log({"step": a.sft_steps, **acc})
     distributed.print0(json.dumps(acc, indent=1))
     checkpoints.export(model, tokenizer, a.export, a.export_dtype, bf16=bf16)

@@ -32,7 +32,7 @@ import sft
 import step_plan
 import tasks
 from data.prompts import PromptSet
-from heldout import check_fits, heldout_accuracy
+from heldout import check_fits, heldout_at_temperatures
 from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan, optimizer,
                       options, run_dir, timer)
 from plumbing.distributed import all_sum, print0
@@ -96,7 +96,9 @@ OPTIONS = [
     ("strict_data",       False,                               "training rows without a problem or an answer are an error, not skipped"),
     # evaluation / checkpoints
     ("eval_every",        10,                                  "held-out evaluation every N steps (0 = never)", ">=0"),
-    ("eval_temperature",  1.0,                                 "held-out sampling temperature", ">=0"),
+    ("eval_temperatures", [1.0],                               "held-out sampling temperatures: eval_acc* are the "
+                                                               "first's; with several, each is also logged as "
+                                                               "eval_acc@T<t>*", ">=0"),
     ("eval_limit",        200,                                 "problems per held-out set (0 = all)", ">=0"),
     ("save_every",        20,                                  "checkpoint every N steps and at the end (0 = never)", ">=0"),
     ("resume",            False,                               "continue the run in --out from its checkpoint (options "
@@ -441,9 +443,10 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
 
 
 def heldout_metrics(run, evalsets) -> dict:
-    """eval_acc and eval_acc/<set>[/L<level>] at --eval-temperature, each set graded by its task."""
-    return heldout_accuracy(run.policy, run.tokenizer, evalsets, run.spec, run.args.eval_temperature,
-                            run.args.seed)
+    """eval_acc and eval_acc/<set>[/L<level>] at each --eval-temperatures (heldout_at_temperatures),
+    each set graded by its task."""
+    return heldout_at_temperatures(run.policy, run.tokenizer, evalsets, run.spec, run.args.eval_temperatures,
+                                   run.args.seed)
 
 
 def train_rl(run, evalsets, log, start, amp):

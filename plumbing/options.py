@@ -61,7 +61,11 @@ def _add(parser, name, default, help, choices=None, show_default=True):
         kwargs, note = dict(nargs="?", const=True, type=parse_bool), "true/false"
     elif _is_float_pair(default):
         kwargs, note = dict(nargs=2, type=finite_float, metavar=("LO", "HI")), ""
-    elif isinstance(default, list):
+    elif isinstance(default, list) and default and not isinstance(default[0], str):
+        item = type(default[0])            # numbers (--eval-temperatures): one or more, each checked
+        kind = _in_range(item, choices) if isinstance(choices, str) else _value_type(item)
+        kwargs, note = dict(nargs="+", type=kind), "; ".join(filter(None, [shown, choices]))
+    elif isinstance(default, list):        # names or paths: --eval-data
         kwargs, note = dict(nargs="*"), ""
     elif isinstance(choices, str):         # a range such as ">=2", ">0", "(0,1]"
         kwargs = dict(type=_in_range(type(default), choices))
@@ -154,8 +158,10 @@ def _check_config_value(parser, path, key, value, default):
         value = [_config_item(action, v) for v in value] if many else _config_item(action, value)
     except argparse.ArgumentTypeError as e:
         parser.error(f"{path}: {key}: {e}")
-    if many and action.nargs != "*" and len(value) != action.nargs:
+    if many and isinstance(action.nargs, int) and len(value) != action.nargs:
         parser.error(f"{path}: {key}: expected {action.nargs} values, got {len(value)}")
+    if action.nargs == "+" and not value:
+        parser.error(f"{path}: {key}: expected at least one value, got []")
     if not many and action.choices is not None and value not in action.choices:
         parser.error(f"{path}: {key}: invalid value {value!r} (choose from {action.choices})")
     return value

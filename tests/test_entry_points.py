@@ -23,6 +23,7 @@ COMMANDS = {
     "analysis.py": [["--help"], ["runs", "--help"], ["nll", "--help"]],
     "study/miniature.py": [["--help"]],
     "study/walkthrough.py": [["--help"]],
+    "study/long_run.py": [["--help"]],
     "bench/bench_rl.py": [["--help"]],
     "bench/bench_sampler.py": [["--help"]],
     "bench/bench_grader_pool.py": [["--help"]],

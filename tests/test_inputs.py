@@ -70,6 +70,8 @@ NO_STEPS = ("--steps", "0")
     (["--alpha", "nan"], "argument --alpha: expected a finite number, got 'nan'"),    # an Algo knob
     (["--kl-clamp=-inf"], "argument --kl-clamp: expected a finite number, got '-inf'"),
     (["--weight-clip", "0", "nan"], "argument --weight-clip: expected a finite number"),  # a pair
+    (["--eval-temperatures", "0.4", "inf"], "argument --eval-temperatures: expected a finite number"),  # a list
+    (["--eval-temperatures", "1", "-0.5"], "argument --eval-temperatures: must be >=0, got -0.5"),
 ])
 def test_non_finite_flag_values_are_argparse_errors(tmp_path, capsys, argv, needle):
     msg = refused(tmp_path, capsys, *argv, *NO_MODEL, code=2)
@@ -82,6 +84,10 @@ def test_non_finite_flag_values_are_argparse_errors(tmp_path, capsys, argv, need
     ('{"weight_clip": [0, Infinity]}', "weight_clip: expected a finite number, got 'inf'"),
     ('{"steps": null}', "steps: null is not a value (leave the key out for the default, 50)"),
     ('{"eval_data": "tiny-test"}', "eval_data: expected a JSON list, got 'tiny-test'"),
+    ('{"eval_temperatures": 1.0}', "eval_temperatures: expected a JSON list, got 1.0"),
+    ('{"eval_temperatures": []}', "eval_temperatures: expected at least one value, got []"),
+    ('{"eval_temperatures": [1, NaN]}', "eval_temperatures: expected a finite number, got 'nan'"),
+    ('{"eval_temperature": 1.0}', "unknown keys ['eval_temperature']"),        # now a list: a clear error
 ])
 def test_config_values_get_the_flags_checks(tmp_path, capsys, config, needle):
     cfg = tmp_path / "c.json"

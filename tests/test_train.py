@@ -156,6 +156,18 @@ def test_bf16_mixed_on_cpu_trains(tmp_path, small_data):
     assert ms[0]["query_kl"] < 1e-3 and ms[1]["query_kl"] > 0    # starts at the reference, then drifts
 
 
+def test_heldout_evaluation_at_several_temperatures(tmp_path, small_data):
+    """Each --eval-temperatures value is logged as eval_acc@T<t>*, the first also as eval_acc*; a
+    temperature's numbers are those of a run that evaluates at it alone (the same per-problem seeds)."""
+    many = run(tmp_path / "many", small_data, "--eval-temperatures", "0.3", "1.0", "--eval-limit", "24", steps=0)
+    alone = run(tmp_path / "alone", small_data, "--eval-temperatures", "1.0", "--eval-limit", "24", steps=0)
+    (m,), (a,) = many, alone
+    assert m["eval_acc"] == m["eval_acc@T0.3"] and m["eval_acc/tiny-test/L3"] == m["eval_acc@T0.3/tiny-test/L3"]
+    assert {k: v for k, v in m.items() if k.startswith("eval_acc@T1")} == \
+        {k.replace("eval_acc", "eval_acc@T1", 1): v for k, v in a.items() if k.startswith("eval_acc")}
+    assert not any("@" in k for k in a)                                  # one temperature: the plain keys
+
+
 def test_resume_continues_from_the_saved_step(tmp_path, small_data):
     full = run(tmp_path / "full", small_data, "--algo", "grpo", steps=4)
     run(tmp_path / "cut", small_data, "--algo", "grpo", steps=2)           # "killed" after step 2

@@ -1,0 +1,492 @@
+"""The long run in miniature (the paper's Figs. 5-6) and the rest of its Tables 2 and 6, on the
+embedded world: does GRPO degrade in a long run, and ERPO later and less?
+
+    python -m study.long_run                  # the runs still missing (within --budget minutes), then the report
+    python -m study.long_run --list           # which runs are done (committed), which are missing
+    python -m study.long_run --report         # only the report, from the committed run summaries
+    python -m study.long_run --smoke          # the whole pipeline at toy sizes, in a temporary folder
+
+PROTOCOL (committed before any run of this study; the numbers below are what the command does)
+
+Why. The short study (study/miniature.py, 112 steps) found GRPO's Query-KL drifting 12x ERPO's,
+but neither algorithm's held-out accuracy had turned down by its end. The paper's longest section
+(240 -> 1,000 steps) says GRPO then degrades, first at a high sampling temperature, then at every
+temperature, with entropy spiking, while ERPO degrades later and less and keeps its
+high-temperature accuracy.
+
+Long arm. grpo and erpo (the README's defaults otherwise: lr 2e-4, T = 1 rollouts, the warm start
+data/tinymath/warmstart), seeds 0, 1, 2 (a grpo and an erpo run with one seed share their first
+rollout: a pair), on the short study's training set (the first 256 tiny-train problems), for 560
+RL steps: 5x the short study. The per-step work is cut ~3x to fit the budget, not the steps or the
+seeds: 16 prompts x 8 responses per step (short study: 32 x 8), 2 optimizer steps of 8 prompts
+each (as there: 2 of 16), at most 64 new tokens (there: 96; the tiny world's answers take ~40-50).
+That is 35 passes over the training set (there: 14), the multi-epoch regime in which a policy can
+fit its training questions. Logged every step: reward, train_acc, query_kl, policy_kl, entropy.
+Held-out pass@1 (one sample per problem) every 40 steps (15 points, steps 0..560) on all 500
+tiny-test problems, at T = 0.4 (low), 1.0 (middle) and 1.2 (high), each temperature with the same
+per-problem seeds.
+
+What counts as degradation (per run and temperature). The held-out curve p_0, p_40, ..., p_560 is
+smoothed by a centred moving average over 3 points (2 at the ends), s_i; its running maximum is
+M_i = max(s_0..s_i). The run has degraded at step 40i (the onset) when s_i and s_{i+1} both lie
+more than DELTA below M_i; its depth is M_14 - s_14 (how far the end lies below the best, >= 0);
+"no onset" when that never happens. DELTA is the smallest multiple of 0.01 whose false-alarm rate
+on a flat curve is <= 5%: 15 points, each an independent Binomial(500, p) / 500 with p = 0.5 (the
+noisiest accuracy), 20,000 resampled curves (`false_alarm_rate`): DELTA = 0.05, false-alarm rate
+4.6% at p = 0.5 and 2.3% at p = 0.3. (The real evaluations share their problems and seeds across
+steps, so their noise is positively correlated and a flat real curve trips the rule less often.)
+
+"Later and less", paired per seed (erpo-sK against grpo-sK), at each temperature: the onset step
+(no onset counts as 600, one evaluation after the end: a censored value, said so in the tables),
+the depth, and the final smoothed accuracy s_14; the paired difference erpo - grpo, mean +- the
+95% Student-t interval over the 3 pairs (t = 4.30), as in the short study. "ERPO keeps its
+high-temperature accuracy": its s_14 at T = 1.2 against its step-0 value, per seed. "Entropy
+spikes": each run's largest entropy over steps against its mean over steps 1-40. Reported whatever
+they show.
+
+Ablations (the short study's regime: its training set and sizes, 112 steps, seed 0, held-out
+pass@1 every 16 steps on all of tiny-test at T = 0.4 / 1.0 / 1.2): grpo and erpo (alpha 0.01), erpo
+with alpha 0.005 and 0.05 (Table 2), grpo and erpo with 16 responses per prompt (Table 2), dapo vs
+dapo-erpo and rloo vs rloo-erpo (Table 6). Each is compared with grpo seed 0 and with its own
+partner (erpo-g16 with grpo-g16, dapo-erpo with dapo, rloo-erpo with rloo). One seed: the
+comparisons carry no seed interval; the binomial standard error of a 500-problem accuracy, ~2.2
+points, says what a difference of one evaluation can be.
+
+Budget and sessions. A run is a subprocess of `train.py` on one intra-op thread (results do not
+depend on the machine's core count); --jobs of them at a time (2 on a 2-core machine). A run that
+finishes writes its summary, study/results/long_run/runs/<name>.json (every logged metric per
+step and the evaluations; ~100 KB), which is committed: a later session, on a new machine,
+runs only the runs still missing, and the report is rebuilt from the committed summaries alone.
+`--budget` (minutes, default 100) starts a run only while its estimate still fits; a run
+interrupted anyway resumes from its checkpoint (every 40 / 16 steps) in runs/long_run/.
+Each summary records the commit it ran at and the digest of tests/golden/ (the golden metrics of
+that code), which the report requires to be the same for every run.
+
+Output: study/results/long_run/long_run.json (every number the tables and figures use),
+tables.md, heldout.png (held-out pass@1 over steps, per temperature), drift.png (Query-KL,
+Policy-KL, entropy over steps).
+"""
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from study.miniature import ci, subset  # noqa: E402  (the short study's statistics and training set)
+
+RESULTS = os.path.join(ROOT, "study", "results", "long_run")
+TEMPS = [0.4, 1.0, 1.2]
+DELTA = 0.05                          # the degradation threshold the protocol's rule gives (a test checks)
+NEVER = 600                           # the onset of a run that never degraded (censored)
+STEP_KEYS = ("reward", "train_acc", "query_kl", "policy_kl", "entropy", "response_len", "loss", "grad_norm",
+             "zero_var_frac", "truncated_frac")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """A regime: the train.py options every run of it shares."""
+    steps: int
+    eval_every: int
+    train: tuple                      # train.py flags beyond the shared ones
+    minutes: float                    # the budget's estimate of one run (2 jobs on 2 cores)
+    eval_limit: int = 0               # held-out problems per evaluation (0 = all 500)
+    rows: int = 256                   # training problems (the short study's subset)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    arm: str
+    algo: str
+    seed: int
+    flags: tuple = ()                 # the run's own flags (--alpha 0.005, --group-size 16)
+    minutes_factor: float = 1.0
+
+
+ARMS = {
+    "long": Arm(560, 40, ("--rollout-batch", "16", "--update-batch", "8", "--group-size", "8",
+                          "--max-new-tokens", "64"), minutes=26),
+    "short": Arm(112, 16, (), minutes=18),
+}
+SMOKE_ARMS = {
+    "long": Arm(4, 2, ("--rollout-batch", "4", "--update-batch", "2", "--group-size", "4", "--max-new-tokens",
+                       "24"), minutes=1, eval_limit=6, rows=16),
+    "short": Arm(2, 2, ("--rollout-batch", "4", "--update-batch", "2", "--group-size", "4", "--max-new-tokens",
+                        "24"), minutes=1, eval_limit=6, rows=16),
+}
+RUNS = [
+    *[RunSpec(f"long-{a}-s{s}", "long", a, s) for s in (0, 1, 2) for a in ("grpo", "erpo")],
+    RunSpec("short-grpo-s0", "short", "grpo", 0),
+    RunSpec("short-erpo-s0", "short", "erpo", 0),
+    RunSpec("short-erpo-a0.005-s0", "short", "erpo", 0, ("--alpha", "0.005")),
+    RunSpec("short-erpo-a0.05-s0", "short", "erpo", 0, ("--alpha", "0.05")),
+    RunSpec("short-grpo-g16-s0", "short", "grpo", 0, ("--group-size", "16"), 2.0),
+    RunSpec("short-erpo-g16-s0", "short", "erpo", 0, ("--group-size", "16"), 2.0),
+    RunSpec("short-dapo-s0", "short", "dapo", 0, (), 1.5),
+    RunSpec("short-dapo-erpo-s0", "short", "dapo-erpo", 0, (), 1.5),
+    RunSpec("short-rloo-s0", "short", "rloo", 0),
+    RunSpec("short-rloo-erpo-s0", "short", "rloo-erpo", 0),
+]
+SMOKE_RUNS = [RunSpec("long-grpo-s0", "long", "grpo", 0), RunSpec("long-erpo-s0", "long", "erpo", 0),
+              RunSpec("short-grpo-s0", "short", "grpo", 0), RunSpec("short-erpo-a0.05-s0", "short", "erpo", 0,
+                                                                     ("--alpha", "0.05"))]
+# the ablations' comparisons: (run, its partner); every ablation is also compared with short-grpo-s0
+PARTNERS = {"short-erpo-g16-s0": "short-grpo-g16-s0", "short-dapo-erpo-s0": "short-dapo-s0",
+            "short-rloo-erpo-s0": "short-rloo-s0"}
+
+
+# ----------------------------------------------------------------------------------------------
+# The degradation rule (PROTOCOL) and its false-alarm rate
+
+
+def smooth(acc) -> np.ndarray:
+    """Centred moving average over 3 evaluation points (2 at the ends); acc (..., points)."""
+    x = np.asarray(acc, dtype=float)
+    n = x.shape[-1]
+    return np.stack([x[..., max(0, i - 1):min(n, i + 2)].mean(-1) for i in range(n)], -1)
+
+
+def degraded_at(acc, delta=DELTA) -> np.ndarray:
+    """Index of the first point i where s_i and s_{i+1} both lie more than delta below M_i, the
+    running maximum of the smoothed curve s; -1 where there is none. acc (..., points)."""
+    s = smooth(acc)
+    m = np.maximum.accumulate(s, -1)
+    below = (s[..., :-1] < m[..., :-1] - delta) & (s[..., 1:] < m[..., :-1] - delta)   # (..., points - 1)
+    first = below.argmax(-1)
+    return np.where(below.any(-1), first, -1)
+
+
+def false_alarm_rate(p=0.5, problems=500, points=15, delta=DELTA, trials=20000, seed=0) -> float:
+    """How often a flat curve (each point an independent Binomial(problems, p) / problems) is
+    called degraded."""
+    rng = np.random.default_rng(seed)
+    return float((degraded_at(rng.binomial(problems, p, (trials, points)) / problems, delta) >= 0).mean())
+
+
+def protocol_delta(problems=500, points=15, level=0.05) -> float:
+    """The smallest multiple of 0.01 whose false-alarm rate at p = 0.5 is <= level."""
+    for k in range(1, 30):
+        if false_alarm_rate(0.5, problems, points, k / 100) <= level:
+            return k / 100
+    raise ValueError("no threshold below 0.3 keeps the false-alarm rate at the level")
+
+
+def curve_numbers(steps, acc, delta=DELTA) -> dict:
+    """Onset (a step; NEVER if none), depth, the final smoothed value and the step-0 value of one curve."""
+    s = smooth(acc)
+    i = int(degraded_at(acc, delta))
+    return {"onset": NEVER if i < 0 else steps[i], "depth": float(s.max() - s[-1]), "final": float(s[-1]),
+            "start": float(acc[0]), "best": float(s.max())}
+
+
+# ----------------------------------------------------------------------------------------------
+# Running (resumable): a run is done when its summary exists
+
+
+def golden_digest() -> str:
+    h = hashlib.sha256()
+    for name in ("erpo.jsonl", "grpo.jsonl"):
+        with open(os.path.join(ROOT, "tests", "golden", name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def train_argv(spec: RunSpec, arm: Arm, data, out) -> list[str]:
+    return ["--algo", spec.algo, "--seed", str(spec.seed), "--train-data", data, "--steps", str(arm.steps),
+            "--eval-data", "tiny-test", "--eval-every", str(arm.eval_every), "--eval-limit", str(arm.eval_limit),
+            "--eval-temperatures", *map(str, TEMPS), "--save-every", str(arm.eval_every), "--out", out,
+            *arm.train, *spec.flags]
+
+
+ONE_THREAD = "import sys, torch; torch.set_num_threads(1); import train; train.main(sys.argv[1:])"
+
+
+def run_one(spec: RunSpec, arm: Arm, data, runs_dir, results) -> str:
+    """Train (or resume) one run in a subprocess, then write its summary -> its name."""
+    out = os.path.join(runs_dir, spec.name)
+    resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
+    os.makedirs(out, exist_ok=True)
+    t0 = time.time()
+    with open(os.path.join(out, "log.txt"), "a") as log:
+        done = subprocess.run([sys.executable, "-c", ONE_THREAD, *train_argv(spec, arm, data, out), *resume],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"{spec.name} failed (exit {done.returncode}); see {out}/log.txt")
+    write_summary(spec, arm, out, results, time.time() - t0)
+    return spec.name
+
+
+def write_summary(spec, arm, out, results, seconds):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    steps = [r for r in rows if r["step"] > 0]
+    evals = [r for r in rows if "eval_acc" in r]
+    summary = {"name": spec.name, "arm": spec.arm, "algo": spec.algo, "seed": spec.seed, "flags": list(spec.flags),
+               "argv": train_argv(spec, arm, f"train{arm.rows}.jsonl", spec.name), "commit": commit(),
+               "golden": golden_digest(), "seconds": round(seconds, 1),
+               "steps": [r["step"] for r in steps], **{k: [r.get(k) for r in steps] for k in STEP_KEYS},
+               "eval_steps": [r["step"] for r in evals],
+               "eval": {f"{t:g}": [r[f"eval_acc@T{t:g}"] for r in evals] for t in TEMPS}}
+    os.makedirs(os.path.join(results, "runs"), exist_ok=True)
+    path = os.path.join(results, "runs", f"{spec.name}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f)
+    os.replace(path + ".tmp", path)
+
+
+def missing(runs, results) -> list[RunSpec]:
+    return [r for r in runs if not os.path.exists(os.path.join(results, "runs", f"{r.name}.json"))]
+
+
+def run_missing(runs, arms, runs_dir, results, jobs, budget_min):
+    """The missing runs, long arm first, `jobs` at a time; a run starts only while its estimate
+    still fits in the budget."""
+    todo, t0 = missing(runs, results), time.time()
+    if not todo:
+        return
+    os.makedirs(runs_dir, exist_ok=True)
+    data = {name: subset(runs_dir, arm.rows) for name, arm in arms.items()}   # before the threads
+    bar = tqdm(total=len(todo), desc="long-run study")
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        running = set()
+        while todo or running:
+            while todo and len(running) < jobs:
+                spec = todo[0]
+                need = arms[spec.arm].minutes * spec.minutes_factor
+                if (time.time() - t0) / 60 + need > budget_min:
+                    bar.write(f"budget: {spec.name} (~{need:.0f} min) would not end within {budget_min} min")
+                    todo = []
+                    break
+                running.add(pool.submit(run_one, todo.pop(0), arms[spec.arm], data[spec.arm], runs_dir, results))
+            if not running:
+                break
+            finished, running = concurrent.futures.wait(running, return_when="FIRST_COMPLETED")
+            for f in finished:
+                bar.write(f"done: {f.result()}")
+                bar.update()
+    bar.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The report: from the run summaries alone
+
+
+def load_summaries(results) -> dict:
+    folder = os.path.join(results, "runs")
+    out = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                s = json.load(f)
+            out[s["name"]] = s
+    digests = {s["golden"] for s in out.values()}
+    if len(digests) > 1:
+        raise SystemExit(f"error: the run summaries come from code with different golden metrics {sorted(digests)}: "
+                         "rerun the older ones (delete their summaries) so every run is of the same code")
+    return out
+
+
+def tail_mean(values, frac=0.1):
+    v = [x for x in values if x is not None]
+    return float(np.mean(v[-max(1, int(len(v) * frac)):]))
+
+
+def run_numbers(s) -> dict:
+    """The scalars of one run: per temperature the curve's onset / depth / final / change from
+    step 0, the drift monitors over the last 10% of steps, the entropy spike."""
+    out = {}
+    for t, acc in s["eval"].items():
+        c = curve_numbers(s["eval_steps"], acc)
+        out.update({f"{k}@{t}": v for k, v in c.items()})
+        out[f"change@{t}"] = c["final"] - c["start"]
+        out[f"last@{t}"] = acc[-1]
+    for k in ("query_kl", "policy_kl", "entropy"):
+        out[f"{k}_tail"] = tail_mean(s[k])
+    early = [x for x in s["entropy"][:40] if x is not None]
+    out["entropy_spike"] = max(x for x in s["entropy"] if x is not None) / float(np.mean(early))
+    return out
+
+
+def aggregate(summaries) -> dict:
+    numbers = {name: run_numbers(s) for name, s in summaries.items()}
+    long = {a: sorted(s["seed"] for s in summaries.values() if s["arm"] == "long" and s["algo"] == a)
+            for a in ("grpo", "erpo")}
+    keys = list(next(iter(numbers.values()))) if numbers else []
+    algos = {a: {k: ci([numbers[f"long-{a}-s{s}"][k] for s in seeds]) for k in keys}
+             for a, seeds in long.items() if seeds}
+    pairs = sorted(set(long["grpo"]) & set(long["erpo"]))
+    paired = {k: ci([numbers[f"long-erpo-s{s}"][k] - numbers[f"long-grpo-s{s}"][k] for s in pairs])
+              for k in keys} if pairs else {}
+    curves = {a: {"steps": summaries[f"long-{a}-s{seeds[0]}"]["steps"],
+                  "eval_steps": summaries[f"long-{a}-s{seeds[0]}"]["eval_steps"],
+                  **{k: [summaries[f"long-{a}-s{s}"][k] for s in seeds] for k in ("query_kl", "policy_kl", "entropy")},
+                  "eval": {t: [summaries[f"long-{a}-s{s}"]["eval"][t] for s in seeds] for t in map(str_t, TEMPS)}}
+              for a, seeds in long.items() if seeds}
+    short = {n: numbers[n] for n in summaries if summaries[n]["arm"] == "short"}
+    base = short.get("short-grpo-s0")
+    ablations = {n: {**v, "vs_grpo": None if base is None else {t: v[f"last@{t}"] - base[f"last@{t}"] for t in
+                                                                 map(str_t, TEMPS)},
+                     "vs_partner": (None if PARTNERS.get(n) not in short else
+                                    {t: v[f"last@{t}"] - short[PARTNERS[n]][f"last@{t}"] for t in map(str_t, TEMPS)})}
+                 for n, v in short.items()}
+    return {"protocol": {"delta": DELTA, "never": NEVER, "temps": TEMPS,
+                         "false_alarm": {f"{p:g}": false_alarm_rate(p) for p in (0.3, 0.5)}},
+            "runs": {n: {"commit": s["commit"], "golden": s["golden"], "seconds": s["seconds"], **numbers[n]}
+                     for n, s in summaries.items()},
+            "algos": algos, "paired_erpo_minus_grpo": paired, "curves": curves, "ablations": ablations}
+
+
+def str_t(t) -> str:
+    return f"{t:g}"
+
+
+def cell(c, scale=1.0, digits=1):
+    if c["half"] is None:
+        return f"{c['mean'] * scale:.{digits}f}"
+    return f"{c['mean'] * scale:.{digits}f} ± {c['half'] * scale:.{digits}f}"
+
+
+def long_rows():
+    """(label, scalar key, scale, digits) of the long arm's tables."""
+    rows = []
+    for t in map(str_t, TEMPS):
+        rows += [(f"onset of degradation, T={t} (step; {NEVER} = none)", f"onset@{t}", 1, 0),
+                 (f"depth: best - end, T={t} (points)", f"depth@{t}", 100, 1),
+                 (f"pass@1 at the end (smoothed), T={t} (%)", f"final@{t}", 100, 1),
+                 (f"change from step 0, T={t} (points)", f"change@{t}", 100, 1)]
+    return rows + [("Query-KL, last 10% of steps (x1e-3)", "query_kl_tail", 1e3, 2),
+                   ("Policy-KL k3, last 10% of steps (x1e-3)", "policy_kl_tail", 1e3, 1),
+                   ("entropy, last 10% of steps", "entropy_tail", 1, 3),
+                   ("entropy: max / mean of steps 1-40", "entropy_spike", 1, 2)]
+
+
+def tables(study) -> str:
+    """The markdown tables of the README's long-run section, from long_run.json alone."""
+    lines = []
+    algos = list(study["algos"])
+    if algos:
+        n = {a: study["algos"][a]["entropy_tail"]["n"] for a in algos}
+        lines += ["Long arm (560 steps), mean ± 95% CI over seeds:", "",
+                  "| measure | " + " | ".join(f"{a} (n={n[a]})" for a in algos) + " | ERPO - GRPO, paired |",
+                  "|---" * (len(algos) + 2) + "|"]
+        for label, key, scale, d in long_rows():
+            pair = study["paired_erpo_minus_grpo"].get(key)
+            lines.append(f"| {label} | " + " | ".join(cell(study["algos"][a][key], scale, d) for a in algos)
+                         + f" | {cell(pair, scale, d) if pair else '—'} |")
+        lines += ["", "Per seed (seed 0 / 1 / 2):", "", "| measure | " + " | ".join(algos) + " |",
+                  "|---" * (len(algos) + 1) + "|"]
+        for label, key, scale, d in long_rows():
+            lines.append(f"| {label} | " + " | ".join(" / ".join(f"{v * scale:.{d}f}" for v in
+                                                               study["algos"][a][key]["values"]) for a in algos) + " |")
+    ab = study["ablations"]
+    if ab:
+        temps = list(map(str_t, TEMPS))
+        lines += ["", "Ablations (112 steps, seed 0): held-out pass@1 (%) at the last evaluation (all 500 tiny-test "
+                  "problems; binomial SE ~2.2 points), and its difference from grpo-s0 and from the run's partner:",
+                  "", "| run | " + " | ".join(f"T={t}" for t in temps) + " | Query-KL last 10% (x1e-3) | "
+                  "entropy last 10% | vs grpo, T=" + " / ".join(temps) + " | vs partner, T=" + " / ".join(temps)
+                  + " |", "|---" * (len(temps) + 5) + "|"]
+        for name, v in ab.items():
+            def diff(d):
+                return "—" if d is None else " / ".join(f"{100 * d[t]:+.1f}" for t in temps)
+            lines.append(f"| {name.removeprefix('short-')} | " + " | ".join(f"{100 * v[f'last@{t}']:.1f}" for t in temps)
+                         + f" | {1e3 * v['query_kl_tail']:.2f} | {v['entropy_tail']:.3f} | {diff(v['vs_grpo'])} | "
+                         f"{diff(v['vs_partner'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def figures(study, folder) -> list[str]:
+    from plumbing.plots import _plt
+    plt, paths, curves = _plt(), [], study["curves"]
+    if not curves:
+        return paths
+    fig, axes = plt.subplots(1, len(TEMPS), figsize=(5 * len(TEMPS), 3.8), sharey=True)
+    for ax, t in zip(axes, map(str_t, TEMPS)):
+        for a, c in curves.items():
+            runs = np.array(c["eval"][t]) * 100
+            line, = ax.plot(c["eval_steps"], runs.mean(0), label=f"{a} (mean of {len(runs)})")
+            for r in runs:
+                ax.plot(c["eval_steps"], r, color=line.get_color(), alpha=0.25, lw=0.8)
+        ax.set_title(f"held-out pass@1, T={t}"), ax.set_xlabel("RL step")
+    axes[0].set_ylabel("tiny-test pass@1 (%)"), axes[0].legend(fontsize=8)
+    paths.append(os.path.join(folder, "heldout.png"))
+    fig.tight_layout(), fig.savefig(paths[-1], dpi=100), plt.close(fig)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    for ax, k in zip(axes, ("query_kl", "policy_kl", "entropy")):
+        for a, c in curves.items():
+            runs = np.array([[np.nan if x is None else x for x in r] for r in c[k]])
+            ax.plot(c["steps"], np.nanmean(runs, 0), label=a)
+        ax.set_title(f"{k} (mean over seeds)"), ax.set_xlabel("RL step"), ax.legend(fontsize=8)
+    paths.append(os.path.join(folder, "drift.png"))
+    fig.tight_layout(), fig.savefig(paths[-1], dpi=100), plt.close(fig)
+    return paths
+
+
+def report(results) -> dict:
+    study = aggregate(load_summaries(results))
+    with open(os.path.join(results, "long_run.json"), "w") as f:
+        json.dump(study, f, indent=1)
+    with open(os.path.join(results, "tables.md"), "w") as f:
+        f.write(tables(study))
+    paths = figures(study, results)
+    print(tables(study))
+    print(f"wrote {results}/long_run.json, tables.md" + "".join(f", {os.path.basename(p)}" for p in paths))
+    return study
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "long_run"), help="the run folders (resumable)")
+    ap.add_argument("--results", default=RESULTS, help="run summaries (runs/), long_run.json, tables, figures")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at a time, one CPU thread each")
+    ap.add_argument("--budget", type=float, default=100.0, help="minutes: start a run only while it fits")
+    ap.add_argument("--report", action="store_true", help="only the report, from the run summaries there are")
+    ap.add_argument("--list", action="store_true", help="which runs are done and which are missing")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes in a temporary folder (a minute)")
+    a = ap.parse_args(argv)
+    arms, runs = (SMOKE_ARMS, SMOKE_RUNS) if a.smoke else (ARMS, RUNS)
+    if a.smoke:
+        tmp = tempfile.mkdtemp(prefix="long-run-smoke-")
+        a.runs_dir, a.results = os.path.join(tmp, "runs"), os.path.join(tmp, "results")
+    os.makedirs(a.results, exist_ok=True)
+    if a.list:
+        todo = {r.name for r in missing(runs, a.results)}
+        for r in runs:
+            print(f"{'missing' if r.name in todo else 'done   '}  {r.name}")
+        return None
+    if not a.report:
+        try:
+            run_missing(runs, arms, a.runs_dir, a.results, a.jobs, a.budget)
+        except RuntimeError as e:                                        # a run failed: its log says why
+            raise SystemExit(f"error: {e}") from None
+    study = report(a.results)
+    if a.smoke:
+        shutil.rmtree(tmp)
+    return study
+
+
+if __name__ == "__main__":
+    main()

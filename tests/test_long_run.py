@@ -1,0 +1,68 @@
+"""study/long_run.py: its degradation rule and the false-alarm rate its protocol states, and the
+whole pipeline (runs -> summaries -> long_run.json, tables, figures) at toy sizes."""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from study import long_run as L
+
+
+def test_the_protocol_threshold_and_false_alarm_rates_are_what_the_code_computes():
+    assert L.protocol_delta() == L.DELTA
+    rates = re.search(r"false-alarm rate\s+(\S+)% at p = 0.5 and (\S+)% at p = 0.3", L.__doc__)
+    assert rates, "the protocol states the false-alarm rates at p = 0.5 and 0.3"
+    assert float(rates.group(1)) == round(100 * L.false_alarm_rate(0.5), 1)
+    assert float(rates.group(2)) == round(100 * L.false_alarm_rate(0.3), 1)
+
+
+def test_degradation_rule_on_hand_made_curves():
+    steps = list(range(0, 600, 40))                                      # 15 evaluation points
+    flat = [0.5] * 15
+    assert L.degraded_at(flat) == -1
+    rise_then_fall = [0.40, 0.45, 0.50, 0.55, 0.55, 0.55, 0.55, 0.55, 0.45, 0.40, 0.40, 0.40, 0.40, 0.40, 0.40]
+    s = L.smooth(rise_then_fall)
+    assert s[7] == pytest.approx((0.55 + 0.55 + 0.45) / 3) and s[0] == pytest.approx(0.425)
+    # s_8 = 0.4667 and s_9 = 0.4167 both lie more than 0.05 below the running max 0.55 (s_7 = 0.5167 does not)
+    assert L.degraded_at(rise_then_fall) == 8
+    c = L.curve_numbers(steps, rise_then_fall)
+    assert c["onset"] == 320 and c["depth"] == pytest.approx(0.55 - 0.40) and c["final"] == pytest.approx(0.40)
+    one_dip = list(flat)
+    one_dip[6] = 0.44                                                    # one low evaluation: 2 points of s dip 0.02
+    assert L.degraded_at(one_dip) == -1 and L.curve_numbers(steps, one_dip)["onset"] == L.NEVER
+    last_point_only = flat[:-1] + [0.2]                                  # a drop at the very end needs a 2nd point
+    assert L.degraded_at(last_point_only) == 13                          # s_13, s_14 = 0.4, 0.35: both below
+    batch = np.array([flat, rise_then_fall])
+    assert L.degraded_at(batch).tolist() == [-1, 8]
+
+
+def test_smoke_pipeline_resumes_and_reports_from_the_summaries(tmp_path):
+    runs_dir, results = str(tmp_path / "runs"), str(tmp_path / "results")
+    L.run_missing(L.SMOKE_RUNS, L.SMOKE_ARMS, runs_dir, results, jobs=2, budget_min=60)
+    assert L.missing(L.SMOKE_RUNS, results) == []
+    first = {r.name: os.path.getmtime(os.path.join(results, "runs", f"{r.name}.json")) for r in L.SMOKE_RUNS}
+    L.run_missing(L.SMOKE_RUNS, L.SMOKE_ARMS, runs_dir, results, jobs=2, budget_min=60)   # nothing to do
+    assert {n: os.path.getmtime(os.path.join(results, "runs", f"{n}.json")) for n in first} == first
+    study = L.report(results)
+    for f in ("long_run.json", "tables.md", "heldout.png", "drift.png"):
+        assert (tmp_path / "results" / f).exists()
+    with open(os.path.join(results, "runs", "long-erpo-s0.json")) as f:
+        s = json.load(f)
+    assert s["eval_steps"] == [0, 2, 4] and set(s["eval"]) == {"0.4", "1", "1.2"}
+    assert len(s["query_kl"]) == L.SMOKE_ARMS["long"].steps and s["golden"] == L.golden_digest()
+    paired = study["paired_erpo_minus_grpo"]["query_kl_tail"]["values"]
+    assert paired == pytest.approx([study["runs"]["long-erpo-s0"]["query_kl_tail"]
+                                    - study["runs"]["long-grpo-s0"]["query_kl_tail"]])
+    ab = study["ablations"]["short-erpo-a0.05-s0"]
+    assert ab["vs_grpo"]["1"] == pytest.approx(ab["last@1"] - study["ablations"]["short-grpo-s0"]["last@1"])
+    assert (tmp_path / "results" / "tables.md").read_text() == L.tables(study)
+
+
+def test_a_budget_too_small_starts_nothing(tmp_path, capsys):
+    results = str(tmp_path / "results")
+    L.run_missing(L.SMOKE_RUNS, L.SMOKE_ARMS, str(tmp_path / "runs"), results, jobs=1, budget_min=0.5)
+    assert len(L.missing(L.SMOKE_RUNS, results)) == len(L.SMOKE_RUNS)
+    assert "would not end within 0.5 min" in capsys.readouterr().out
