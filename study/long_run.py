@@ -1,7 +1,7 @@
 """The long run in miniature (the paper's Figs. 5-6) and the rest of its Tables 2 and 6, on the
 embedded world: does GRPO degrade in a long run, and ERPO later and less?
 
-    python -m study.long_run                  # the runs still missing (within --budget minutes), then the report
+    python -m study.long_run                  # the runs still missing (within --budget minutes), the report
     python -m study.long_run --list           # which runs are done (committed), which are missing
     python -m study.long_run --report         # only the report, from the committed run summaries
     python -m study.long_run --smoke          # the whole pipeline at toy sizes, in a temporary folder
@@ -33,7 +33,7 @@ more than DELTA below M_i; its depth is M_14 - s_14 (how far the end lies below 
 "no onset" when that never happens. DELTA is the smallest multiple of 0.01 whose false-alarm rate
 on a flat curve is <= 5%: 15 points, each an independent Binomial(500, p) / 500 with p = 0.5 (the
 noisiest accuracy), 20,000 resampled curves (`false_alarm_rate`): DELTA = 0.05, false-alarm rate
-4.6% at p = 0.5 and 2.3% at p = 0.3. (The real evaluations share their problems and seeds across
+4.3% at p = 0.5 and 2.3% at p = 0.3. (The real evaluations share their problems and seeds across
 steps, so their noise is positively correlated and a flat real curve trips the rule less often.)
 
 "Later and less", paired per seed (erpo-sK against grpo-sK), at each temperature: the onset step
@@ -123,8 +123,8 @@ ARMS = {
 SMOKE_ARMS = {
     "long": Arm(4, 2, ("--rollout-batch", "4", "--update-batch", "2", "--group-size", "4", "--max-new-tokens",
                        "24"), minutes=1, eval_limit=6, rows=16),
-    "short": Arm(2, 2, ("--rollout-batch", "4", "--update-batch", "2", "--group-size", "4", "--max-new-tokens",
-                        "24"), minutes=1, eval_limit=6, rows=16),
+    "short": Arm(2, 2, ("--rollout-batch", "4", "--update-batch", "2", "--group-size", "4",
+                        "--max-new-tokens", "24"), minutes=1, eval_limit=6, rows=16),
 }
 RUNS = [
     *[RunSpec(f"long-{a}-s{s}", "long", a, s) for s in (0, 1, 2) for a in ("grpo", "erpo")],
@@ -163,7 +163,8 @@ def degraded_at(acc, delta=DELTA) -> np.ndarray:
     running maximum of the smoothed curve s; -1 where there is none. acc (..., points)."""
     s = smooth(acc)
     m = np.maximum.accumulate(s, -1)
-    below = (s[..., :-1] < m[..., :-1] - delta) & (s[..., 1:] < m[..., :-1] - delta)   # (..., points - 1)
+    gap = delta + 1e-9                   # "more than": accuracies are k/500, so exact ties are common
+    below = (m[..., :-1] - s[..., :-1] > gap) & (m[..., :-1] - s[..., 1:] > gap)   # (..., points - 1)
     first = below.argmax(-1)
     return np.where(below.any(-1), first, -1)
 
@@ -205,8 +206,8 @@ def golden_digest() -> str:
 
 def commit() -> str:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, check=True).stdout.strip()
         return head + ("+changes" if dirty else "")
@@ -216,7 +217,8 @@ def commit() -> str:
 
 def train_argv(spec: RunSpec, arm: Arm, data, out) -> list[str]:
     return ["--algo", spec.algo, "--seed", str(spec.seed), "--train-data", data, "--steps", str(arm.steps),
-            "--eval-data", "tiny-test", "--eval-every", str(arm.eval_every), "--eval-limit", str(arm.eval_limit),
+            "--eval-data", "tiny-test", "--eval-every", str(arm.eval_every),
+            "--eval-limit", str(arm.eval_limit),
             "--eval-temperatures", *map(str, TEMPS), "--save-every", str(arm.eval_every), "--out", out,
             *arm.train, *spec.flags]
 
@@ -229,6 +231,8 @@ def run_one(spec: RunSpec, arm: Arm, data, runs_dir, results) -> str:
     out = os.path.join(runs_dir, spec.name)
     resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
     os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "segments.jsonl"), "a") as f:        # the code each part of the run ran on
+        f.write(json.dumps({"commit": commit(), "golden": golden_digest(), "resumed": bool(resume)}) + "\n")
     t0 = time.time()
     with open(os.path.join(out, "log.txt"), "a") as log:
         done = subprocess.run([sys.executable, "-c", ONE_THREAD, *train_argv(spec, arm, data, out), *resume],
@@ -240,13 +244,25 @@ def run_one(spec: RunSpec, arm: Arm, data, runs_dir, results) -> str:
 
 
 def write_summary(spec, arm, out, results, seconds):
+    """The run's committed record: every step's metrics, the evaluations, the code it ran on."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
+    with open(os.path.join(out, "segments.jsonl")) as f:
+        segments = [json.loads(line) for line in f]
     steps = [r for r in rows if r["step"] > 0]
     evals = [r for r in rows if "eval_acc" in r]
-    summary = {"name": spec.name, "arm": spec.arm, "algo": spec.algo, "seed": spec.seed, "flags": list(spec.flags),
-               "argv": train_argv(spec, arm, f"train{arm.rows}.jsonl", spec.name), "commit": commit(),
-               "golden": golden_digest(), "seconds": round(seconds, 1),
+    want = list(range(0, arm.steps + 1, arm.eval_every))
+    if [r["step"] for r in steps] != list(range(1, arm.steps + 1)) or [r["step"] for r in evals] != want:
+        raise RuntimeError(f"{spec.name}: {out}/metrics.jsonl is not a whole run of {arm.steps} steps "
+                           f"evaluated at {want}")
+    if len({g["golden"] for g in segments}) > 1:
+        raise RuntimeError(f"{spec.name}: its parts ran on code with different golden metrics: {segments}")
+    summary = {"name": spec.name, "arm": spec.arm, "algo": spec.algo, "seed": spec.seed,
+               "flags": list(spec.flags),
+               "argv": train_argv(spec, arm, f"train{arm.rows}.jsonl", spec.name),
+               "commit": "+".join(dict.fromkeys(g["commit"] for g in segments)),
+               "golden": segments[0]["golden"],
+               "segments": segments, "seconds": round(seconds, 1),
                "steps": [r["step"] for r in steps], **{k: [r.get(k) for r in steps] for k in STEP_KEYS},
                "eval_steps": [r["step"] for r in evals],
                "eval": {f"{t:g}": [r[f"eval_acc@T{t:g}"] for r in evals] for t in TEMPS}}
@@ -270,6 +286,7 @@ def run_missing(runs, arms, runs_dir, results, jobs, budget_min):
     os.makedirs(runs_dir, exist_ok=True)
     data = {name: subset(runs_dir, arm.rows) for name, arm in arms.items()}   # before the threads
     bar = tqdm(total=len(todo), desc="long-run study")
+    failed = []
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         running = set()
         while todo or running:
@@ -280,14 +297,21 @@ def run_missing(runs, arms, runs_dir, results, jobs, budget_min):
                     bar.write(f"budget: {spec.name} (~{need:.0f} min) would not end within {budget_min} min")
                     todo = []
                     break
-                running.add(pool.submit(run_one, todo.pop(0), arms[spec.arm], data[spec.arm], runs_dir, results))
+                running.add(pool.submit(run_one, todo.pop(0), arms[spec.arm], data[spec.arm], runs_dir,
+                                        results))
             if not running:
                 break
             finished, running = concurrent.futures.wait(running, return_when="FIRST_COMPLETED")
             for f in finished:
-                bar.write(f"done: {f.result()}")
+                try:
+                    bar.write(f"done: {f.result()}")
+                except RuntimeError as e:                   # the others go on; reported at the end
+                    failed.append(str(e))
+                    bar.write(f"failed: {e}")
                 bar.update()
     bar.close()
+    if failed:
+        raise RuntimeError("; ".join(failed))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,66 +328,104 @@ def load_summaries(results) -> dict:
             out[s["name"]] = s
     digests = {s["golden"] for s in out.values()}
     if len(digests) > 1:
-        raise SystemExit(f"error: the run summaries come from code with different golden metrics {sorted(digests)}: "
+        raise SystemExit(f"error: the run summaries come from code with different golden metrics "
+                         f"{sorted(digests)}: "
                          "rerun the older ones (delete their summaries) so every run is of the same code")
     return out
 
 
 def tail_mean(values, frac=0.1):
-    v = [x for x in values if x is not None]
-    return float(np.mean(v[-max(1, int(len(v) * frac)):]))
+    """Mean over the last 10% of steps (None: nothing logged)."""
+    v = finite(values)
+    return float(np.mean(v[-max(1, int(len(v) * frac)):])) if v else None
 
 
 def run_numbers(s) -> dict:
-    """The scalars of one run: per temperature the curve's onset / depth / final / change from
-    step 0, the drift monitors over the last 10% of steps, the entropy spike."""
+    """The scalars of one run: per temperature the curve's final / change from step 0 / last
+    evaluation, and for the long arm (the curve DELTA was set for) its onset and depth; the drift
+    monitors over the last 10% of steps; the entropy spike. None where a run logged nothing."""
     out = {}
     for t, acc in s["eval"].items():
         c = curve_numbers(s["eval_steps"], acc)
-        out.update({f"{k}@{t}": v for k, v in c.items()})
+        keep = ("final", "start", "best") + (("onset", "depth") if s["arm"] == "long" else ())
+        out.update({f"{k}@{t}": c[k] for k in keep})
         out[f"change@{t}"] = c["final"] - c["start"]
         out[f"last@{t}"] = acc[-1]
     for k in ("query_kl", "policy_kl", "entropy"):
         out[f"{k}_tail"] = tail_mean(s[k])
-    early = [x for x in s["entropy"][:40] if x is not None]
-    out["entropy_spike"] = max(x for x in s["entropy"] if x is not None) / float(np.mean(early))
+    entropy = finite(s["entropy"])
+    early = finite(e for step, e in zip(s["steps"], s["entropy"]) if step <= 40)
+    spiked = entropy and early and np.mean(early) > 0
+    out["entropy_spike"] = max(entropy) / float(np.mean(early)) if spiked else None
     return out
+
+
+def finite(values) -> list:
+    return [x for x in values if x is not None and np.isfinite(x)]
+
+
+def long_arm(summaries, numbers) -> dict:
+    """The long arm: each algorithm's scalars over its seeds, erpo - grpo per seed, the curves."""
+    seeds = {a: sorted(s["seed"] for s in summaries.values() if s["arm"] == "long" and s["algo"] == a)
+             for a in ("grpo", "erpo")}
+    seeds = {a: v for a, v in seeds.items() if v}
+    keys = list(next(iter(numbers.values()))) if numbers else []
+    algos = {a: {k: interval([numbers[f"long-{a}-s{s}"][k] for s in ss]) for k in keys}
+             for a, ss in seeds.items()}
+    pairs = sorted(set(seeds.get("grpo", [])) & set(seeds.get("erpo", [])))
+
+    def minus(k, s):
+        e, g = numbers[f"long-erpo-s{s}"][k], numbers[f"long-grpo-s{s}"][k]
+        return None if e is None or g is None else e - g
+    paired = {k: interval([minus(k, s) for s in pairs]) for k in keys} if pairs else {}
+    curves = {}
+    for a, ss in seeds.items():
+        runs = [summaries[f"long-{a}-s{s}"] for s in ss]
+        curves[a] = {"steps": runs[0]["steps"], "eval_steps": runs[0]["eval_steps"],
+                     **{k: [r[k] for r in runs] for k in ("query_kl", "policy_kl", "entropy")},
+                     "eval": {t: [r["eval"][t] for r in runs] for t in map(str_t, TEMPS)}}
+    return {"algos": algos, "paired_erpo_minus_grpo": paired, "curves": curves, "seeds": seeds,
+            "pairs": pairs}
+
+
+def ablations(summaries, numbers) -> dict:
+    """The short-regime runs: their scalars, and the last evaluation's difference from grpo-s0 and
+    from the run's partner (PARTNERS), per temperature."""
+    short = {n: numbers[n] for n in summaries if summaries[n]["arm"] == "short"}
+
+    def minus(name, other):
+        if other not in short:
+            return None
+        return {t: short[name][f"last@{t}"] - short[other][f"last@{t}"] for t in map(str_t, TEMPS)}
+    return {n: {**v, "vs_grpo": minus(n, "short-grpo-s0"), "vs_partner": minus(n, PARTNERS.get(n))}
+            for n, v in short.items()}
 
 
 def aggregate(summaries) -> dict:
     numbers = {name: run_numbers(s) for name, s in summaries.items()}
-    long = {a: sorted(s["seed"] for s in summaries.values() if s["arm"] == "long" and s["algo"] == a)
-            for a in ("grpo", "erpo")}
-    keys = list(next(iter(numbers.values()))) if numbers else []
-    algos = {a: {k: ci([numbers[f"long-{a}-s{s}"][k] for s in seeds]) for k in keys}
-             for a, seeds in long.items() if seeds}
-    pairs = sorted(set(long["grpo"]) & set(long["erpo"]))
-    paired = {k: ci([numbers[f"long-erpo-s{s}"][k] - numbers[f"long-grpo-s{s}"][k] for s in pairs])
-              for k in keys} if pairs else {}
-    curves = {a: {"steps": summaries[f"long-{a}-s{seeds[0]}"]["steps"],
-                  "eval_steps": summaries[f"long-{a}-s{seeds[0]}"]["eval_steps"],
-                  **{k: [summaries[f"long-{a}-s{s}"][k] for s in seeds] for k in ("query_kl", "policy_kl", "entropy")},
-                  "eval": {t: [summaries[f"long-{a}-s{s}"]["eval"][t] for s in seeds] for t in map(str_t, TEMPS)}}
-              for a, seeds in long.items() if seeds}
-    short = {n: numbers[n] for n in summaries if summaries[n]["arm"] == "short"}
-    base = short.get("short-grpo-s0")
-    ablations = {n: {**v, "vs_grpo": None if base is None else {t: v[f"last@{t}"] - base[f"last@{t}"] for t in
-                                                                 map(str_t, TEMPS)},
-                     "vs_partner": (None if PARTNERS.get(n) not in short else
-                                    {t: v[f"last@{t}"] - short[PARTNERS[n]][f"last@{t}"] for t in map(str_t, TEMPS)})}
-                 for n, v in short.items()}
     return {"protocol": {"delta": DELTA, "never": NEVER, "temps": TEMPS,
                          "false_alarm": {f"{p:g}": false_alarm_rate(p) for p in (0.3, 0.5)}},
             "runs": {n: {"commit": s["commit"], "golden": s["golden"], "seconds": s["seconds"], **numbers[n]}
                      for n, s in summaries.items()},
-            "algos": algos, "paired_erpo_minus_grpo": paired, "curves": curves, "ablations": ablations}
+            **long_arm(summaries, {n: v for n, v in numbers.items() if summaries[n]["arm"] == "long"}),
+            "ablations": ablations(summaries, numbers)}
 
 
 def str_t(t) -> str:
     return f"{t:g}"
 
 
+def interval(values) -> dict:
+    """ci() of the values a run has (None: not logged), keeping every value for the per-seed rows."""
+    have = [v for v in values if v is not None]
+    if not have:
+        return {"mean": None, "half": None, "n": 0, "values": values}
+    return {**ci(have), "values": values}
+
+
 def cell(c, scale=1.0, digits=1):
+    if c is None or c["mean"] is None:
+        return "—"
     if c["half"] is None:
         return f"{c['mean'] * scale:.{digits}f}"
     return f"{c['mean'] * scale:.{digits}f} ± {c['half'] * scale:.{digits}f}"
@@ -383,39 +445,53 @@ def long_rows():
                    ("entropy: max / mean of steps 1-40", "entropy_spike", 1, 2)]
 
 
+def long_tables(study) -> list[str]:
+    algos, seeds = list(study["algos"]), study["seeds"]
+    if not algos:
+        return []
+    lines = ["Long arm (560 steps), mean ± 95% CI over seeds:", "",
+             "| measure | " + " | ".join(f"{a} (n={len(seeds[a])})" for a in algos)
+             + f" | ERPO - GRPO, paired (n={len(study['pairs'])}) |", "|---" * (len(algos) + 2) + "|"]
+    for label, key, scale, d in long_rows():
+        cells = [cell(study["algos"][a][key], scale, d) for a in algos]
+        pair = cell(study["paired_erpo_minus_grpo"].get(key), scale, d)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {pair} |")
+    lines += ["", "Per seed:", "", "| measure | " + " | ".join(f"{a}, seeds {' / '.join(map(str, seeds[a]))}"
+                                                             for a in algos) + " |",
+              "|---" * (len(algos) + 1) + "|"]
+    for label, key, scale, d in long_rows():
+        per_seed = [" / ".join("—" if v is None else f"{v * scale:.{d}f}"
+                               for v in study["algos"][a][key]["values"]) for a in algos]
+        lines.append(f"| {label} | " + " | ".join(per_seed) + " |")
+    return lines
+
+
+def ablation_table(study) -> list[str]:
+    ab, temps = study["ablations"], list(map(str_t, TEMPS))
+    if not ab:
+        return []
+    at = " / ".join(temps)
+    lines = ["Ablations (112 steps, seed 0): held-out pass@1 (%) at the last evaluation (all 500 "
+             "tiny-test problems; binomial SE ~2.2 points), and its difference (points) from grpo-s0 and "
+             "from the run's partner:", "",
+             "| run | " + " | ".join(f"T={t}" for t in temps) + " | Query-KL last 10% (x1e-3) | "
+             f"entropy last 10% | vs grpo, T={at} | vs partner, T={at} |", "|---" * (len(temps) + 5) + "|"]
+
+    def diff(d):
+        return "—" if d is None else " / ".join(f"{100 * d[t]:+.1f}" for t in temps)
+    def num(x, scale, fmt):
+        return "—" if x is None else format(x * scale, fmt)
+    for name, v in ab.items():
+        acc = " | ".join(f"{100 * v[f'last@{t}']:.1f}" for t in temps)
+        lines.append(f"| {name.removeprefix('short-')} | {acc} | {num(v['query_kl_tail'], 1e3, '.2f')} | "
+                     f"{num(v['entropy_tail'], 1, '.3f')} | {diff(v['vs_grpo'])} | {diff(v['vs_partner'])} |")
+    return lines
+
+
 def tables(study) -> str:
     """The markdown tables of the README's long-run section, from long_run.json alone."""
-    lines = []
-    algos = list(study["algos"])
-    if algos:
-        n = {a: study["algos"][a]["entropy_tail"]["n"] for a in algos}
-        lines += ["Long arm (560 steps), mean ± 95% CI over seeds:", "",
-                  "| measure | " + " | ".join(f"{a} (n={n[a]})" for a in algos) + " | ERPO - GRPO, paired |",
-                  "|---" * (len(algos) + 2) + "|"]
-        for label, key, scale, d in long_rows():
-            pair = study["paired_erpo_minus_grpo"].get(key)
-            lines.append(f"| {label} | " + " | ".join(cell(study["algos"][a][key], scale, d) for a in algos)
-                         + f" | {cell(pair, scale, d) if pair else '—'} |")
-        lines += ["", "Per seed (seed 0 / 1 / 2):", "", "| measure | " + " | ".join(algos) + " |",
-                  "|---" * (len(algos) + 1) + "|"]
-        for label, key, scale, d in long_rows():
-            lines.append(f"| {label} | " + " | ".join(" / ".join(f"{v * scale:.{d}f}" for v in
-                                                               study["algos"][a][key]["values"]) for a in algos) + " |")
-    ab = study["ablations"]
-    if ab:
-        temps = list(map(str_t, TEMPS))
-        lines += ["", "Ablations (112 steps, seed 0): held-out pass@1 (%) at the last evaluation (all 500 tiny-test "
-                  "problems; binomial SE ~2.2 points), and its difference from grpo-s0 and from the run's partner:",
-                  "", "| run | " + " | ".join(f"T={t}" for t in temps) + " | Query-KL last 10% (x1e-3) | "
-                  "entropy last 10% | vs grpo, T=" + " / ".join(temps) + " | vs partner, T=" + " / ".join(temps)
-                  + " |", "|---" * (len(temps) + 5) + "|"]
-        for name, v in ab.items():
-            def diff(d):
-                return "—" if d is None else " / ".join(f"{100 * d[t]:+.1f}" for t in temps)
-            lines.append(f"| {name.removeprefix('short-')} | " + " | ".join(f"{100 * v[f'last@{t}']:.1f}" for t in temps)
-                         + f" | {1e3 * v['query_kl_tail']:.2f} | {v['entropy_tail']:.3f} | {diff(v['vs_grpo'])} | "
-                         f"{diff(v['vs_partner'])} |")
-    return "\n".join(lines) + "\n"
+    long, ab = long_tables(study), ablation_table(study)
+    return "\n".join(long + ([""] if long and ab else []) + ab) + "\n"
 
 
 def figures(study, folder) -> list[str]:
@@ -438,7 +514,8 @@ def figures(study, folder) -> list[str]:
     for ax, k in zip(axes, ("query_kl", "policy_kl", "entropy")):
         for a, c in curves.items():
             runs = np.array([[np.nan if x is None else x for x in r] for r in c[k]])
-            ax.plot(c["steps"], np.nanmean(runs, 0), label=a)
+            if np.isfinite(runs).any():                                # (a monitor a run did not log: none)
+                ax.plot(c["steps"], np.nanmean(runs, 0), label=a)
         ax.set_title(f"{k} (mean over seeds)"), ax.set_xlabel("RL step"), ax.legend(fontsize=8)
     paths.append(os.path.join(folder, "drift.png"))
     fig.tight_layout(), fig.savefig(paths[-1], dpi=100), plt.close(fig)
@@ -459,8 +536,10 @@ def report(results) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "long_run"), help="the run folders (resumable)")
-    ap.add_argument("--results", default=RESULTS, help="run summaries (runs/), long_run.json, tables, figures")
+    ap.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "long_run"),
+                    help="the run folders (resumable)")
+    ap.add_argument("--results", default=RESULTS,
+                    help="the run summaries (runs/), long_run.json, tables, figures")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time, one CPU thread each")
     ap.add_argument("--budget", type=float, default=100.0, help="minutes: start a run only while it fits")
     ap.add_argument("--report", action="store_true", help="only the report, from the run summaries there are")

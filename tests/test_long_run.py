@@ -35,6 +35,11 @@ def test_degradation_rule_on_hand_made_curves():
     assert L.degraded_at(one_dip) == -1 and L.curve_numbers(steps, one_dip)["onset"] == L.NEVER
     last_point_only = flat[:-1] + [0.2]                                  # a drop at the very end needs a 2nd point
     assert L.degraded_at(last_point_only) == 13                          # s_13, s_14 = 0.4, 0.35: both below
+    one_low_then_high = list(flat)
+    one_low_then_high[6], one_low_then_high[7] = 0.3, 0.65             # s_5..s_8 = .433 .483 .483 .55: only
+    assert L.degraded_at(one_low_then_high) == -1                        # one point 0.05 below: no onset
+    tie = [0.55] * 3 + [0.50] * 12                                       # exactly DELTA below: not "more than"
+    assert L.degraded_at(tie) == -1
     batch = np.array([flat, rise_then_fall])
     assert L.degraded_at(batch).tolist() == [-1, 8]
 
@@ -59,6 +64,49 @@ def test_smoke_pipeline_resumes_and_reports_from_the_summaries(tmp_path):
     ab = study["ablations"]["short-erpo-a0.05-s0"]
     assert ab["vs_grpo"]["1"] == pytest.approx(ab["last@1"] - study["ablations"]["short-grpo-s0"]["last@1"])
     assert (tmp_path / "results" / "tables.md").read_text() == L.tables(study)
+
+
+def test_a_run_without_its_summary_resumes_and_gets_the_same_one(tmp_path):
+    runs_dir, results = str(tmp_path / "runs"), str(tmp_path / "results")
+    one = [L.SMOKE_RUNS[0]]
+    L.run_missing(one, L.SMOKE_ARMS, runs_dir, results, jobs=1, budget_min=60)
+    path = os.path.join(results, "runs", f"{one[0].name}.json")
+    with open(path) as f:
+        first = json.load(f)
+    os.remove(path)                                                      # e.g. a session ended before the commit
+    L.run_missing(one, L.SMOKE_ARMS, runs_dir, results, jobs=1, budget_min=60)   # --resume: nothing left to train
+    with open(path) as f:
+        again = json.load(f)
+    assert [seg["resumed"] for seg in again["segments"]] == [False, True]
+    skip = {"segments", "seconds"}
+    assert {k: v for k, v in again.items() if k not in skip} == {k: v for k, v in first.items() if k not in skip}
+
+
+def test_the_report_of_a_partial_study(tmp_path):
+    """Seeds missing on either side, an ablation without its partner or grpo-s0, unlogged monitors."""
+    steps, evals = list(range(1, 81)), list(range(0, 81, 40))
+
+    def summary(name, arm, algo, seed, entropy=0.5):
+        return {"name": name, "arm": arm, "algo": algo, "seed": seed, "commit": "c", "golden": "g", "seconds": 1,
+                "steps": steps, "query_kl": [1e-3] * 80, "policy_kl": [None] * 80,
+                "entropy": [entropy] * 79 + [None], "eval_steps": evals,
+                "eval": {t: [0.5, 0.6, 0.4 + seed / 100] for t in ("0.4", "1", "1.2")}}
+    runs = [summary("long-grpo-s0", "long", "grpo", 0), summary("long-grpo-s2", "long", "grpo", 2, 0.7),
+            summary("long-erpo-s2", "long", "erpo", 2), summary("short-erpo-g16-s0", "short", "erpo", 0)]
+    os.makedirs(tmp_path / "runs")
+    for r in runs:
+        (tmp_path / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
+    study = L.report(str(tmp_path))
+    assert study["seeds"] == {"grpo": [0, 2], "erpo": [2]} and study["pairs"] == [2]
+    assert study["algos"]["grpo"]["entropy_tail"]["values"] == pytest.approx([0.5, 0.7])
+    assert study["paired_erpo_minus_grpo"]["entropy_tail"]["values"] == pytest.approx([-0.2])
+    assert study["algos"]["grpo"]["policy_kl_tail"]["mean"] is None
+    assert study["ablations"]["short-erpo-g16-s0"]["vs_grpo"] is None
+    text = L.tables(study)
+    assert "| grpo, seeds 0 / 2 | erpo, seeds 2 |" in text and "paired (n=1)" in text
+    assert "| Policy-KL k3, last 10% of steps (x1e-3) | — | — | — |" in text
+    assert "| erpo-g16-s0 | 60.0 | 60.0 | 60.0 | 1.00 | 0.500 | — | — |" not in text   # its last eval is 0.40
+    assert "| erpo-g16-s0 | 40.0 | 40.0 | 40.0 | 1.00 | 0.500 | — | — |" in text
 
 
 def test_a_budget_too_small_starts_nothing(tmp_path, capsys):
