@@ -118,7 +118,7 @@ class RunSpec:
 ARMS = {
     "long": Arm(560, 40, ("--rollout-batch", "16", "--update-batch", "8", "--group-size", "8",
                           "--max-new-tokens", "64"), minutes=26),
-    "short": Arm(112, 16, (), minutes=18),
+    "short": Arm(112, 16, (), minutes=12),
 }
 SMOKE_ARMS = {
     "long": Arm(4, 2, ("--rollout-batch", "4", "--update-batch", "2", "--group-size", "4", "--max-new-tokens",
@@ -394,7 +394,7 @@ def ablations(summaries, numbers) -> dict:
     short = {n: numbers[n] for n in summaries if summaries[n]["arm"] == "short"}
 
     def minus(name, other):
-        if other not in short:
+        if other not in short or other == name:
             return None
         return {t: short[name][f"last@{t}"] - short[other][f"last@{t}"] for t in map(str_t, TEMPS)}
     return {n: {**v, "vs_grpo": minus(n, "short-grpo-s0"), "vs_partner": minus(n, PARTNERS.get(n))}
@@ -453,8 +453,13 @@ def long_tables(study) -> list[str]:
              "| measure | " + " | ".join(f"{a} (n={len(seeds[a])})" for a in algos)
              + f" | ERPO - GRPO, paired (n={len(study['pairs'])}) |", "|---" * (len(algos) + 2) + "|"]
     for label, key, scale, d in long_rows():
-        cells = [cell(study["algos"][a][key], scale, d) for a in algos]
-        pair = cell(study["paired_erpo_minus_grpo"].get(key), scale, d)
+        if key.startswith("onset@"):                     # censored: counted, not averaged
+            cells = [onsets(study["algos"][a][key]["values"]) for a in algos]
+            pair = later(study["paired_erpo_minus_grpo"].get(key))
+            label = label.replace("(step; 600 = none)", "(runs with one)")
+        else:
+            cells = [cell(study["algos"][a][key], scale, d) for a in algos]
+            pair = cell(study["paired_erpo_minus_grpo"].get(key), scale, d)
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {pair} |")
     lines += ["", "Per seed:", "", "| measure | " + " | ".join(f"{a}, seeds {' / '.join(map(str, seeds[a]))}"
                                                              for a in algos) + " |",
@@ -464,6 +469,21 @@ def long_tables(study) -> list[str]:
                                for v in study["algos"][a][key]["values"]) for a in algos]
         lines.append(f"| {label} | " + " | ".join(per_seed) + " |")
     return lines
+
+
+def onsets(values) -> str:
+    """'1 of 3 (step 280)': how many runs degraded, and when."""
+    hit = [v for v in values if v is not None and v < NEVER]
+    return f"{len(hit)} of {len(values)}" + (f" (step {', '.join(str(int(v)) for v in hit)})" if hit else "")
+
+
+def later(c) -> str:
+    """The paired onset column: in how many pairs ERPO's onset came later / earlier than GRPO's."""
+    if c is None or not c["values"]:
+        return "—"
+    d = [v for v in c["values"] if v is not None]
+    return (f"later in {sum(v > 0 for v in d)}, earlier in {sum(v < 0 for v in d)}, "
+            f"same in {sum(v == 0 for v in d)}")
 
 
 def ablation_table(study) -> list[str]:
@@ -515,8 +535,11 @@ def figures(study, folder) -> list[str]:
         for a, c in curves.items():
             runs = np.array([[np.nan if x is None else x for x in r] for r in c[k]])
             if np.isfinite(runs).any():                                # (a monitor a run did not log: none)
-                ax.plot(c["steps"], np.nanmean(runs, 0), label=a)
-        ax.set_title(f"{k} (mean over seeds)"), ax.set_xlabel("RL step"), ax.legend(fontsize=8)
+                have = np.isfinite(runs).any(0)                          # steps some seed logged
+                ax.plot(np.array(c["steps"])[have], np.nanmean(runs[:, have], 0), label=a)
+        ax.set_title(f"{k} (mean over seeds)"), ax.set_xlabel("RL step")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     paths.append(os.path.join(folder, "drift.png"))
     fig.tight_layout(), fig.savefig(paths[-1], dpi=100), plt.close(fig)
     return paths

@@ -114,3 +114,20 @@ def test_a_budget_too_small_starts_nothing(tmp_path, capsys):
     L.run_missing(L.SMOKE_RUNS, L.SMOKE_ARMS, str(tmp_path / "runs"), results, jobs=1, budget_min=0.5)
     assert len(L.missing(L.SMOKE_RUNS, results)) == len(L.SMOKE_RUNS)
     assert "would not end within 0.5 min" in capsys.readouterr().out
+
+
+def test_the_readme_long_run_tables_are_built_from_the_committed_json():
+    """Every line of the tables L.tables() makes from study/results/long_run/long_run.json is in
+    the README, tables.md next to it is that same text, and the JSON is what the committed run
+    summaries give."""
+    with open(os.path.join(L.RESULTS, "long_run.json")) as f:
+        study = json.load(f)
+    text = L.tables(study)
+    with open(os.path.join(L.ROOT, "README.md")) as f:
+        readme = f.read()
+    missing = [line for line in text.splitlines() if line and line not in readme]
+    assert not missing, missing[:5]
+    with open(os.path.join(L.RESULTS, "tables.md")) as f:
+        assert f.read() == text
+    again = json.loads(json.dumps(L.aggregate(L.load_summaries(L.RESULTS))))
+    assert L.tables(again) == text
