@@ -54,7 +54,7 @@ points, says what a difference of one evaluation can be.
 
 Budget and sessions. A run is a subprocess of `train.py` on one intra-op thread (results do not
 depend on the machine's core count); --jobs of them at a time (2 on a 2-core machine). A run that
-finishes writes its summary, study/results/long_run/runs/<name>.json (every logged metric per
+finishes writes its summary, study/results/long_run/summaries/<name>.json (every logged metric per
 step and the evaluations; ~100 KB), which is committed: a later session, on a new machine,
 runs only the runs still missing, and the report is rebuilt from the committed summaries alone.
 `--budget` (minutes, default 100) starts a run only while its estimate still fits; a run
@@ -87,6 +87,7 @@ sys.path.insert(0, ROOT)
 from study.miniature import ci, subset  # noqa: E402  (the short study's statistics and training set)
 
 RESULTS = os.path.join(ROOT, "study", "results", "long_run")
+SUMMARIES = "summaries"               # the committed run summaries, in RESULTS (not "runs/": .gitignore'd)
 TEMPS = [0.4, 1.0, 1.2]
 DELTA = 0.05                          # the degradation threshold the protocol's rule gives (a test checks)
 NEVER = 600                           # the onset of a run that never degraded (censored)
@@ -266,15 +267,15 @@ def write_summary(spec, arm, out, results, seconds):
                "steps": [r["step"] for r in steps], **{k: [r.get(k) for r in steps] for k in STEP_KEYS},
                "eval_steps": [r["step"] for r in evals],
                "eval": {f"{t:g}": [r[f"eval_acc@T{t:g}"] for r in evals] for t in TEMPS}}
-    os.makedirs(os.path.join(results, "runs"), exist_ok=True)
-    path = os.path.join(results, "runs", f"{spec.name}.json")
+    os.makedirs(os.path.join(results, SUMMARIES), exist_ok=True)
+    path = os.path.join(results, SUMMARIES, f"{spec.name}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(summary, f)
     os.replace(path + ".tmp", path)
 
 
 def missing(runs, results) -> list[RunSpec]:
-    return [r for r in runs if not os.path.exists(os.path.join(results, "runs", f"{r.name}.json"))]
+    return [r for r in runs if not os.path.exists(os.path.join(results, SUMMARIES, f"{r.name}.json"))]
 
 
 def run_missing(runs, arms, runs_dir, results, jobs, budget_min):
@@ -319,7 +320,7 @@ def run_missing(runs, arms, runs_dir, results, jobs, budget_min):
 
 
 def load_summaries(results) -> dict:
-    folder = os.path.join(results, "runs")
+    folder = os.path.join(results, SUMMARIES)
     out = {}
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         if name.endswith(".json"):
@@ -562,7 +563,7 @@ def main(argv=None):
     ap.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "long_run"),
                     help="the run folders (resumable)")
     ap.add_argument("--results", default=RESULTS,
-                    help="the run summaries (runs/), long_run.json, tables, figures")
+                    help="the run summaries (summaries/), long_run.json, tables, figures")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time, one CPU thread each")
     ap.add_argument("--budget", type=float, default=100.0, help="minutes: start a run only while it fits")
     ap.add_argument("--report", action="store_true", help="only the report, from the run summaries there are")

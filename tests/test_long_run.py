@@ -48,13 +48,13 @@ def test_smoke_pipeline_resumes_and_reports_from_the_summaries(tmp_path):
     runs_dir, results = str(tmp_path / "runs"), str(tmp_path / "results")
     L.run_missing(L.SMOKE_RUNS, L.SMOKE_ARMS, runs_dir, results, jobs=2, budget_min=60)
     assert L.missing(L.SMOKE_RUNS, results) == []
-    first = {r.name: os.path.getmtime(os.path.join(results, "runs", f"{r.name}.json")) for r in L.SMOKE_RUNS}
+    first = {r.name: os.path.getmtime(os.path.join(results, L.SUMMARIES, f"{r.name}.json")) for r in L.SMOKE_RUNS}
     L.run_missing(L.SMOKE_RUNS, L.SMOKE_ARMS, runs_dir, results, jobs=2, budget_min=60)   # nothing to do
-    assert {n: os.path.getmtime(os.path.join(results, "runs", f"{n}.json")) for n in first} == first
+    assert {n: os.path.getmtime(os.path.join(results, L.SUMMARIES, f"{n}.json")) for n in first} == first
     study = L.report(results)
     for f in ("long_run.json", "tables.md", "heldout.png", "drift.png"):
         assert (tmp_path / "results" / f).exists()
-    with open(os.path.join(results, "runs", "long-erpo-s0.json")) as f:
+    with open(os.path.join(results, L.SUMMARIES, "long-erpo-s0.json")) as f:
         s = json.load(f)
     assert s["eval_steps"] == [0, 2, 4] and set(s["eval"]) == {"0.4", "1", "1.2"}
     assert len(s["query_kl"]) == L.SMOKE_ARMS["long"].steps and s["golden"] == L.golden_digest()
@@ -70,7 +70,7 @@ def test_a_run_without_its_summary_resumes_and_gets_the_same_one(tmp_path):
     runs_dir, results = str(tmp_path / "runs"), str(tmp_path / "results")
     one = [L.SMOKE_RUNS[0]]
     L.run_missing(one, L.SMOKE_ARMS, runs_dir, results, jobs=1, budget_min=60)
-    path = os.path.join(results, "runs", f"{one[0].name}.json")
+    path = os.path.join(results, L.SUMMARIES, f"{one[0].name}.json")
     with open(path) as f:
         first = json.load(f)
     os.remove(path)                                                      # e.g. a session ended before the commit
@@ -93,9 +93,9 @@ def test_the_report_of_a_partial_study(tmp_path):
                 "eval": {t: [0.5, 0.6, 0.4 + seed / 100] for t in ("0.4", "1", "1.2")}}
     runs = [summary("long-grpo-s0", "long", "grpo", 0), summary("long-grpo-s2", "long", "grpo", 2, 0.7),
             summary("long-erpo-s2", "long", "erpo", 2), summary("short-erpo-g16-s0", "short", "erpo", 0)]
-    os.makedirs(tmp_path / "runs")
+    os.makedirs(tmp_path / L.SUMMARIES)
     for r in runs:
-        (tmp_path / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
+        (tmp_path / L.SUMMARIES / f"{r['name']}.json").write_text(json.dumps(r))
     study = L.report(str(tmp_path))
     assert study["seeds"] == {"grpo": [0, 2], "erpo": [2]} and study["pairs"] == [2]
     assert study["algos"]["grpo"]["entropy_tail"]["values"] == pytest.approx([0.5, 0.7])
