@@ -4,8 +4,8 @@
     python -m study.walkthrough --out DIR        # the same into DIR/ (what tests/test_walkthrough.py does)
     python -m study.walkthrough --tolerances     # re-measures tests/golden/walkthrough_tolerances.json
 
-Nothing here re-implements the step. `trace` runs train.py's own code on ARGV: `train.parse_args`,
-`train.load_data`, `train.setup_rl`, then `train.rl_step` for steps 1..TRACED, with two of
+Nothing here re-implements the step. `trace` runs train.py's own code on `argv()`: `train.parse_args`,
+`train.load_data`, `train.setup_rl`, then `train.rl_step` for steps 1..TRACED + 1, with two of
 train.py's functions wrapped to keep what they are given in the traced step: `train.rollouts` (the
 graded experience) and `train.ppo_update` (the UpdateBatch and the plan of the update). The wrapped
 update runs the real one (ERPO's optimizer step, what train.py logs), then, from the weights before
@@ -13,11 +13,11 @@ it, splits the micro-batch's loss into its terms with losses.py's functions for 
 (each term's gradient alone, by autograd), checks Proposition 1 and runs GRPO's real update from
 the same weights too, so "what changed" compares the two algorithms on one batch; it puts ERPO's
 weights back before rl_step goes on. The numbers of the document are this trace's:
-`walkthrough_doc.render` prints
-each through `Doc.num` (4 significant figures), and tests/test_walkthrough.py regenerates the
-document, compares its text exactly and each number within a tolerance measured across CPU kernel
-variants (as the golden metrics', tests/rounding.py), and checks the traced step's metrics against
-the metrics.jsonl line of `train.py` run with ARGV.
+`walkthrough_doc.render` prints each through `Doc.num` (4 significant figures; study/
+walkthrough_numbers.py), and tests/test_walkthrough.py regenerates the document, compares its text
+exactly and each number within a tolerance measured across CPU kernel variants (as the golden
+metrics', tests/rounding.py), and checks the traced step's metrics against the metrics.jsonl lines
+of `train.py` run with the same arguments (`argv`).
 """
 
 import argparse
@@ -214,7 +214,8 @@ def traced_update(trace, real_update):
 
 
 def trace(folder):
-    """Steps 1..TRACED of train.py on ARGV, the last traced -> (Trace, Run)."""
+    """Steps 1..TRACED + 1 of train.py on argv(), step TRACED traced (the next one checks that the
+    trace left ERPO's run as it was) -> (Trace, Run)."""
     args, algo = train.parse_args(argv(write_subset(folder), os.path.join(folder, "run")))
     torch.manual_seed(args.seed)
     dist = distributed.setup(fsdp=False)
