@@ -44,6 +44,14 @@ def test_degradation_rule_on_hand_made_curves():
     assert L.degraded_at(batch).tolist() == [-1, 8]
 
 
+def test_entropy_late_rise_on_hand_values():
+    falls_then_rises = [4.0, 3.0, 2.0, 2.0, 3.0]
+    assert L.late_rise(falls_then_rises, 1) == pytest.approx(3.0 / 2.0)      # 3 against the minimum 2 before it
+    assert L.late_rise(falls_then_rises, 2) == pytest.approx(2.5 / 2.0)      # means 3.5 2.5 2 2.5
+    assert L.late_rise([4.0, 3.0, 2.0, 1.0], 2) == 1.0                       # only falls: never above its minimum
+    assert L.late_rise(falls_then_rises, 6) is None                          # shorter than the window
+
+
 def test_smoke_pipeline_resumes_and_reports_from_the_summaries(tmp_path):
     runs_dir, results = str(tmp_path / "runs"), str(tmp_path / "results")
     L.run_missing(L.SMOKE_RUNS, L.SMOKE_ARMS, runs_dir, results, jobs=2, budget_min=60)
