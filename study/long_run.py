@@ -70,7 +70,7 @@ the window was not chosen in advance).
 
 Output: study/results/long_run/long_run.json (every number the tables and figures use),
 tables.md, heldout.png (held-out pass@1 over steps, per temperature), drift.png (Query-KL,
-Policy-KL, entropy over steps).
+Policy-KL, entropy over steps), ablations.png (each ablation's Query-KL and last held-out pass@1).
 """
 
 import argparse
@@ -567,13 +567,39 @@ def figures(study, folder) -> list[str]:
     return paths
 
 
+def ablation_figure(study, folder) -> list[str]:
+    """The ablations at a glance: each run's Query-KL (log scale) and its last held-out pass@1 per
+    temperature, runs without ERPO grey and with ERPO blue, next to their partners."""
+    from plumbing.plots import _plt
+    ab = study["ablations"]
+    names = [r.name for r in RUNS if r.arm == "short" and r.name in ab] + sorted(set(ab) - {r.name for r in RUNS})
+    if not names:
+        return []
+    plt, x = _plt(), np.arange(len(names))
+    erpo = ["erpo" in n for n in names]
+    colors = ["tab:blue" if e else "tab:gray" for e in erpo]
+    fig, (kl, acc) = plt.subplots(1, 2, figsize=(14, 4.2))
+    qkl = [np.nan if ab[n]["query_kl_tail"] is None else ab[n]["query_kl_tail"] * 1e3 for n in names]
+    kl.bar(x, qkl, color=colors)
+    kl.set_yscale("log"), kl.set_ylabel("Query-KL, last 10% of steps (x1e-3)")
+    for marker, t in zip("o^s", map(str_t, TEMPS)):
+        acc.scatter(x, [100 * ab[n][f"last@{t}"] for n in names], c=colors, marker=marker, label=f"T={t}")
+    acc.set_ylabel("held-out pass@1 at the last evaluation (%)"), acc.legend(fontsize=8)
+    for ax in (kl, acc):
+        ax.set_xticks(x, [n.removeprefix("short-") for n in names], rotation=45, ha="right", fontsize=8)
+    fig.suptitle("ablations (112 steps, seed 0): grey without ERPO, blue with")
+    path = os.path.join(folder, "ablations.png")
+    fig.tight_layout(), fig.savefig(path, dpi=100), plt.close(fig)
+    return [path]
+
+
 def report(results) -> dict:
     study = aggregate(load_summaries(results))
     with open(os.path.join(results, "long_run.json"), "w") as f:
         json.dump(study, f, indent=1)
     with open(os.path.join(results, "tables.md"), "w") as f:
         f.write(tables(study))
-    paths = figures(study, results)
+    paths = figures(study, results) + ablation_figure(study, results)
     print(tables(study))
     print(f"wrote {results}/long_run.json, tables.md" + "".join(f", {os.path.basename(p)}" for p in paths))
     return study

@@ -60,7 +60,7 @@ def test_smoke_pipeline_resumes_and_reports_from_the_summaries(tmp_path):
     L.run_missing(L.SMOKE_RUNS, L.SMOKE_ARMS, runs_dir, results, jobs=2, budget_min=60)   # nothing to do
     assert {n: os.path.getmtime(os.path.join(results, L.SUMMARIES, f"{n}.json")) for n in first} == first
     study = L.report(results)
-    for f in ("long_run.json", "tables.md", "heldout.png", "drift.png"):
+    for f in ("long_run.json", "tables.md", "heldout.png", "drift.png", "ablations.png"):
         assert (tmp_path / "results" / f).exists()
     with open(os.path.join(results, L.SUMMARIES, "long-erpo-s0.json")) as f:
         s = json.load(f)
