@@ -463,8 +463,8 @@ def long_rows():
                    ("Policy-KL k3, last 10% of steps (x1e-3)", "policy_kl_tail", 1e3, 1),
                    ("entropy, last 10% of steps", "entropy_tail", 1, 3),
                    ("entropy: max / mean of steps 1-40", "entropy_spike", 1, 2),
-                   *[(f"entropy: late rise, {w}-step mean / its running min (exploratory)", f"entropy_rise{w}",
-                      1, 2) for w in RISE_WINDOWS]]
+                   *[(f"entropy: late rise, {w}-step mean / its running min (exploratory)",
+                      f"entropy_rise{w}", 1, 2) for w in RISE_WINDOWS]]
 
 
 def long_tables(study) -> list[str]:
@@ -572,7 +572,8 @@ def ablation_figure(study, folder) -> list[str]:
     temperature, runs without ERPO grey and with ERPO blue, next to their partners."""
     from plumbing.plots import _plt
     ab = study["ablations"]
-    names = [r.name for r in RUNS if r.arm == "short" and r.name in ab] + sorted(set(ab) - {r.name for r in RUNS})
+    known = [r.name for r in RUNS if r.arm == "short" and r.name in ab]       # RUNS' order: partners side by side
+    names = known + sorted(set(ab) - set(known))
     if not names:
         return []
     plt, x = _plt(), np.arange(len(names))
