@@ -1,5 +1,7 @@
 """One RL step's experience: this rank's prompts, G responses to each from the rollout policy,
-graded by their tasks, and (DAPO) more sampling rounds where groups carry no signal.
+graded by their tasks, and (DAPO) more sampling rounds where groups carry no signal (`collect` ->
+Collected); then, once train.py has scored the rows, the rollout policy's and the reference's
+log-probs (OldScores) and everything the PPO update reads (UpdateBatch).
 
 train.rl_step calls `collect` once per step, on the decoding copy of the policy
 (distributed.gathered). What a row is worth is its task's business (tasks.score_rows, which sees
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+import logprobs
 import losses
 import rollout
 import tasks
@@ -80,3 +83,45 @@ def collect(run, decoder, step) -> Collected:
     kept = rollout.fill_groups(rounds, len(mine), G, run.tokenizer.pad_token_id)
     info["kept_groups"] = int(kept.valid.sum()) // G
     return Collected(kept.ro, kept.rewards, kept.valid, kept.prompt_idx, first.rewards, first.acc, info)
+
+
+# ----------------------------------------------------------------------------------------------
+# After scoring: pi_old's and the reference's log-probs of the rows, and what the update reads
+
+
+@dataclass
+class OldScores:
+    """The rollout policy's log-probs over the rollout rows (B rows), before any update."""
+    old: torch.Tensor                   # (B, R) response log-probs of the rollout policy (PPO's pi_old)
+    prompt: torch.Tensor                # (B, P-1) its prompt log-probs (Query-KL monitor, code weights)
+    entropy: torch.Tensor               # (B, R)
+    ref: torch.Tensor | None            # (B, R) reference response log-probs, if a reference is loaded
+    ref_prompt: torch.Tensor | None     # (B, P-1) and its prompt log-probs (--qkl-ref live)
+    fresh: slice                        # rows whose old/prompt/entropy the first update forward fills in
+
+    @classmethod
+    def empty(cls, packed: logprobs.Packed, fresh: slice, has_ref: bool) -> "OldScores":
+        B, P, R = packed.input_ids.shape[0], packed.P, packed.input_ids.shape[1] - packed.P
+
+        def zeros(n):
+            return torch.zeros(B, n, device=packed.input_ids.device)
+        return cls(zeros(R), zeros(P - 1), zeros(R), zeros(R) if has_ref else None,
+                   zeros(P - 1) if has_ref else None, fresh)
+
+    def record(self, rows, prompt_cols, resp_cols, s: logprobs.TokenScores):
+        """pi_old's scores of some rows (a micro-batch's, at its trimmed columns)."""
+        self.old[rows, resp_cols], self.prompt[rows, prompt_cols] = s.response.detach(), s.prompt.detach()
+        self.entropy[rows, resp_cols] = s.entropy
+
+
+@dataclass
+class UpdateBatch:
+    """What the PPO update needs, per rollout row (B rows on this rank)."""
+    packed: logprobs.Packed
+    resp_mask: torch.Tensor             # (B, R) response tokens of valid rows
+    prompt_mask: torch.Tensor           # (B, P-1) prompt tokens of valid rows
+    valid: torch.Tensor                 # (B,)
+    scores: OldScores                   # old, ref (B, R); the first update forward fills in rows scores.fresh
+    qref: torch.Tensor                  # (B, P-1) the Query-KL reference's prompt log-probs
+    adv: torch.Tensor                   # (B,)
+    weights: torch.Tensor | None        # (B,) query weights

@@ -5,7 +5,7 @@ loss, so GRPO and ERPO runs compare line by line (paper Fig. 1, Table 3): Query-
 tokens against the initial policy, method.md §2), Policy-KL (k3 against the reference model, when
 one is loaded), the released code's prompt / response / all-token KL, entropy; then rewards,
 lengths, the update's statistics (`update_statistics`) and query weights. Arguments come from
-train.rl_step: `c` its experience.Collected, `batch` its train.UpdateBatch.
+train.rl_step: `c` its experience.Collected, `batch` its experience.UpdateBatch.
 """
 
 import torch
@@ -57,7 +57,7 @@ def update_statistics(applied: list[dict]) -> dict:
 
 def rl_step(run, step, c, ro, batch, qref, upd) -> dict:
     """One metrics line of train.rl_step. Sums go over ranks in one collective; rates divide by
-    global counts. c: the step's experience.Collected; batch: its train.UpdateBatch (masks, pi_old
+    global counts. c: the step's experience.Collected; batch: its experience.UpdateBatch (masks, pi_old
     scores, weights); qref: (B, P-1) the initial policy's prompt log-probs (the query_kl monitor's
     reference); upd: the update's statistics. With more than one task among the training rows,
     train_acc/<task> too (the same keys on every rank)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 import logprobs
+import losses
 from plumbing import batching, distributed
 
 
@@ -21,6 +22,15 @@ class UpdatePlan:
     micro_batches: list[logprobs.MicroBatch]
     num_tokens: float                   # valid response tokens of the update batch, all ranks (>= 1)
     num_seqs: float                     # valid rows of the update batch, all ranks (0: DAPO filler only)
+    num_signal: float                   # of those, rows of a group whose rewards differ (0: no signal)
+
+    def takes_step(self, no_signal: str) -> bool:
+        """An update batch in which every group's rewards are equal (every advantage 0), or of DAPO
+        filler only, takes no optimizer step unless no_signal is "step" (--no-signal; method.md
+        §8.6): its loss would be the KL terms alone, whose gradient is ~0 near the reference, and
+        AdamW would normalise that into a full lr-sized step in every weight. Skipped, the moments,
+        weight decay and the LR schedule wait too. Filler only: nothing in the loss, never a step."""
+        return self.num_seqs > 0 and (self.num_signal > 0 or no_signal == "step")
 
 
 @dataclass
@@ -45,19 +55,23 @@ def micro_batches(args, packed: logprobs.Packed, rows: range) -> list[logprobs.M
 
 
 def plan_step(args, packed: logprobs.Packed, valid: list[float], update_rows: list[slice], fresh: slice,
-              has_ref: bool) -> StepPlan:
+              has_ref: bool, rewards: torch.Tensor | None = None) -> StepPlan:
     """The step's plan from the host lengths and validity of its rows: one collective for the
     global counts, one per forward loop (the most micro-batches any rank runs), one host read
-    (do a group's rows share their prompt?). fresh: the on-policy rows (train.on_policy_rows)."""
+    (do a group's rows share their prompt?). fresh: the on-policy rows (train.on_policy_rows);
+    rewards: (B,) as they enter the advantages, for UpdatePlan.num_signal (None: every row counts)."""
     B, G = len(packed.lengths), args.group_size
+    signal = [True] * B if rewards is None else \
+        losses.nonconstant_groups(rewards, G).repeat_interleave(G).tolist()     # the group's rewards differ
     local = {}
     for u, rows in enumerate(update_rows):
         lengths, ok = packed.lengths[rows], valid[rows]
         local[f"tokens{u}"] = sum(r * v for (_, r), v in zip(lengths, ok))   # valid response tokens
         local[f"seqs{u}"] = sum(ok)
+        local[f"signal{u}"] = sum(v for v, s in zip(ok, signal[rows]) if s)
     counts = distributed.all_sums(local)
     updates = [UpdatePlan(micro_batches(args, packed, range(rows.start, rows.stop)),
-                          max(1.0, counts[f"tokens{u}"]), counts[f"seqs{u}"])
+                          max(1.0, counts[f"tokens{u}"]), counts[f"seqs{u}"], counts[f"signal{u}"])
                for u, rows in enumerate(update_rows)]
     group = batching.prompt_group(args)
     group = group if group > 1 and logprobs.shares_prompts(packed, G) else 1

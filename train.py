@@ -92,6 +92,11 @@ OPTIONS = [
                                                                query_reference.REFERENCES),
     ("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)"),
     ("measure_policy_kl", True,                                "keep a reference model to log Policy-KL even when the loss has none"),
+    ("no_signal",         "skip",                              "an update batch whose groups all have equal rewards "
+                                                               "(every advantage 0): skip its optimizer step (no AdamW "
+                                                               "update, no weight decay, the LR schedule waits), or "
+                                                               "step on the KL terms alone (method.md §8.6)",
+                                                               ["skip", "step"]),
     ("max_bad_steps",     3,                                   "consecutive non-finite (skipped) optimizer steps that end the run", ">=1"),
     ("strict_data",       False,                               "training rows without a problem or an answer are an error, not skipped"),
     # evaluation / checkpoints
@@ -163,7 +168,7 @@ def rl_step(run, step):
     update_rows = batching.microbatches(len(ro.finished), run.args.update_batch // run.dist.world * G)
     fresh = on_policy_rows(run, update_rows)
     plan = step_plan.plan_step(run.args, packed, collected.valid.tolist(), update_rows, fresh,
-                               has_ref=run.ref is not None)
+                               has_ref=run.ref is not None, rewards=collected.rewards)
     with run.timer("score"):
         scores = score_old_and_ref(run, packed, fresh, plan)             # pi_old, reference
     prompts = query_reference.PromptBatch(collected.prompt_idx, G, packed.P - 1, scores.prompt, prompt_mask,
@@ -174,7 +179,7 @@ def rl_step(run, step):
         rewards = losses.kl_penalized_rewards(rewards, scores.old, scores.ref, resp_mask, algo.beta, algo.kl)
     adv = losses.group_advantages(rewards, G, algo.adv, algo.adv_eps)    # A
     w = row_weights(run, collected.prompt_idx, scores.prompt, prompt_mask, valid, update_rows)  # w(q)
-    batch = UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w)
+    batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w)
     with run.timer("update"):
         update = ppo_update(run, batch, plan)
     run.qref.after_step(prompts)                                         # (scores.prompt is complete now)
@@ -202,24 +207,9 @@ def on_policy_rows(run, update_rows) -> slice:
 # RL, part 2: log-probs, query weights, PPO updates
 
 
-@dataclass
-class OldScores:
-    """The rollout policy's log-probs over the rollout rows (B rows), before any update."""
-    old: torch.Tensor                   # (B, R) response log-probs of the rollout policy (PPO's pi_old)
-    prompt: torch.Tensor                # (B, P-1) its prompt log-probs (Query-KL monitor, code weights)
-    entropy: torch.Tensor               # (B, R)
-    ref: torch.Tensor | None            # (B, R) reference response log-probs, if a reference is loaded
-    ref_prompt: torch.Tensor | None     # (B, P-1) and its prompt log-probs (--qkl-ref live)
-    fresh: slice                        # rows whose old/prompt/entropy the first update forward fills in
-
-    def record(self, rows, prompt_cols, resp_cols, s: logprobs.TokenScores):
-        """pi_old's scores of some rows (a micro-batch's, at its trimmed columns)."""
-        self.old[rows, resp_cols], self.prompt[rows, prompt_cols] = s.response.detach(), s.prompt.detach()
-        self.entropy[rows, resp_cols] = s.entropy
-
-
 @torch.no_grad()
-def score_old(run, packed: logprobs.Packed, scores: OldScores, mbs: list[logprobs.MicroBatch], group):
+def score_old(run, packed: logprobs.Packed, scores: experience.OldScores, mbs: list[logprobs.MicroBatch],
+              group):
     """pi_old's log-probs and entropy of the rows of `mbs` (no grad, the unwrapped policy)."""
     for mb in mbs:
         part, prompt_cols, resp_cols = packed.trimmed(mb)                # no all-padding columns
@@ -229,15 +219,10 @@ def score_old(run, packed: logprobs.Packed, scores: OldScores, mbs: list[logprob
 
 
 @torch.no_grad()
-def score_old_and_ref(run, packed: logprobs.Packed, fresh: slice, plan: step_plan.StepPlan) -> OldScores:
+def score_old_and_ref(run, packed: logprobs.Packed, fresh: slice,
+                      plan: step_plan.StepPlan) -> experience.OldScores:
     """No-grad forwards: the policy over the rows after `fresh`, the reference over all rows."""
-    B, P, R = packed.input_ids.shape[0], packed.P, packed.input_ids.shape[1] - packed.P
-
-    def zeros(n):
-        return torch.zeros(B, n, device=packed.input_ids.device)
-    has_ref = run.ref is not None
-    scores = OldScores(zeros(R), zeros(P - 1), zeros(R), zeros(R) if has_ref else None,
-                       zeros(P - 1) if has_ref else None, fresh)
+    scores = experience.OldScores.empty(packed, fresh, has_ref=run.ref is not None)
     score_old(run, packed, scores, plan.old, plan.group)
     for mb in plan.ref:
         part, prompt_cols, resp_cols = packed.trimmed(mb)
@@ -267,41 +252,30 @@ def row_weights(run, prompt_idx, prompt_logp, prompt_mask, valid, update_rows):
     return w
 
 
-@dataclass
-class UpdateBatch:
-    """What the PPO update needs, per rollout row (B rows on this rank)."""
-    packed: logprobs.Packed
-    resp_mask: torch.Tensor             # (B, R) response tokens of valid rows
-    prompt_mask: torch.Tensor           # (B, P-1) prompt tokens of valid rows
-    valid: torch.Tensor                 # (B,)
-    scores: OldScores                   # old, ref (B, R); the first update forward fills in rows scores.fresh
-    qref: torch.Tensor                  # (B, P-1) the Query-KL reference's prompt log-probs
-    adv: torch.Tensor                   # (B,)
-    weights: torch.Tensor | None        # (B,) query weights
-
-
-def ppo_update(run, batch: UpdateBatch, plan: step_plan.StepPlan) -> dict:
-    """One optimizer step per global update batch (x ppo_epochs). -> the statistics of rl_loss
-    averaged over the applied steps (update_statistics), grad_norm and skipped_steps. The first
-    update forward is pi_old's for the on-policy rows (on_policy_rows), which no forward has
-    scored yet: a batch of DAPO filler only takes no step, so they are scored on their own then."""
-    applied, skipped = [], 0
+def ppo_update(run, batch: experience.UpdateBatch, plan: step_plan.StepPlan) -> dict:
+    """One optimizer step per global update batch with a signal (UpdatePlan.takes_step), x ppo_epochs
+    -> rl_loss's statistics averaged over the applied steps, grad_norm, skipped_steps (non-finite),
+    no_signal_steps. The first update forward is pi_old's for the on-policy rows (on_policy_rows):
+    if that update takes no step, they are scored on their own."""
+    applied, skipped, no_signal = [], 0, 0
     for epoch in range(run.args.ppo_epochs):
         for u, update in enumerate(plan.updates):
             is_pi_old = epoch == u == 0 and batch.scores.fresh.stop > 0  # this forward is pi_old's too
-            if update.num_seqs == 0:          # only DAPO filler groups (the same on every rank): no step
+            if not update.takes_step(run.args.no_signal):               # no signal (the same on every rank)
                 if is_pi_old:
                     score_old(run, batch.packed, batch.scores, plan.fresh, plan.group)
+                no_signal += 1
                 continue
             stats = optimizer_step(run, batch, update, is_pi_old, plan.group)
             if stats is None:
                 skipped += 1
             else:
                 applied.append(stats)
-    return {**metrics.update_statistics(applied), "skipped_steps": skipped}
+    return {**metrics.update_statistics(applied), "skipped_steps": skipped, "no_signal_steps": no_signal}
 
 
-def optimizer_step(run, batch: UpdateBatch, update: step_plan.UpdatePlan, is_pi_old: bool, group: int):
+def optimizer_step(run, batch: experience.UpdateBatch, update: step_plan.UpdatePlan, is_pi_old: bool,
+                   group: int):
     """Gradient of one update batch, clipped, applied if its loss and gradient are finite on every
     rank -> its statistics on the host (this rank's sums; grad_norm global), or None if skipped."""
     stats = accumulate_gradient(run, batch, update, is_pi_old, group)
@@ -318,7 +292,7 @@ def optimizer_step(run, batch: UpdateBatch, update: step_plan.UpdatePlan, is_pi_
     return host
 
 
-def accumulate_gradient(run, batch: UpdateBatch, update: step_plan.UpdatePlan, is_pi_old: bool,
+def accumulate_gradient(run, batch: experience.UpdateBatch, update: step_plan.UpdatePlan, is_pi_old: bool,
                         group: int) -> dict[str, torch.Tensor]:
     """Forward + backward of each micro-batch of one optimizer step; -> its loss statistics, summed
     over micro-batches as float64 tensors (no host read here). Every loss term is divided by the
@@ -393,8 +367,9 @@ def measure_memory(args, algo, world=1, fake=True, max_micro_batches=3) -> memor
                 memory_measure.decode_once(m.policy, m.spec, prompts, args.max_new_tokens)
             with tracker.phase("score"):
                 scores = score_old_and_ref(run, w.packed, fresh, plan)
-            batch = UpdateBatch(w.packed, w.resp_mask, w.prompt_mask, valid=torch.ones(B), scores=scores,
-                                qref=w.qref, adv=torch.randn(B), weights=torch.ones(B))
+            batch = experience.UpdateBatch(w.packed, w.resp_mask, w.prompt_mask, valid=torch.ones(B),
+                                           scores=scores, qref=w.qref, adv=torch.randn(B),
+                                           weights=torch.ones(B))
             with tracker.phase("update"):
                 ppo_update(run, batch, plan)
     return memory_measure.Measured(tracker.peaks, dist.world, fake, len(plan.updates[0].micro_batches))
@@ -461,6 +436,7 @@ def train_rl(run, evalsets, log, start, amp):
     bar = tqdm(range(start, args.steps), desc=args.algo, initial=start, total=args.steps,
                disable=not run.dist.main)
     shown = ("train_acc", "eval_acc", "query_kl", "policy_kl", "entropy")
+    said_no_signal = False
     with interrupts.deferred() as stop:
         for step in bar:
             t0 = time.time()
@@ -471,6 +447,8 @@ def train_rl(run, evalsets, log, start, amp):
                 with amp(), run.timer("eval"):
                     m.update(heldout_metrics(run, evalsets))
             log({**m, **run.timer.metrics()})                            # + time_gen, time_reward, ...
+            if m["no_signal_steps"] and not said_no_signal:
+                said_no_signal = print0(NO_SIGNAL) or True
             bar.set_postfix({k: f"{m[k]:.3f}" for k in shown if k in m} | {"s/step": f"{m['step_time']:.1f}"})
             saved = args.save_every and ((step + 1) % args.save_every == 0 or last)
             if saved:
@@ -481,6 +459,11 @@ def train_rl(run, evalsets, log, start, amp):
                 bar.close()
                 ckpt = checkpoints.checkpoint_dir(args.out)
                 raise stop.exit(f"saved the checkpoint of step {step + 1} ({ckpt}/); continue with --resume")
+
+
+NO_SIGNAL = ("no signal: an update batch whose groups all have equal rewards (every advantage 0) took no "
+             "optimizer step (no_signal_steps in metrics.jsonl; method.md §8.6); --no-signal step takes such "
+             "steps on the KL terms alone")
 
 
 def save(run, step, final):

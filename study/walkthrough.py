@@ -86,7 +86,7 @@ class Terms:
 class Trace:
     """What the wrapped functions of train.py saw in the traced step, and what was measured there."""
     collected: object = None           # experience.Collected
-    batch: object = None               # train.UpdateBatch
+    batch: object = None               # experience.UpdateBatch
     plan: object = None                # step_plan.StepPlan
     terms: dict = field(default_factory=dict)   # "erpo" / "grpo" -> Terms
     prop1: dict = field(default_factory=dict)   # Proposition 1: gradients with the responses swapped

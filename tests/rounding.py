@@ -30,8 +30,8 @@ SAFETY = 10
 # lr schedule. `reward` and `train_acc` are means of 0/1 scores, exact in float; a shaped reward
 # (DAPO's overlong penalty, the format bonus) would be rounding.
 EXACT = {"step", "tokens", "reward", "train_acc", "response_len", "response_tokens", "truncated_frac",
-         "new_turn_frac", "zero_var_frac", "skipped_steps", "lr", "reward_timeout", "reward_error",
-         "reward_no_answer", "resample_rounds", "kept_groups"}
+         "new_turn_frac", "zero_var_frac", "skipped_steps", "no_signal_steps", "lr", "reward_timeout",
+         "reward_error", "reward_no_answer", "resample_rounds", "kept_groups"}
 
 
 def is_exact(key):

@@ -11,7 +11,7 @@ class fails the test until it is classified; a metric the code logs but the reco
 compared. `test_a_change_of_behaviour_is_caught` shows the tolerances still catch --lr x 1.01,
 --alpha 0.02 and --beta 0.02.
 
-    python -m tests.test_golden record       # rewrites tests/golden/{erpo,grpo}.jsonl (one thread)
+    python -m tests.test_golden record --reason "..."  # rewrites tests/golden/{erpo,grpo}.jsonl
     python -m tests.test_golden tolerances   # re-measures tests/golden/tolerances.json (~2 minutes)
 """
 
@@ -268,13 +268,15 @@ def _machine():
             "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def record_golden():
+def record_golden(reason):
+    """Rewrite tests/golden/{erpo,grpo}.jsonl from a run of the current code; `reason` (why the
+    behaviour changed on purpose) goes into each header."""
     commit, dirty = _commit()
     os.makedirs(GOLDEN, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for algo in ALGOS:
             ms = run_golden(algo, tmp)
-            header = {"golden": algo, "commit": commit, "dirty_worktree": dirty,
+            header = {"golden": algo, "commit": commit, "dirty_worktree": dirty, "reason": reason,
                       "argv": [a.replace(ROOT + os.sep, "") for a in
                                 golden_argv(algo, "<tmp>", "<first 64 rows of data/tinymath/train.jsonl>")]}
             with open(os.path.join(GOLDEN, f"{algo}.jsonl"), "w") as f:
@@ -290,8 +292,11 @@ def main(argv=None):
     ap.add_argument("what", choices=["record", "tolerances"],
                     help="record: rerun and rewrite tests/golden/{erpo,grpo}.jsonl (a deliberate change of "
                          "behaviour only); tolerances: re-measure tests/golden/tolerances.json")
+    ap.add_argument("--reason", help="record: why the behaviour changed (kept in each golden file's header)")
     a = ap.parse_args(argv)
-    record_golden() if a.what == "record" else measure_tolerances()
+    if a.what == "record" and not a.reason:
+        ap.error("record needs --reason: golden metrics are regenerated only on purpose, saying why")
+    record_golden(a.reason) if a.what == "record" else measure_tolerances()
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeyp
         return real_clip(*a)
     monkeypatch.setattr(train.losses, "rl_loss", spy)
     monkeypatch.setattr(train.optimizer, "clip_grad", next_step)
-    ms = run(tmp_path, small_data, "--algo", "erpo", "--lr", "1e-3", steps=4)
+    ms = run(tmp_path, small_data, "--algo", "erpo", "--lr", "1e-3", "--no-signal", "step", steps=4)  # 2 x 4 steps
     assert ms[0]["step"] == 0 and "eval_acc" in ms[0]           # evaluation before training
     steps = [m for m in ms if m["step"] > 0]
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
@@ -86,7 +86,8 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeyp
     assert cfg["algo"] == "erpo" and cfg["alpha"] is None   # the algorithm's own alpha (0.01)
 
 
-SKIPPED_FORWARD_ARGS = ("--algo", "grpo", "--beta", "0.04", "--eval-every", "0")
+# --no-signal step: both paths take every optimizer step, whatever the sampled groups' rewards
+SKIPPED_FORWARD_ARGS = ("--algo", "grpo", "--beta", "0.04", "--eval-every", "0", "--no-signal", "step")
 SKIPPED_FORWARD_KEYS = ("reward", "query_kl", "policy_kl", "entropy", "pg_loss", "loss", "grad_norm", "clip_frac")
 
 
@@ -181,7 +182,9 @@ def test_resume_continues_from_the_saved_step(tmp_path, small_data):
 
 @pytest.mark.parametrize("algo", [a for a in losses.ALGOS if a not in ("erpo", "grpo")])
 def test_every_algorithm_trains(tmp_path, small_data, algo):
-    ms = run(tmp_path, small_data, "--algo", algo, "--eval-every", "0", steps=1)
+    """Each row's whole loss runs: --no-signal step takes both optimizer steps whatever the 8 sampled
+    groups' rewards (the default's skipping: tests/test_no_signal.py)."""
+    ms = run(tmp_path, small_data, "--algo", algo, "--eval-every", "0", "--no-signal", "step", steps=1)
     m = ms[-1]
     assert m["step"] == 1 and KEYS <= set(m)
     spec = losses.ALGOS[algo]
@@ -201,7 +204,8 @@ def test_a_surrogate_registered_from_outside_trains(tmp_path, small_data, monkey
         nothing_clipped = torch.zeros_like(mask, dtype=torch.bool)
         return losses.Surrogate(-advantages[:, None] * ratio, ratio.detach(), nothing_clipped)
     monkeypatch.setitem(losses.SURROGATES, "vanilla", vanilla_pg)
-    ms = run(tmp_path, small_data, "--algo", "grpo", "--surrogate", "vanilla", "--eval-every", "0", steps=1)
+    ms = run(tmp_path, small_data, "--algo", "grpo", "--surrogate", "vanilla", "--eval-every", "0",
+             "--no-signal", "step", steps=1)
     assert calls and ms[-1]["step"] == 1 and ms[-1]["clip_frac"] == 0 and math.isfinite(ms[-1]["loss"])
     with pytest.raises(SystemExit):                            # unregistered: an argparse error
         train.main(["--surrogate", "nope", "--out", str(tmp_path / "x")])

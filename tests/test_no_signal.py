@@ -1,0 +1,87 @@
+"""No signal, no step (method.md §8.6, issue #31): an update batch whose groups all have equal
+rewards takes no optimizer step by default -- no AdamW update, no weight decay, the LR schedule
+waits -- and is counted as `no_signal_steps`; `--no-signal step` takes it anyway. Without the rule,
+Adam turns the KL terms' near-zero gradient into a full lr-sized step (the Countdown run below)."""
+
+import json
+import os
+
+import pytest
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
+SIZES = ["--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--eval-every", "0",
+         "--save-every", "0"]                                   # 2 optimizer steps per RL step
+SAID = "no signal: an update batch whose groups all have equal rewards (every advantage 0) took no"
+
+
+def run(out, *extra, steps=2):
+    train.main(["--model", WARM, "--out", str(out), "--steps", str(steps), *SIZES, *extra])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture
+def optimizer_steps(monkeypatch):
+    """Counts the optimizer steps train.py applies (plumbing.optimizer.step)."""
+    calls, real = [], train.optimizer.step
+    monkeypatch.setattr(train.optimizer, "step", lambda opt, sched: (calls.append(1), real(opt, sched)))
+    return calls
+
+
+def scores_only(monkeypatch, signal_row=None):
+    """Every completion scores 0, so every group's rewards are equal, except row `signal_row` of each
+    sampling round, which scores 1: a task the policy cannot solve yet (or one group that it can)."""
+    real = train.experience.tasks.score_rows
+
+    def fake(completions, rows, **kw):
+        _, _, counts = real(completions, rows, **kw)
+        scores = [float(i == signal_row) for i in range(len(rows))]
+        return scores, [s == 1.0 for s in scores], counts
+    monkeypatch.setattr(train.experience.tasks, "score_rows", fake)
+
+
+def test_countdown_from_the_math_warm_start_takes_no_step_and_does_not_drift(tmp_path, capsys,
+                                                                                optimizer_steps):
+    """The issue's command: the math warm start scores 0% on Countdown, so no batch has a signal.
+    With the default every optimizer step is skipped and Query-KL stays at the reference's."""
+    argv = ["--algo", "erpo", "--task", "countdown", "--query-cache-dir", ""]
+    ms = run(tmp_path / "skip", *argv, steps=3)
+    assert [m["step"] for m in ms] == [1, 2, 3] and all(m["reward"] == 0 for m in ms)
+    assert sum(m["no_signal_steps"] for m in ms) == 6 and not optimizer_steps
+    assert all(m["query_kl"] <= 1e-3 for m in ms) and all(m["grad_norm"] is None for m in ms)
+    assert capsys.readouterr().out.count(SAID) == 1           # said once, the first time
+    ms = run(tmp_path / "step", *argv, "--no-signal", "step", steps=2)
+    assert len(optimizer_steps) == 4 and all(m["no_signal_steps"] == 0 for m in ms)
+    assert ms[1]["query_kl"] > 0.1                              # Adam's full step on the KL term alone
+
+
+@pytest.mark.parametrize("algo", ["erpo", "grpo", "rloo", "dapo"])
+def test_no_signal_is_judged_on_the_rewards_for_every_algorithm(algo, tmp_path, small_data, monkeypatch,
+                                                                 optimizer_steps):
+    """RLOO's KL penalty in the reward is a regularizer, not a signal; DAPO's update batches of
+    filler groups only are counted too. The policy never moves: Query-KL stays 0, the lr unchanged."""
+    scores_only(monkeypatch)
+    extra = ["--max-resample-rounds", "1"] if algo == "dapo" else []
+    ms = run(tmp_path, "--algo", algo, "--train-data", small_data, "--max-new-tokens", "24", *extra)
+    assert not optimizer_steps and [m["no_signal_steps"] for m in ms] == [2, 2]
+    assert all(m["query_kl"] <= 1e-6 and m["lr"] == 2e-4 for m in ms)
+
+
+def test_an_update_batch_with_one_signal_group_steps(tmp_path, small_data, monkeypatch, optimizer_steps):
+    """No signal is judged per optimizer step: row 16 is in the second update batch of each RL step
+    (rows 0-15 are the first's), so the first is skipped and the second steps, on one group's signal."""
+    scores_only(monkeypatch, signal_row=16)
+    ms = run(tmp_path, "--algo", "erpo", "--train-data", small_data, "--max-new-tokens", "24")
+    assert [m["no_signal_steps"] for m in ms] == [1, 1] and len(optimizer_steps) == 2
+    assert all(m["grad_norm"] > 0 and m["zero_var_frac"] == 7 / 8 for m in ms)
+    assert ms[1]["query_kl"] > 0                                # the policy moved
+
+
+def test_the_opt_in_flag_steps_without_signal(tmp_path, small_data, monkeypatch, optimizer_steps):
+    scores_only(monkeypatch)
+    ms = run(tmp_path, "--algo", "erpo", "--train-data", small_data, "--max-new-tokens", "24",
+             "--no-signal", "step")
+    assert len(optimizer_steps) == 4 and [m["no_signal_steps"] for m in ms] == [0, 0]
