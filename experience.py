@@ -125,3 +125,4 @@ class UpdateBatch:
     qref: torch.Tensor                  # (B, P-1) the Query-KL reference's prompt log-probs
     adv: torch.Tensor                   # (B,)
     weights: torch.Tensor | None        # (B,) query weights
+    sampler: torch.Tensor | None = None  # (B, R) the sampler's log-probs of the tokens (rollout.Rollout's)

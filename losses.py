@@ -293,6 +293,15 @@ def gspo_surrogate(logp, old_logp, advantages, mask, algo) -> Surrogate:
 SURROGATES: dict[str, Callable[..., Surrogate]] = {"ppo": ppo_surrogate, "gspo": gspo_surrogate}
 
 
+def truncated_is_weights(old_logp, sampler_logp, cap):
+    """Truncated importance sampling (TIS, method.md §8.3): the tokens were drawn by the sampler
+    pi_s, which is pi_old computed by other kernels (a decoding step, bf16 on GPUs), not pi_old
+    exactly. (B, T) -> (B, T) per-token weights min(pi_old / pi_s, cap), no gradient, that multiply
+    the surrogate's per-token loss: the policy gradient as if the tokens had come from pi_old, its
+    variance bounded by `cap` (TRL's vllm_importance_sampling_correction, verl's rollout_is)."""
+    return torch.exp((old_logp - sampler_logp).clamp(-20.0, 20.0)).clamp_max(cap).detach()
+
+
 def aggregate(values, mask=None, mode="token-mean", num_tokens=None, num_seqs=None, max_len=None):
     """Reduce per-token (B, T) or per-sequence (B,) values to the scalar this micro-batch adds.
 
@@ -363,6 +372,8 @@ class Algo:
     eps_low: float = _knob(0.2, "PPO clip: ratio >= 1 - eps_low")
     eps_high: float = _knob(0.3, "PPO clip: ratio <= 1 + eps_high (EasyR1 default; DAPO clip-higher 0.28)")
     dual_clip: float | None = _knob(3.0, "dual-clip constant c > 1 (0 = off)")
+    tis_cap: float = _knob(0.0, "truncated importance sampling: each token's policy-gradient loss "
+                           "weighted by min(pi_old / pi_sampler, cap) (0 = off; TRL and verl suggest 2)")
     agg: str = _knob("token-mean", "loss aggregation (aggregate())", AGG_MODES)
     dynamic_sampling: bool = _knob(False, "DAPO: drop groups whose accuracies are all equal, resample")
     overlong: bool = _knob(False, "DAPO soft overlong punishment added to the reward")
@@ -421,9 +432,9 @@ def validate_algo(algo):
     lo, hi = algo.weight_clip
     if not 0 <= lo < hi:
         raise ValueError(f"weight_clip must be (lo, hi) with 0 <= lo < hi, got {algo.weight_clip}")
-    if algo.kl_clamp <= 0 or algo.adv_eps < 0 or algo.overlong_cache <= 0:
-        raise ValueError(f"need kl_clamp > 0, adv_eps >= 0, overlong_cache > 0, got {algo.kl_clamp}, "
-                         f"{algo.adv_eps}, {algo.overlong_cache}")
+    if algo.kl_clamp <= 0 or algo.adv_eps < 0 or algo.overlong_cache <= 0 or algo.tis_cap < 0:
+        raise ValueError(f"need kl_clamp > 0, adv_eps >= 0, overlong_cache > 0, tis_cap >= 0, got "
+                         f"{algo.kl_clamp}, {algo.adv_eps}, {algo.overlong_cache}, {algo.tis_cap}")
     return algo
 
 
@@ -471,12 +482,13 @@ def unused_fields(algo):
 # -----------------------------------------------------------------------------
 # The full per-micro-batch loss
 
-def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights,
-            prompt_logp, prompt_ref_logp, prompt_mask, num_tokens, num_seqs, max_len):
+def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights, prompt_logp,
+            prompt_ref_logp, prompt_mask, num_tokens, num_seqs, max_len, sampler_logp=None):
     """loss = PG(A * w) [+ beta * PolicyKL] [+ alpha * QueryKL] for one micro-batch.
 
     Response side (B, T_r): logp (with grad), old_logp (rollout policy), ref_logp (reference policy;
-      may be None when no Policy-KL term is in the loss), resp_mask.
+      may be None when no Policy-KL term is in the loss), resp_mask; sampler_logp: the sampler's own
+      log-probs of the tokens (needed when algo.tis_cap > 0: truncated_is_weights).
     advantages (B,) or (B, T_r); weights (B,) query weights of each response's prompt, or None when
       algo.weights == "none" (method.md §4: they scale the PG term only, never the Query-KL term).
     Prompt side (B, T_p): prompt_logp (with grad, from the same forward pass), prompt_ref_logp
@@ -494,12 +506,19 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights,
            else advantages * (weights if advantages.dim() == 1 else weights[:, None]))
 
     sur = SURROGATES[algo.surrogate](logp, old_logp, adv, resp_mask, algo)          # PPO-clip, GSPO, ...
+    frac = lambda m: aggregate(m.float(), resp_mask, "token-mean", num_tokens).detach()  # noqa: E731
+    stats = {}
+    if algo.tis_cap > 0:                                                           # x min(pi_old / pi_s, C)
+        if sampler_logp is None:
+            raise ValueError("algo.tis_cap > 0: sampler_logp (the sampler's log-probs) is required")
+        tis = truncated_is_weights(old_logp, sampler_logp, algo.tis_cap)
+        sur = sur._replace(loss=sur.loss * tis)
+        stats.update(tis_weight=frac(tis), tis_capped_frac=frac(tis >= algo.tis_cap))
     pg = aggregate(sur.loss, resp_mask, algo.agg, **denom)                         # PG(A * w)
     loss = pg
-    frac = lambda m: aggregate(m.float(), resp_mask, "token-mean", num_tokens).detach()  # noqa: E731
     masks = clip_masks(sur.ratio, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
-    stats = {"pg_loss": pg.detach(), "clip_frac": frac(sur.clipped), "clip_frac_low": frac(masks["low"]),
-             "clip_frac_high": frac(masks["high"]), "dual_clip_frac": frac(masks["dual"])}
+    stats.update(pg_loss=pg.detach(), clip_frac=frac(sur.clipped), clip_frac_low=frac(masks["low"]),
+                 clip_frac_high=frac(masks["high"]), dual_clip_frac=frac(masks["dual"]))
 
     if ref_logp is not None:
         kl = aggregate(policy_kl(logp, ref_logp, algo.kl or "k3", clamp=algo.kl_clamp), resp_mask, algo.agg,

@@ -36,6 +36,15 @@ def released_kl_terms(sc, qmask, resp_mask, agg) -> dict:
     return out
 
 
+def sampler_vs_old(sampler, old, mask) -> dict:
+    """How far the sampler is from pi_old (method.md §3): the tokens were drawn from the decoding
+    step's log-probs `sampler`, which the trainer's forward recomputes as `old` (B, R) in other
+    kernels. Per valid response token (mask): |log pi_s - log pi_old| and k3 of KL(pi_s || pi_old),
+    log r = log pi_old - log pi_s (the tokens are pi_s's samples); sums, for the step's line."""
+    log_r = (old - sampler) * mask
+    return {"samp_gap": log_r.abs(), "samp_kl": losses.policy_kl(sampler, old, "k3") * mask}
+
+
 def update_statistics(applied: list[dict]) -> dict:
     """The applied optimizer steps' statistics (each a dict of this rank's sums, grad_norm global),
     summed over ranks: rl_loss's averaged over the steps; the clip fractions over those that can
@@ -68,19 +77,22 @@ def rl_step(run, step, c, ro, batch, qref, upd) -> dict:
     released = {} if sc.ref_prompt is None else released_kl_terms(sc, qmask, resp_mask, run.algo.agg)
     info, mask = c.info, ro.response_mask                               # mask: (B, R) response tokens
     kl = 0.0 if sc.ref is None else losses.policy_kl(sc.old, sc.ref, "k3") * resp_mask  # k3 of KL(pi || ref)
+    sampler = sampler_vs_old(batch.sampler, sc.old, resp_mask)
     s = all_sums({
         "rows": len(c.first_rewards), "tok": mask.sum(), "valid": c.valid, "kl_tok": resp_mask.sum(),
         "reward": c.first_rewards, "acc": c.first_acc,                  # the first sampling round's
         "qkl": losses.query_kl(sc.prompt, qref, qmask),                 # (B,) per-row Query-KL (k3)
         "ent": sc.entropy * mask, "kl": kl, "w": 0.0 if w is None else w,
         "trunc": (~ro.finished).float(), "new_turn": info["new_turn"], "zero_var": info["zero_var_frac"],
-        "kept_groups": info.get("kept_groups", 0), "update_tokens": update_tokens,
+        "kept_groups": info.get("kept_groups", 0), "update_tokens": update_tokens, **sampler,
         **{f"reward_{k}": info.get(k, 0) for k in ("timeout", "error", "no_answer")},
         **{f"{k}/{t}": info.get(f"{k}/{t}", 0) for t in per_task for k in ("total", "correct")},
         **{f"{k}_{part}": v for k, pair in released.items() for part, v in zip(("sum", "n"), pair)}})
     n = s["rows"]
     m = {"step": step + 1, "reward": s["reward"] / n, "train_acc": s["acc"] / n,
          "query_kl": s["qkl"] / max(1.0, s["valid"]), "entropy": s["ent"] / s["tok"],
+         "sampler_logp_gap": s["samp_gap"] / max(1.0, s["kl_tok"]),
+         "sampler_kl": s["samp_kl"] / max(1.0, s["kl_tok"]),
          "response_len": s["tok"] / n, "response_tokens": s["tok"], "truncated_frac": s["trunc"] / n,
          "new_turn_frac": s["new_turn"] / n, "zero_var_frac": s["zero_var"] / world,
          # every statistic of the update (losses.rl_loss's, grad_norm, skipped_steps); its KL terms are

@@ -179,7 +179,7 @@ def rl_step(run, step):
         rewards = losses.kl_penalized_rewards(rewards, scores.old, scores.ref, resp_mask, algo.beta, algo.kl)
     adv = losses.group_advantages(rewards, G, algo.adv, algo.adv_eps)    # A
     w = row_weights(run, collected.prompt_idx, scores.prompt, prompt_mask, valid, update_rows)  # w(q)
-    batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w)
+    batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w, ro.logprobs)
     with run.timer("update"):
         update = ppo_update(run, batch, plan)
     run.qref.after_step(prompts)                                         # (scores.prompt is complete now)
@@ -314,7 +314,8 @@ def accumulate_gradient(run, batch: experience.UpdateBatch, update: step_plan.Up
                 weights=None if batch.weights is None else batch.weights[rows],
                 prompt_logp=now.prompt, prompt_ref_logp=batch.qref[rows, pcols],
                 prompt_mask=batch.prompt_mask[rows, pcols],
-                num_tokens=update.num_tokens, num_seqs=update.num_seqs, max_len=args.max_new_tokens)
+                num_tokens=update.num_tokens, num_seqs=update.num_seqs, max_len=args.max_new_tokens,
+                sampler_logp=batch.sampler[rows, rcols])
             (loss * run.dist.world).backward()
         faults.point("mid-step")
         for key, v in st.items():
