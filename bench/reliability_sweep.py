@@ -49,7 +49,8 @@ TRAIN_ROWS = 64                     # rows of the tiny world's training set the 
 # A case's argv is a template: {c} is its own folder, {data} the 64-row training file, {warm} the
 # warm-start model, {cache} the shared Query-KL cache folder, {ro} a folder nobody may write.
 # train.py's tiny sizes (2 optimizer steps per RL step, a checkpoint and an evaluation every 2 steps).
-SMALL = ["--model", "{warm}", "--train-data", "{data}", "--rollout-batch", "8", "--update-batch", "4",
+# --no-signal step: every optimizer step is taken whatever the groups' rewards (the faults meet a step).
+SMALL = ["--no-signal", "step", "--model", "{warm}", "--train-data", "{data}", "--rollout-batch", "8", "--update-batch", "4",
          "--group-size", "4", "--micro-batch", "8", "--max-new-tokens", "24", "--eval-data", "tiny-test",
          "--eval-limit", "4", "--eval-every", "2", "--save-every", "2", "--query-cache-dir", "{cache}"]
 # evaluate.py's: 2 problems x 2 samples at one temperature.
