@@ -323,8 +323,9 @@ def popen_interruptible(cmd, **kw):
         signal.signal(signal.SIGINT, previous)
 
 
-def signal_once_sampling(procs, outs, timeout=120):
-    """Send each process its signal as soon as its first chunk of samples is on disk."""
+def signal_once_sampling(procs, outs, timeout=300):
+    """Send each process its signal as soon as its first chunk of samples is on disk (timeout: a
+    watchdog for a process that never starts sampling, not a bound the test asserts)."""
     waiting, deadline = set(procs), time.time() + timeout
     while waiting and time.time() < deadline:
         for sig in list(waiting):
@@ -348,7 +349,7 @@ def test_sigint_and_sigterm_stop_a_sweep_in_one_line_and_the_rerun_finishes_it(t
     try:
         whole = E.main(argv + ["--out", str(tmp_path / "whole")])      # while they start: the sweep uncut
         signal_once_sampling(procs, outs)
-        errs = {sig: p.communicate(timeout=60)[1] for sig, p in procs.items()}
+        errs = {sig: p.communicate(timeout=300)[1] for sig, p in procs.items()}
     finally:
         for p in procs.values():
             if p.poll() is None:
