@@ -451,7 +451,8 @@ def _dedupe_ids(rows):
 def load_problems(name_or_path, limit=None, data_dir=None, strict=False, read_row=None):
     """Training problems (e.g. "tiny-train" or "math-l3to5"): the rows of load_benchmark, with
     unusable rows skipped (and counted) rather than fatal, unless strict."""
-    return load_benchmark(name_or_path, limit=limit, data_dir=data_dir, skip_bad=not strict, read_row=read_row)
+    return load_benchmark(name_or_path, limit=limit, data_dir=data_dir, skip_bad=not strict,
+                          read_row=read_row)
 
 
 def benchmark_label(name_or_path):

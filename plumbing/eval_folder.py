@@ -232,9 +232,9 @@ def check_rows(out_dir, benches: dict):
                 continue
             same = rec["row"] == row_digest(row) if "row" in rec else rec.get("answer") == row["answer"]
             if not same:
-                raise ValueError(f"{out_dir} holds samples of {rec['benchmark']} problem {rec['id']} made from "
-                                 "another version of its row (the file changed since: an edited gold answer "
-                                 "or problem?); use another --out")
+                raise ValueError(f"{out_dir} holds samples of {rec['benchmark']} problem {rec['id']} made "
+                                 "from another version of its row (the file changed since: an edited gold "
+                                 "answer or problem?); use another --out")
 
 
 def _some(names, shown=3) -> str:
@@ -263,7 +263,8 @@ def not_an_eval_folder(out) -> str | None:
                 "); use another --out")
     other = sorted(f for f in os.listdir(out) if f not in EVAL_FILES and not f.startswith("samples.rank"))
     if other:
-        return f"--out {out} holds files evaluate.py does not write ({_some(other)}); use a new or empty folder"
+        return (f"--out {out} holds files evaluate.py does not write ({_some(other)}); "
+                "use a new or empty folder")
     if any(os.path.isfile(p) for p in sample_files(out)):
         return f"--out {out} holds samples but not the config.json they were made under; use another --out"
     return None

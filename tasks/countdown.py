@@ -29,8 +29,9 @@ To add a task, copy this file's shape: `read_row` checks the row's own fields wh
 loaded (a bad file fails at start-up with its line, not mid-run; here also that the reference
 answer makes the target), `score` maps (completion, whole row) to a `Scored`, and `register` at
 the bottom names the task, its data sets, its outcomes and the fields that make a row its own
-(a row carrying them is never graded by another task without a "task" field saying so); tasks/__init__.py imports the module (which imports tasks.task, never the package
-itself: no import cycle). The data comes from a seeded generator (data/countdown/prepare.py)
+(a row carrying them is never graded by another task without a "task" field saying so);
+tasks/__init__.py imports the module (which imports tasks.task, never the package itself: no
+import cycle). The data comes from a seeded generator (data/countdown/prepare.py)
 whose every row the scorer must grade 1.0 (a test).
 """
 

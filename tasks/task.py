@@ -102,9 +102,9 @@ def read_by(set_name: str, default_task: str) -> Callable[[dict, str], dict]:
             raise DataError(f"{where}: {e}") from None
         other = None if named else _another_tasks_row(row, task)
         if other:
-            raise DataError(f"{where}: the row has {other.name}'s fields ({', '.join(other.fields)}) but no "
-                            f"\"task\" field, so it would be graded as {task.name}; pass --task {other.name}, or "
-                            f"give the rows a \"task\" field")
+            raise DataError(f"{where}: the row has {other.name}'s fields ({', '.join(other.fields)}) but "
+                            f"no \"task\" field, so it would be graded as {task.name}; pass --task "
+                            f"{other.name}, or give the rows a \"task\" field")
         return {**task.read_row(row, where), "task": name}
     return read
 

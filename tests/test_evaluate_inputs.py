@@ -277,8 +277,8 @@ def test_an_edited_gold_answer_is_refused_not_kept_with_the_old_grades(tmp_path,
     no_sampling(monkeypatch)
     code, err = refusal(E.main, argv, capsys)
     assert (code, err) == (2, [f"evaluate.py: error: {out} holds samples of mine problem 1 made from another "
-                               "version of its row (the file changed since: an edited gold answer or problem?); "
-                               "use another --out"])
+                               "version of its row (the file changed since: an edited gold answer or "
+                               "problem?); use another --out"])
     assert samples.read_bytes() == kept
     older = [{k: v for k, v in r.items() if k != "row"} for r in E.run_dir.read_jsonl(samples)]
     samples.write_text("".join(json.dumps(r) + "\n" for r in older))
@@ -315,7 +315,8 @@ def test_an_out_that_holds_a_training_run_or_anything_else_is_refused_and_left_a
                    f"config.json; give the evaluation a folder of its own (e.g. --out {run / 'eval'})"),
              (model, f"--out {model} holds a config.json that is not evaluate.py's resume key (its keys: "
                      "architectures, attention_dropout, bos_token_id, ...); use another --out"),
-             (notes, f"--out {notes} holds files evaluate.py does not write (todo.txt); use a new or empty folder"),
+             (notes, f"--out {notes} holds files evaluate.py does not write (todo.txt); use a new or empty "
+                     "folder"),
              (orphans, f"--out {orphans} holds samples but not the config.json they were made under; "
                        "use another --out")]
     for out, message in cases:

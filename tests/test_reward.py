@@ -248,7 +248,7 @@ def test_adversarial_inputs_are_bounded_off_main_thread():
     reward.warmup()
     assert set(BOUNDED) == set(ADVERSARIAL)
     for name, completion in ADVERSARIAL.items():
-        (outcome,), mv = _run_in_thread(lambda completion=completion: reward.grade_completions([completion], ["2"]))
+        (outcome,), mv = _run_in_thread(lambda c=completion: reward.grade_completions([c], ["2"]))
         assert outcome in BOUNDED[name] and mv == (name in REACH_MATH_VERIFY), (name, outcome, mv)
         assert _run_in_thread(lambda completion=completion: score(completion, "2")) == 0.0, name
     # and math-verify really answers off the main thread (not a silent 0 from a signal failure)
