@@ -24,8 +24,9 @@ temperature, sample index) is rollout.row_seed, so a resumed or re-run evaluatio
 samples, and all models see the same seeds.
 
 Resuming (plumbing/eval_folder.py): --out/config.json is the folder's resume key, the settings that change
-what a sample is (GENERATION_KEYS, --dtype included) and a fingerprint of each model's weight files
-(every byte hashed, no model loaded); each sample names the version of its benchmark row. A command
+what a sample is (GENERATION_KEYS, --dtype included) and a fingerprint of each model's weight, config
+and tokenizer files (every byte hashed, no model loaded); each sample names the version of its
+benchmark row. A command
 whose key differs from the one its folder's samples were made under (another --top-p, a checkpoint
 retrained or edited at the same path, a benchmark file whose rows changed) is refused with one line;
 a folder with no samples of that model takes the new key, so a command that failed before sampling
@@ -387,9 +388,14 @@ def check_fits(model, tokenizer, benches, args):
 
 
 def write_results(args, benches):
+    """summary.json, results.md and the plot, over the problems this command asks for: the samples
+    of others (past a smaller --limit, or deleted from the benchmark's file) stay on disk, out of
+    the tables."""
     merge_shards(args.out)
     path = os.path.join(args.out, eval_folder.SAMPLES_FILE)
-    summary = summarize(run_dir.read_jsonl(path), ks=args.k, n=args.n, models=heldout.model_keys(args),
+    asked = {(b, str(r["id"])) for b, rows in benches.items() for r in rows}
+    records = [r for r in run_dir.read_jsonl(path) if (r["benchmark"], str(r["id"])) in asked]
+    summary = summarize(records, ks=args.k, n=args.n, models=heldout.model_keys(args),
                         benchmarks=list(benches), temperatures=args.temperatures)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

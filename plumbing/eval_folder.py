@@ -5,7 +5,8 @@
   `kept_samples`).
 - config.json, the folder's resume key: the settings that change what a sample is
   (`sample_settings`: GENERATION_KEYS, the dtype resolved by `sampling_dtype`) and a fingerprint
-  of each model's weight files (`weights_fingerprint`: every byte hashed, no model loaded).
+  of each model's weight and definition files (`weights_fingerprint`: every byte hashed, no model
+  loaded).
   `check_config` refuses a command whose key differs from the one the folder's samples were made
   under; `write_config` writes the key whole.
 - each sample record names the version of its benchmark row (`row_digest`): `check_rows` refuses
@@ -68,6 +69,20 @@ def sample_settings(args, device) -> dict:
     return {k: derived[k] if k in derived else getattr(args, k) for k in GENERATION_KEYS}
 
 
+# Beside its weights, what makes a model folder sample what it samples: its architecture, its
+# generation config (the end-of-sequence ids) and its tokenizer and chat template (the prompt).
+DEFINITION_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+                    "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt", "spiece.model")
+
+
+def model_files(src: checkpoints.ModelSource) -> list[str]:
+    """The files a --model's samples depend on: its weight files, then its definition files."""
+    if not os.path.isdir(src.model):
+        return weight_files(src)
+    defs = {p for pattern in DEFINITION_FILES for p in glob.glob(os.path.join(src.model, pattern))}
+    return weight_files(src) + sorted(p for p in defs if os.path.isfile(p))
+
+
 def weight_files(src: checkpoints.ModelSource) -> list[str]:
     """The files a --model's weights are read from: an FSDP2 checkpoint's dcp/ folder (its
     .metadata and shards), or an HF folder's *.safetensors / pytorch_model*.bin; none for a hub id."""
@@ -81,7 +96,7 @@ def weight_files(src: checkpoints.ModelSource) -> list[str]:
 
 
 def file_fingerprint(path) -> bytes:
-    """SHA-256 of one weight file's name and every byte of it, read HASH_CHUNK at a time."""
+    """SHA-256 of one file's name and every byte of it, read HASH_CHUNK at a time."""
     h = hashlib.sha256(f"{os.path.basename(path)}:".encode())
     buf = bytearray(HASH_CHUNK)
     with open(path, "rb", buffering=0) as f:
@@ -91,12 +106,13 @@ def file_fingerprint(path) -> bytes:
 
 
 def weights_fingerprint(src: checkpoints.ModelSource) -> str:
-    """A fingerprint of the weights a --model stands for, from every byte of its weight files (no
-    model is loaded): a checkpoint retrained, replaced or edited in place at the same path gets
+    """A fingerprint of the model a --model stands for, from every byte of its weight files and of
+    its definition files (model_files; no model is loaded): a checkpoint retrained, replaced or
+    edited in place at the same path (its weights, its config, its tokenizer or chat template) gets
     another one. A hub id is its own fingerprint (the hub's copy is not read)."""
-    files = weight_files(src)
-    if not files:
+    if not weight_files(src):
         return f"hub:{src.model}"
+    files = model_files(src)
     with ThreadPoolExecutor(min(len(files), os.cpu_count() or 1)) as pool:
         digests = list(pool.map(file_fingerprint, files))
     return FINGERPRINT_SCHEME + hashlib.sha256(b"".join(digests)).hexdigest()[:16]
@@ -195,8 +211,9 @@ def check_config(out_dir, settings, fingerprints, ignore=(), sources=None):
     stale = [key for key, fp in fingerprints.items()
              if key in recorded and not same_weights(known.get(key), fp, (sources or {}).get(key))]
     if stale:
-        raise ValueError(f"{out_dir} holds samples of {stale[0]} made from other weights (its weight files "
-                         "changed since: retrained?); use another --out, or another --labels name")
+        raise ValueError(f"{out_dir} holds samples of {stale[0]} made from other weights (its weight, config "
+                         "or tokenizer files changed since: retrained?); use another --out, or another "
+                         "--labels name")
 
 
 def write_config(out_dir, settings, fingerprints):

@@ -72,8 +72,8 @@ def test_a_checkpoint_retrained_at_the_same_path_is_refused_not_reported_as_done
     code, err = refusal(E.main, ["--model", model, *TINY, "--out", out], capsys)
     assert code == 2
     assert err == [f"evaluate.py: error: {out} holds samples of {os.path.normpath(model)} made from other "
-                   "weights (its weight files changed since: retrained?); use another --out, or another "
-                   "--labels name"]
+                   "weights (its weight, config or tokenizer files changed since: retrained?); use another "
+                   "--out, or another --labels name"]
     # Under a new name the retrained weights are sampled beside the old samples, which stay.
     monkeypatch.undo()
     summary = E.main(["--model", model, "--labels", "retrained", *TINY, "--out", out])
@@ -183,13 +183,19 @@ def test_a_finished_sweep_with_dtype_auto_rebuilds_its_tables_on_another_device(
 
 
 def test_the_weights_fingerprint_follows_the_files_contents(tmp_path):
-    """Same bytes at another path: the same fingerprint; retrained or another shard: another one.
+    """Same bytes at another path: the same fingerprint; retrained, another shard, or an edited config,
+    tokenizer or chat template: another one.
     An FSDP2 checkpoint's dcp/ folder is read the same way (.metadata and shards); a hub id is itself."""
     a, b = copy_of_warm(tmp_path / "a"), copy_of_warm(tmp_path / "b")
     fp = eval_folder.weights_fingerprint(checkpoints.ModelSource(a))
     assert fp == eval_folder.weights_fingerprint(checkpoints.ModelSource(b))
     retrain(b)
     assert eval_folder.weights_fingerprint(checkpoints.ModelSource(b)) != fp
+    for name in ("chat_template.jinja", "generation_config.json", "tokenizer.json", "config.json"):
+        c = copy_of_warm(tmp_path / name)                                # what makes the prompt and its end
+        with open(os.path.join(c, name), "a") as f:
+            f.write("\n")
+        assert eval_folder.weights_fingerprint(checkpoints.ModelSource(c)) != fp, name
     dcp = tmp_path / "run" / "ckpt" / "dcp"
     dcp.mkdir(parents=True)
     (dcp / ".metadata").write_bytes(b"layout" * 100)
@@ -286,6 +292,25 @@ def test_an_edited_gold_answer_is_refused_not_kept_with_the_old_grades(tmp_path,
     bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
     E.main(argv)
     assert "all samples already in" in capsys.readouterr().out
+
+
+def test_the_tables_are_of_the_problems_asked(tmp_path, monkeypatch):
+    """A smaller --limit, or a row deleted from the file: its samples stay on disk, out of the tables."""
+    bench, out = tmp_path / "mine.jsonl", tmp_path / "out"
+    rows = [{"id": "a", "problem": "What is 2+3?", "answer": "5"},
+            {"id": "b", "problem": "What is 2*4?", "answer": "8"}]
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--model", WARM, "--labels", "warm", *TINY, "--benchmarks", str(bench), "--out", str(out)]
+
+    def problems(summary):
+        return summary["results"]["warm"]["mine"]["by_temperature"]["1"]["num_problems"]
+
+    assert problems(E.main(argv + ["--limit", "2"])) == 2
+    no_sampling(monkeypatch)
+    assert problems(E.main(argv + ["--limit", "1"])) == 1
+    bench.write_text(json.dumps(rows[0]) + "\n")
+    assert problems(E.main(argv)) == 1
+    assert len(E.run_dir.read_jsonl(out / "samples.jsonl")) == 4
 
 
 def fake_run(folder, steps=2):
