@@ -44,6 +44,11 @@ SEED_SCHEME = "rollout.row_seed"
 # checked the way it was made (_sampled_fingerprint).
 FINGERPRINT_SCHEME = "sha256:"
 HASH_CHUNK = 8 << 20
+# Beside its weights, what makes a model folder sample what it samples, hashed the same way (a few
+# KB): its architecture, its generation config (the end-of-sequence ids), its tokenizer and chat
+# template (the prompt).
+DEFINITION_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+                    "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt", "spiece.model")
 FINGERPRINT_READS = 16
 FINGERPRINT_READ_BYTES = 256
 # The safetensors format's own limit on its JSON header: a longer "header" means a corrupt file.
@@ -68,11 +73,6 @@ def sample_settings(args, device) -> dict:
     derived = {"seed_scheme": SEED_SCHEME, "dtype": sampling_dtype(args.dtype, device)}
     return {k: derived[k] if k in derived else getattr(args, k) for k in GENERATION_KEYS}
 
-
-# Beside its weights, what makes a model folder sample what it samples: its architecture, its
-# generation config (the end-of-sequence ids) and its tokenizer and chat template (the prompt).
-DEFINITION_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
-                    "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt", "spiece.model")
 
 
 def model_files(src: checkpoints.ModelSource) -> list[str]:
@@ -258,6 +258,12 @@ def _some(names, shown=3) -> str:
     return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
 
 
+def _is_resume_key(config) -> bool:
+    """A config.json evaluate.py wrote (an older one's too): settings of GENERATION_KEYS and models."""
+    keys = set(config) if isinstance(config, dict) else set()
+    return keys <= {*GENERATION_KEYS, "models"} and {"template", "max_new_tokens"} <= keys
+
+
 def not_an_eval_folder(out) -> str | None:
     """Why `out` may not be evaluate.py's --out, or None: a missing or empty folder, or one with the
     resume key evaluate.py writes (the user's own files beside it stay). A training run (its
@@ -266,17 +272,16 @@ def not_an_eval_folder(out) -> str | None:
     if not os.path.isdir(out) or not os.listdir(out):
         return None
     config = read_config(out)
-    keys = set(config or {})
-    if config and keys <= {*GENERATION_KEYS, "models"} and {"template", "max_new_tokens"} <= keys:
-        return None
     run = [f for f in run_dir.RUN_FILES if f != "config.json" and os.path.exists(os.path.join(out, f))]
-    if run or config and "algo" in config:
-        what = run_dir.what_run_is_here(out)
+    if run or isinstance(config, dict) and "algo" in config:          # (checked first: a run is never
+        what = run_dir.what_run_is_here(out)                           # written into, whatever its config)
         return (f"--out {out} holds a training run ({what}): evaluate.py would replace its config.json; "
                 f"give the evaluation a folder of its own (e.g. --out {os.path.join(out, 'eval')})")
+    if _is_resume_key(config):
+        return None
     if config != {}:
         return (f"--out {out} holds a config.json that is not evaluate.py's resume key (" +
-                ("it cannot be read" if config is None else f"its keys: {_some(sorted(keys))}") +
+                ("it cannot be read" if config is None else f"its keys: {_some(sorted(config))}") +
                 "); use another --out")
     other = sorted(f for f in os.listdir(out) if f not in EVAL_FILES and not f.startswith("samples.rank"))
     if other:

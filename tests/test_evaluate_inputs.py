@@ -349,6 +349,10 @@ def test_an_out_that_holds_a_training_run_or_anything_else_is_refused_and_left_a
         assert refusal(E.main, ["--model", WARM, *TINY, "--out", str(out)], capsys) == \
             (2, [f"evaluate.py: error: {message}"])
         assert snapshot(out) == before
+    damaged = fake_run(tmp_path / "damaged")            # a run whose config.json an older evaluate.py replaced
+    (damaged / "config.json").write_text(json.dumps({"template": "plain", "max_new_tokens": 16, "models": {}}))
+    assert "holds a training run (metrics up to step 2)" in refusal(E.main, ["--model", WARM, *TINY, "--out",
+                                                                           str(damaged)], capsys)[1][0]
     (run / "metrics.jsonl").unlink()                    # a run that stopped before its first step
     assert "holds a training run (the files of a run" in refusal(E.main, ["--model", WARM, *TINY, "--out",
                                                                           str(run)], capsys)[1][0]
