@@ -24,13 +24,15 @@ temperature, sample index) is rollout.row_seed, so a resumed or re-run evaluatio
 samples, and all models see the same seeds.
 
 Resuming (plumbing/eval_folder.py): --out/config.json is the folder's resume key, the settings that change
-what a sample is (GENERATION_KEYS, --dtype included) and a fingerprint of each model's weight files
-(a few KB read, no model loaded). A command whose key differs from the one its folder's samples
-were made under (another --top-p, a checkpoint retrained at the same path) is refused with one
-line; a folder with no samples of that model takes the new key, so a command that failed before
-sampling never blocks the corrected one. Bad flag values are refused before --out is made. Ctrl-C
-or SIGTERM: one line, exit status 130 / 143; every finished chunk is on disk and the same command
-continues.
+what a sample is (GENERATION_KEYS, --dtype included) and a fingerprint of each model's weight, config
+and tokenizer files (every byte hashed, no model loaded); each sample names the version of its
+benchmark row. A command
+whose key differs from the one its folder's samples were made under (another --top-p, a checkpoint
+retrained or edited at the same path, a benchmark file whose rows changed) is refused with one line;
+a folder with no samples of that model takes the new key, so a command that failed before sampling
+never blocks the corrected one. Bad flag values, and an --out that is no evaluation folder (a
+training run's), are refused before --out is written. Ctrl-C or SIGTERM: one line, exit status
+130 / 143; every finished chunk is on disk and the same command continues.
 """
 
 import argparse
@@ -301,6 +303,7 @@ def evaluate_model(model, tokenizer, model_key, benches, temperatures, n, out_fi
                     rec = {"model": model_key, "benchmark": bench, "id": x["id"], "temperature": t,
                            "sample": x["sample"], "completion": x["completion"], "extracted": e,
                            "answer": rows[x["id"]]["answer"], "correct": bool(c),
+                           "row": eval_folder.row_digest(rows[x["id"]]),
                            "level": rows[x["id"]].get("level"),
                            "num_tokens": x["num_tokens"], "finished": x["finished"]}
                     out_file.write(json.dumps(rec) + "\n")
@@ -385,9 +388,14 @@ def check_fits(model, tokenizer, benches, args):
 
 
 def write_results(args, benches):
+    """summary.json, results.md and the plot, over the problems this command asks for: the samples
+    of others (past a smaller --limit, or deleted from the benchmark's file) stay on disk, out of
+    the tables."""
     merge_shards(args.out)
     path = os.path.join(args.out, eval_folder.SAMPLES_FILE)
-    summary = summarize(run_dir.read_jsonl(path), ks=args.k, n=args.n, models=heldout.model_keys(args),
+    asked = {(b, str(r["id"])) for b, rows in benches.items() for r in rows}
+    records = [r for r in run_dir.read_jsonl(path) if (r["benchmark"], str(r["id"])) in asked]
+    summary = summarize(records, ks=args.k, n=args.n, models=heldout.model_keys(args),
                         benchmarks=list(benches), temperatures=args.temperatures)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -456,6 +464,9 @@ def parse_args(argv=None):
     if bad:
         fail(f"--temperatures must be finite and >= 0, got {bad}")
     args.temperatures = sorted({temp_key(t) for t in args.temperatures})
+    why = eval_folder.not_an_eval_folder(args.out)              # (a training run's folder: refused)
+    if why:
+        fail(why)
     if args.max_new_tokens is None:
         args.max_new_tokens = heldout.default_max_new_tokens(args.template)
     return args
@@ -494,7 +505,9 @@ def main(argv=None):
         auto = {"dtype"} if finished and args.dtype == "auto" else set()    # on any machine, whatever
         try:                                                        # its device's dtype
             # every rank: all stop together
-            eval_folder.check_config(args.out, settings, fingerprints, ignore=auto)
+            eval_folder.check_config(args.out, settings, fingerprints, ignore=auto,
+                                     sources=dict(zip(heldout.model_keys(args), sources)))
+            eval_folder.check_rows(args.out, benches)
         except ValueError as e:
             fail(e)
         if d.main and not finished:

@@ -257,12 +257,13 @@ def generate_samples(model, tokenizer, problems, temperature, sample_indices, *,
 
 def load_sets(names, limit=None, data_dir=None, task="math") -> dict:
     """{label: normalized rows} of evaluate.py's and analysis.py's --benchmarks (groups like "tiny"
-    expanded), each row read by its task: a task's own set by that task, any other by --task
-    (tasks.load_rows). A bad name or file: DataError; two sets of one label: ValueError."""
+    expanded), each row read by its task as it is loaded: a task's own set by that task, any other
+    by --task (tasks.read_by). A bad name, file or row (named by its line): DataError; two sets of one
+    label: ValueError."""
     sets = {}
     for name in expand_benchmarks(names):
-        source = tasks.source_of(name)
-        rows = tasks.load_rows(load_benchmark(source, limit=limit, data_dir=data_dir), source, name, task)
+        rows = load_benchmark(tasks.source_of(name), limit=limit, data_dir=data_dir,
+                              read_row=tasks.read_by(name, task))
         label = benchmark_label(name)
         if label in sets:
             raise ValueError(f"two benchmarks are both called {label!r}; rename one of the files")

@@ -49,7 +49,8 @@ TRAIN_ROWS = 64                     # rows of the tiny world's training set the 
 # A case's argv is a template: {c} is its own folder, {data} the 64-row training file, {warm} the
 # warm-start model, {cache} the shared Query-KL cache folder, {ro} a folder nobody may write.
 # train.py's tiny sizes (2 optimizer steps per RL step, a checkpoint and an evaluation every 2 steps).
-SMALL = ["--model", "{warm}", "--train-data", "{data}", "--rollout-batch", "8", "--update-batch", "4",
+# --no-signal step: every optimizer step is taken whatever the groups' rewards (the faults meet a step).
+SMALL = ["--no-signal", "step", "--model", "{warm}", "--train-data", "{data}", "--rollout-batch", "8", "--update-batch", "4",
          "--group-size", "4", "--micro-batch", "8", "--max-new-tokens", "24", "--eval-data", "tiny-test",
          "--eval-limit", "4", "--eval-every", "2", "--save-every", "2", "--query-cache-dir", "{cache}"]
 # evaluate.py's: 2 problems x 2 samples at one temperature.
@@ -1032,7 +1033,107 @@ OWN = [
          Works("Pearson r(query NLL, response NLL)", nll_pairs(2))),
 ]
 
-CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN
+# Issue #31's fuzz findings on evaluate.py, its folders and the rows of a task's file.
+COUNTDOWN_TRAIN = ROOT / "data" / "countdown" / "train.jsonl"
+MINE = [{"problem": "What is 2+3?", "answer": "5"}, {"problem": "What is 2*4?", "answer": "8"}]
+
+
+def countdown_rows(n=TRAIN_ROWS):
+    with open(COUNTDOWN_TRAIN) as f:
+        return [json.loads(next(f)) for _ in range(n)]
+
+
+def countdown_file(name, edit=None, task_field=False):
+    """A set-up: {c}/<name>, Countdown rows of one's own (no "task" field unless task_field): a blank
+    line after the first row, the third row's problem blank (a training set skips it), and `edit`
+    ({row index: fields}) applied."""
+    def setup(env):
+        rs = countdown_rows()
+        rs[2] = {**rs[2], "problem": " "}
+        for i, fields in (edit or {}).items():
+            rs[i] = {**rs[i], **fields}
+        lines = [json.dumps({**r, **({"task": "countdown"} if task_field else {})}) for r in rs]
+        (env.dir / name).write_text(lines[0] + "\n\n" + "\n".join(lines[1:]) + "\n")
+    return setup
+
+
+def flip_a_weight(rel):
+    """A set-up: one byte in the middle of the tensor model.layers.0.mlp.down_proj.weight of
+    <rel>/model.safetensors flipped in place (size, names and header unchanged)."""
+    import struct
+
+    def setup(env):
+        path = env.path(rel) / "model.safetensors"
+        with open(path, "r+b") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            start, end = json.loads(f.read(length))["model.layers.0.mlp.down_proj.weight"]["data_offsets"]
+            f.seek(8 + length + (start + end) // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x40]))
+    return setup
+
+
+def copy_of_warm(env):
+    shutil.copytree(WARM, env.dir / "model")
+
+
+def evaluated_mine(env):
+    """A finished sweep of {c}/mine.jsonl (2 problems of one's own) in {c}/eval, then its second gold
+    answer edited."""
+    write_jsonl(env.dir / "mine.jsonl", MINE)
+    p = env.run("evaluate.py", evaluate("{warm}", "{c}/eval", "--benchmarks", "{c}/mine.jsonl"))
+    need(p.code == 0 and samples(4)(env) is None, f"set-up sweep failed: {p.last_err_line()[:120]}")
+    write_jsonl(env.dir / "mine.jsonl", [MINE[0], {**MINE[1], "answer": "9"}])
+
+
+def run_resumes_unharmed(env) -> str | None:
+    """The run whose folder was given as --out still resumes: its config.json is the run's."""
+    cfg = json.loads((env.dir / "run" / "config.json").read_text())
+    return None if cfg.get("algo") == "erpo" and "models" not in cfg else "the run's config.json was replaced"
+
+
+CD_EVAL = ("--benchmarks", "{c}/cd.jsonl", "--limit", "2")
+FUZZ_EVALUATE = [
+    Case("eval-out-is-a-run", "evaluate.py", "--out a training run's folder (its config.json replaced) is refused",
+         evaluate("{c}/run", "{c}/run"),
+         Refused("--out {c}/run holds a training run (a checkpoint at step 4", protect=("run",),
+                 after=run_resumes_unharmed,
+                 then=Then(evaluate("{c}/run", "{c}/run/eval"), post=samples(4, "run/eval"))),
+         copy_base, uses_base=True),
+    Case("eval-out-is-a-model", "evaluate.py", "--out a model folder (its config.json) is refused",
+         evaluate("{warm}", "{c}/model"),
+         Refused("--out {c}/model holds a config.json that is not evaluate.py's resume key", protect=("model",)),
+         copy_of_warm),
+    Case("eval-weights-edited", "evaluate.py", "a rerun after one tensor was edited in place is refused",
+         evaluate("{c}/model"),
+         Refused("made from other weights", protect=("eval",)),
+         both(copy_of_warm, evaluated("{c}/model"), flip_a_weight("model"))),
+    Case("eval-gold-edited", "evaluate.py", "a rerun after a local benchmark's gold answer was edited is refused",
+         evaluate("{warm}", "{c}/eval", "--benchmarks", "{c}/mine.jsonl"),
+         Refused("holds samples of mine problem 1 made from another version of its row", protect=("eval",)),
+         evaluated_mine),
+    Case("eval-countdown-rows-as-math", "evaluate.py", "Countdown rows with no task field, no --task: refused",
+         evaluate("{warm}", "{c}/eval", *CD_EVAL),
+         Refused("{c}/cd.jsonl:1: the row has countdown's fields (numbers, target) but no \"task\" field, so it "
+                 "would be graded as math; pass --task countdown", absent=("eval",),
+                 then=Then(evaluate("{warm}", "{c}/eval", *CD_EVAL, "--task", "countdown"), post=samples(4))),
+         countdown_file("cd.jsonl")),
+    Case("countdown-rows-as-math", "train.py", "Countdown training rows with no task field, no --task: refused",
+         train("{c}/run", 1, "--train-data", "{c}/cd.jsonl"),
+         Refused("{c}/cd.jsonl:1: the row has countdown's fields", absent=("run",)),
+         countdown_file("cd.jsonl")),
+    Case("countdown-target-mismatch", "train.py", "a Countdown row whose answer misses its target: its file line",
+         train("{c}/run", 1, "--task", "countdown", "--train-data", "{c}/cd.jsonl"),
+         Refused("{c}/cd.jsonl:6: the answer ", absent=("run",)),
+         countdown_file("cd.jsonl", {4: {"target": 1000}}, task_field=True)),
+    Case("countdown-bad-numbers-line", "train.py", "a malformed Countdown row is named by its file line",
+         train("{c}/run", 1, "--task", "countdown", "--train-data", "{c}/cd.jsonl"),
+         Refused("{c}/cd.jsonl:8: \"numbers\" must be positive integers", absent=("run",)),
+         countdown_file("cd.jsonl", {6: {"numbers": [3, -1]}})),
+]
+
+CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE
 
 
 # ----------------------------------------------------------------------------------------------

@@ -372,12 +372,14 @@ def looks_like_path(name):
             or name.lower().endswith((".jsonl", ".json", ".parquet")))
 
 
-def load_benchmark(name_or_path, limit=None, data_dir=None, skip_bad=False):
+def load_benchmark(name_or_path, limit=None, data_dir=None, skip_bad=False, read_row=None):
     """Load a benchmark or problem set as a list of normalized rows (see module docstring).
 
     name_or_path: registered name (case-insensitive), group name, or a local file path.
     limit: keep the first `limit` rows (quick runs). data_dir: folder with local copies of the
     hub benchmarks (e.g. aime2024.jsonl), tried before the hub; default $ERPO_DATA_DIR.
+    read_row: (normalized row, "file:line") -> row, applied to each row as it is read (tasks/: a
+    row's task checks its own fields), so a bad row is named by its line in the file.
     Raises DataError (a ValueError whose message names the file and line) for an unknown name, a
     missing, empty or malformed file, a problem or answer the model or grader cannot read, or rows
     without problem/answer -- unless skip_bad, which drops the last with a printed count (real
@@ -388,7 +390,7 @@ def load_benchmark(name_or_path, limit=None, data_dir=None, skip_bad=False):
     if key in GROUPS:
         rows = []
         for sub in GROUPS[key]:
-            for r in load_benchmark(sub, data_dir=data_dir):
+            for r in load_benchmark(sub, data_dir=data_dir, read_row=read_row):
                 rows.append({**r, "id": f"{sub}/{r['id']}"})
         return rows[:limit] if limit is not None else rows
     if key in TINY:
@@ -414,16 +416,18 @@ def load_benchmark(name_or_path, limit=None, data_dir=None, skip_bad=False):
                         f"or a path to a .jsonl/.json/.parquet file)")
     if limit is not None:
         raw = raw[:limit]
-    return _dedupe_ids(_normalize_rows(raw, where, source, skip_bad))
+    return _dedupe_ids(_normalize_rows(raw, where, source, skip_bad, read_row))
 
 
-def _normalize_rows(raw, where, source, skip_bad):
-    """Raw rows -> normalized rows. A row without a problem or an answer is an error naming its
-    file and line, unless skip_bad (training sets), which skips it and names the first few."""
+def _normalize_rows(raw, where, source, skip_bad, read_row=None):
+    """Raw rows -> normalized rows, each then through read_row. A row without a problem or an
+    answer is an error naming its file and line, unless skip_bad (training sets), which skips it
+    and names the first few."""
     rows, bad = [], []
     for i, r in enumerate(raw):
         try:
-            rows.append(normalize_row(r, i, where[i]))
+            row = normalize_row(r, i, where[i])
+            rows.append(read_row(row, where[i]) if read_row else row)
         except MissingField:
             if not skip_bad:
                 raise
@@ -444,10 +448,11 @@ def _dedupe_ids(rows):
     return rows
 
 
-def load_problems(name_or_path, limit=None, data_dir=None, strict=False):
+def load_problems(name_or_path, limit=None, data_dir=None, strict=False, read_row=None):
     """Training problems (e.g. "tiny-train" or "math-l3to5"): the rows of load_benchmark, with
     unusable rows skipped (and counted) rather than fatal, unless strict."""
-    return load_benchmark(name_or_path, limit=limit, data_dir=data_dir, skip_bad=not strict)
+    return load_benchmark(name_or_path, limit=limit, data_dir=data_dir, skip_bad=not strict,
+                          read_row=read_row)
 
 
 def benchmark_label(name_or_path):

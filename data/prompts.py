@@ -67,13 +67,14 @@ class PromptSet:
 
 
 def load_prompt_set(source, tokenizer, template, max_prompt_len=None, limit=None, training=False,
-                    strict=False) -> PromptSet:
+                    strict=False, read_row=None) -> PromptSet:
     """A benchmark or training set, encoded. Training sets skip (and count) rows without a problem
-    or an answer unless strict; prompts longer than max_prompt_len are dropped, with a count."""
+    or an answer unless strict; prompts longer than max_prompt_len are dropped, with a count.
+    read_row: data.benchmarks.load_benchmark's (each row checked where its file line is known)."""
     from data.benchmarks import load_benchmark, load_problems
 
-    rows = (load_problems(source, limit=limit, strict=strict) if training
-            else load_benchmark(source, limit=limit))
+    rows = (load_problems(source, limit=limit, strict=strict, read_row=read_row) if training
+            else load_benchmark(source, limit=limit, read_row=read_row))
     ids = encode_prompts(tokenizer, rows, template)
     keep = [i for i, x in enumerate(ids) if max_prompt_len is None or len(x) <= max_prompt_len]
     if not keep:

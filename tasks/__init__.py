@@ -8,14 +8,15 @@ A task is one small module in this folder that builds a `Task` and registers it:
 Training (train.py), the held-out evaluation during training (heldout.py) and evaluate.py all
 grade through `score_rows`, which hands each completion to its row's task together with the
 WHOLE row, so per-row data (Countdown's numbers) reaches the scorer. A row's task is its "task"
-field, set when the row is loaded (`load_rows`): the task that owns the set by name, else the
-run's --task. A run may therefore mix tasks (a JSONL file whose rows carry "task"); metrics then
-report accuracy per task.
+field, set when the row is loaded (`read_by`): the task that owns the set by name, else the
+run's --task; a row that carries another task's own fields (`Task.fields`) without naming its
+task is refused, never graded by the wrong task. A run may therefore mix tasks (a JSONL file
+whose rows carry "task"); metrics then report accuracy per task.
 
 The task layer sits under the entry scripts and heldout.py, above reward.py (the math verifier,
 which tasks/math.py calls) and data/ (reading files, prompt templates).
 """
 
 from tasks.task import (TASKS, Scored, Task, get, keep_row, load_rows, owner, prompt_set,  # noqa: F401
-                        register, score_rows, source_of, task_names_in)
+                        read_by, register, score_rows, source_of, task_names_in)
 from tasks import countdown, math  # noqa: F401  isort: skip -- the built-in tasks register themselves

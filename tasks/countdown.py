@@ -26,10 +26,12 @@ Rules the parser enforces (tests/test_countdown.py pins each):
     microseconds.
 
 To add a task, copy this file's shape: `read_row` checks the row's own fields when a set is
-loaded (a bad file fails at start-up with its line, not mid-run), `score` maps (completion, whole
-row) to a `Scored`, and `register` at the bottom names the task, its data sets and its
-outcomes; tasks/__init__.py imports the module (which imports tasks.task, never the package
-itself: no import cycle). The data comes from a seeded generator (data/countdown/prepare.py)
+loaded (a bad file fails at start-up with its line, not mid-run; here also that the reference
+answer makes the target), `score` maps (completion, whole row) to a `Scored`, and `register` at
+the bottom names the task, its data sets, its outcomes and the fields that make a row its own
+(a row carrying them is never graded by another task without a "task" field saying so);
+tasks/__init__.py imports the module (which imports tasks.task, never the package itself: no
+import cycle). The data comes from a seeded generator (data/countdown/prepare.py)
 whose every row the scorer must grade 1.0 (a test).
 """
 
@@ -149,7 +151,9 @@ def evaluate(text: str) -> tuple[Fraction, list[int]]:
 # ----------------------------------------------------------------------------- the task
 
 def read_row(row: dict, where: str) -> dict:
-    """The row as loaded, once its numbers (2..6 positive ints) and integer target are checked."""
+    """The row as loaded, once its numbers (2..6 positive ints) and integer target are checked, and
+    its answer: an expression that uses the numbers, each once, to make the target (a row whose
+    target does not match its answer would train on a problem nobody checked)."""
     numbers, target = row.get("numbers"), row.get("target")
     lo, hi = NUMBERS_RANGE
     if not isinstance(numbers, list) or not lo <= len(numbers) <= hi:
@@ -161,7 +165,23 @@ def read_row(row: dict, where: str) -> dict:
                         f"in {numbers!r:.60}")
     if type(target) is not int:
         raise DataError(f"{where}: a countdown row needs an integer \"target\", got {target!r:.30}")
+    check_answer(row["answer"], numbers, target, where)
     return row
+
+
+def check_answer(answer: str, numbers: list[int], target: int, where: str):
+    """DataError naming the row unless `answer` is a Countdown expression that uses `numbers`, each
+    exactly once, and makes `target`: what score() asks of a completion, asked of the row itself."""
+    try:
+        value, used = evaluate(answer)
+    except Rejected as e:
+        raise DataError(f"{where}: the answer {answer!r:.40} is no Countdown expression ({e}); it must "
+                        f"use the numbers {numbers}, each once, to make the target {target}") from None
+    if Counter(used) != Counter(numbers):
+        raise DataError(f"{where}: the answer {answer!r:.40} uses {sorted(used)}, not the numbers "
+                        f"{sorted(numbers)} (each exactly once)")
+    if value != target:
+        raise DataError(f"{where}: the answer {answer!r:.40} makes {value}, not the target {target}")
 
 
 def score(completion: str, row: dict) -> Scored:
@@ -188,4 +208,5 @@ TASK = register(Task(
     heldout=("countdown-test",),
     outcomes=OUTCOMES,
     format_ok=reward.has_format,
+    fields=("numbers", "target"),
 ))

@@ -36,6 +36,9 @@ class Task:
     # process pool); None: `score` one completion at a time
     score_batch: Callable | None = None
     format_ok: Callable[[str], bool] | None = None        # the format of --reward acc+format
+    # the row fields that make a row this task's (Countdown: numbers, target): a row that carries
+    # them all is refused by another task unless its "task" field says so (read_by)
+    fields: tuple = ()
 
 
 TASKS: dict[str, Task] = {}
@@ -69,30 +72,60 @@ def source_of(set_name: str) -> str:
     return task.datasets.get(set_name, set_name) if task else set_name
 
 
-def load_rows(rows: list[dict], where: list[str] | str, set_name: str, default_task: str) -> list[dict]:
-    """Rows of a set as their task reads them: each row's "task" field (kept when the file gives
-    one), else the set's owner, else the run's --task; then that task's `read_row` checks its
-    own fields (a bad row: DataError naming it)."""
+def _another_tasks_row(row: dict, task: Task) -> Task | None:
+    """Another task whose every own field the row carries (a Countdown row's numbers and target),
+    when the row does not name its task: graded as `task`, it would be scored by the wrong grader
+    (the math grader takes a bare \\boxed{target} for a Countdown row's answer)."""
+    for other in TASKS.values():
+        if other is not task and other.fields and all(row.get(f) is not None for f in other.fields) \
+                and not set(other.fields) <= set(task.fields):
+            return other
+    return None
+
+
+def read_by(set_name: str, default_task: str) -> Callable[[dict, str], dict]:
+    """The function that reads a row of `set_name` as its task does: (row, "file:line") -> the row
+    with its "task". A row's task is its "task" field (kept when the file gives one), else the set's
+    owner, else the run's --task; then that task's `read_row` checks its own fields (a bad row:
+    DataError naming its line). A row without a "task" field that carries another task's fields is
+    refused rather than read as that task: guessing from field names would change how rows are
+    graded without a word (a math set may have a "target" of its own), while one flag or field says
+    it once and for all, and the run's config.json records it."""
     task_of_set = owner(set_name)
-    out = []
-    for i, row in enumerate(rows):
-        name = row.get("task") or (task_of_set.name if task_of_set else default_task)
-        place = where[i] if isinstance(where, list) else f"{where}: row {i}"
+
+    def read(row: dict, where: str) -> dict:
+        named = row.get("task")
+        name = named or (task_of_set.name if task_of_set else default_task)
         try:
             task = get(name)
         except ValueError as e:
-            raise DataError(f"{place}: {e}") from None
-        out.append({**task.read_row(row, place), "task": name})
-    return out
+            raise DataError(f"{where}: {e}") from None
+        other = None if named else _another_tasks_row(row, task)
+        if other:
+            raise DataError(f"{where}: the row has {other.name}'s fields ({', '.join(other.fields)}) but "
+                            f"no \"task\" field, so it would be graded as {task.name}; pass --task "
+                            f"{other.name}, or give the rows a \"task\" field")
+        return {**task.read_row(row, where), "task": name}
+    return read
+
+
+def load_rows(rows: list[dict], where: list[str] | str, set_name: str, default_task: str) -> list[dict]:
+    """Rows already loaded, read by their tasks (read_by). `where`: each row's "file:line", or one
+    name for all (then rows are named by their 1-based position). Sets loaded by name or path go
+    through prompt_set / data.benchmarks.load_benchmark(read_row=read_by(...)) instead, which know
+    each row's line in its file."""
+    read = read_by(set_name, default_task)
+    return [read(row, where[i] if isinstance(where, list) else f"{where}: row {i + 1}")
+            for i, row in enumerate(rows)]
 
 
 def prompt_set(set_name: str, tokenizer, template: str, default_task: str, **load) -> PromptSet:
     """A training or held-out set by name or path, encoded (data.prompts.load_prompt_set, whose
-    keyword arguments `load` takes), its rows read by their tasks (load_rows). A task's
-    read_row checks and adds fields; it does not change the problem, which is encoded already."""
-    source = source_of(set_name)
-    ps = load_prompt_set(source, tokenizer, template, **load)
-    return PromptSet(load_rows(ps.rows, source, set_name, default_task), ps.ids)
+    keyword arguments `load` takes), its rows read by their tasks (read_by) as they are loaded, so a
+    bad row is named by its line in the file. A task's read_row checks and adds fields; it does not
+    change the problem, which is encoded after it."""
+    return load_prompt_set(source_of(set_name), tokenizer, template, read_row=read_by(set_name, default_task),
+                           **load)
 
 
 def score_rows(completions: list[str], rows: list[dict], timeout: float = 1.0,

@@ -1,8 +1,10 @@
 """The Countdown task: its expression parser and evaluator, the "each number exactly once" rule,
-row checks, and a generator whose every row the scorer grades correct (data/countdown/)."""
+row checks (the answer makes the target; a bad row named by its file line; rows with Countdown's
+fields never graded as math), and a generator whose every row the scorer grades correct."""
 
 import json
 import os
+import re
 from collections import Counter
 from fractions import Fraction
 
@@ -127,6 +129,70 @@ def test_read_row_names_what_is_wrong(row, says):
 def test_read_row_keeps_a_good_row():
     row = {"id": "x", "problem": "p", "answer": "3 + 5", "numbers": [3, 5], "target": 8}
     assert countdown.read_row(row, "here") == row
+
+
+@pytest.mark.parametrize("answer, says", [
+    ("(3 + 5) * 3", "uses [3, 3, 5], not the numbers [2, 3, 5]"),     # another number
+    ("3 + 5 * 2", "makes 13, not the target 16"),                      # its target does not match
+    ("(3 + 5) * 2 = 16", "is no Countdown expression"),                # an equation
+    ("16", "uses [16], not the numbers [2, 3, 5]"),                    # the target alone
+])
+def test_read_row_checks_that_the_answer_makes_the_target(answer, says):
+    row = {"id": "x", "problem": "p", "answer": answer, **ROW}
+    with pytest.raises(DataError, match=re.escape(says)) as e:
+        countdown.read_row(row, "cd.jsonl:7")
+    assert str(e.value).startswith("cd.jsonl:7: the answer ")
+
+
+def _cd_line(answer="(3 + 5) * 2", **fields):
+    row = {"problem": "Use the numbers 3, 5 and 2 to make 16.", "answer": answer, **ROW, **fields}
+    return json.dumps(row) + "\n"
+
+
+def test_a_bad_row_is_named_by_its_line_in_the_file_not_its_index_among_kept_rows(tmp_path):
+    """Blank lines and a training row skipped for its blank problem come before the bad row: the
+    message names the file's line (1-based), in a held-out set and in a training set alike."""
+    import heldout
+    from data.benchmarks import load_problems
+
+    path = tmp_path / "cd.jsonl"
+    path.write_text(_cd_line() + "\n" + _cd_line(problem=" ") + _cd_line() + "\n" + _cd_line("3 + 5 + 2"))
+    says = f"{path}:6: the answer '3 + 5 + 2' makes 10, not the target 16"
+    with pytest.raises(DataError, match=re.escape(says)):                 # a training set: line 3 is skipped
+        load_problems(str(path), read_row=tasks.read_by(str(path), "countdown"))
+    path.write_text(_cd_line() + "\n" + _cd_line() + _cd_line(numbers=[3, 5, -2]))
+    with pytest.raises(DataError, match=re.escape(f"{path}:4: \"numbers\" must be positive integers")):
+        heldout.load_sets([str(path)], task="countdown")
+
+
+def test_rows_with_countdown_fields_and_no_task_are_refused_not_graded_as_math(tmp_path):
+    """Graded as math, a Countdown row's bare \\boxed{target} would be correct: without a "task"
+    field and without --task countdown, such rows are refused in one line that says both fixes."""
+    import heldout
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text(_cd_line() * 2)
+    with pytest.raises(DataError) as e:
+        heldout.load_sets([str(path)], task="math")
+    assert str(e.value) == (f"{path}:1: the row has countdown's fields (numbers, target) but no \"task\" "
+                            "field, so it would be graded as math; pass --task countdown, or give the rows a "
+                            "\"task\" field")
+    path.write_text(_cd_line() * 2)
+    rows = heldout.load_sets([str(path)], task="countdown")["mine"]
+    assert {r["task"] for r in rows} == {"countdown"}
+    assert tasks.score_rows([_boxed("16")], rows[:1])[1] == [False]
+    path.write_text(_cd_line(task="countdown") + _cd_line(answer="16", task="math"))     # each row says
+    assert [r["task"] for r in heldout.load_sets([str(path)], task="math")["mine"]] == ["countdown", "math"]
+
+
+def test_the_rule_is_any_tasks_own_fields(tmp_path, monkeypatch):
+    """Not Countdown's alone: a task registered with fields of its own claims rows that carry them."""
+    monkeypatch.setitem(tasks.TASKS, "color", tasks.Task("color", "name a color", lambda c, r: None,
+                                                         fields=("color",)))
+    rows = [{"id": "0", "problem": "Name a color.", "answer": "red", "color": "red"}]
+    with pytest.raises(DataError, match=re.escape("row 1: the row has color's fields (color) but no")):
+        tasks.load_rows(rows, "colors.jsonl", "colors.jsonl", "math")
+    assert tasks.load_rows(rows, "colors.jsonl", "colors.jsonl", "color")[0]["task"] == "color"
 
 
 # ----------------------------------------------------------------------------- the generated sets

@@ -27,6 +27,7 @@ COMMANDS = {
     "bench/bench_rl.py": [["--help"]],
     "bench/bench_sampler.py": [["--help"]],
     "bench/bench_grader_pool.py": [["--help"]],
+    "bench/bench_grader_timing.py": [["--help"]],
     "bench/gpu_check.py": [["--help"]],
     "bench/memory_check.py": [["--help"]],
     "bench/reliability_sweep.py": [["--help"]],

@@ -1,5 +1,6 @@
-"""No evaluation lost to a mistyped command (issue #20): evaluate.py's resume key (every setting
-that changes a sample, dtype included, and a fingerprint of each model's weights), flag values
+"""No evaluation lost to a mistyped command (issues #20, #31): evaluate.py's resume key (every setting
+that changes a sample, dtype included, a fingerprint of every byte of each model's weights, and the
+version of each benchmark row), an --out that is no evaluation folder refused, flag values
 refused before --out is made, models without a tokenizer or without weights refused in one line,
 and Ctrl-C / SIGTERM ending a sweep with one line and a status that says so, the rerun finishing
 it. All on the tiny warm-start model with a few samples."""
@@ -8,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -70,8 +72,8 @@ def test_a_checkpoint_retrained_at_the_same_path_is_refused_not_reported_as_done
     code, err = refusal(E.main, ["--model", model, *TINY, "--out", out], capsys)
     assert code == 2
     assert err == [f"evaluate.py: error: {out} holds samples of {os.path.normpath(model)} made from other "
-                   "weights (its weight files changed since: retrained?); use another --out, or another "
-                   "--labels name"]
+                   "weights (its weight, config or tokenizer files changed since: retrained?); use another "
+                   "--out, or another --labels name"]
     # Under a new name the retrained weights are sampled beside the old samples, which stay.
     monkeypatch.undo()
     summary = E.main(["--model", model, "--labels", "retrained", *TINY, "--out", out])
@@ -181,13 +183,19 @@ def test_a_finished_sweep_with_dtype_auto_rebuilds_its_tables_on_another_device(
 
 
 def test_the_weights_fingerprint_follows_the_files_contents(tmp_path):
-    """Same bytes at another path: the same fingerprint; retrained or another shard: another one.
+    """Same bytes at another path: the same fingerprint; retrained, another shard, or an edited config,
+    tokenizer or chat template: another one.
     An FSDP2 checkpoint's dcp/ folder is read the same way (.metadata and shards); a hub id is itself."""
     a, b = copy_of_warm(tmp_path / "a"), copy_of_warm(tmp_path / "b")
     fp = eval_folder.weights_fingerprint(checkpoints.ModelSource(a))
     assert fp == eval_folder.weights_fingerprint(checkpoints.ModelSource(b))
     retrain(b)
     assert eval_folder.weights_fingerprint(checkpoints.ModelSource(b)) != fp
+    for name in ("chat_template.jinja", "generation_config.json", "tokenizer.json", "config.json"):
+        c = copy_of_warm(tmp_path / name)                                # what makes the prompt and its end
+        with open(os.path.join(c, name), "a") as f:
+            f.write("\n")
+        assert eval_folder.weights_fingerprint(checkpoints.ModelSource(c)) != fp, name
     dcp = tmp_path / "run" / "ckpt" / "dcp"
     dcp.mkdir(parents=True)
     (dcp / ".metadata").write_bytes(b"layout" * 100)
@@ -199,6 +207,159 @@ def test_the_weights_fingerprint_follows_the_files_contents(tmp_path):
     (dcp / "__0_0.distcp").write_bytes(os.urandom(100_000))        # retrained: every byte of the data moves
     assert eval_folder.weights_fingerprint(src) != before
     assert eval_folder.weights_fingerprint(checkpoints.ModelSource("Qwen/Qwen2.5-Math-7B")) == "hub:Qwen/Qwen2.5-Math-7B"
+
+
+def tensor_spans(path):
+    """{tensor name: (first byte, end)} in a safetensors file."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {k: (8 + length + v["data_offsets"][0], 8 + length + v["data_offsets"][1])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def flip_byte(path, at):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_a_tensor_edited_in_place_changes_the_fingerprint_whichever_it_is(tmp_path):
+    """Every byte of every tensor counts: one byte flipped in the middle of any of the tiny model's 50
+    tensors gives another fingerprint (the sampled reads of before missed most of them)."""
+    model = copy_of_warm(tmp_path / "m")
+    src, weights = checkpoints.ModelSource(model), os.path.join(model, "model.safetensors")
+    fp, old = eval_folder.weights_fingerprint(src), eval_folder._sampled_fingerprint(src)
+    spans, missed = tensor_spans(weights), 0
+    assert len(spans) == 50
+    for start, end in spans.values():
+        flip_byte(weights, (start + end) // 2)
+        assert eval_folder.weights_fingerprint(src) != fp
+        missed += eval_folder._sampled_fingerprint(src) == old
+        flip_byte(weights, (start + end) // 2)                         # back: the same bytes, the same print
+        assert eval_folder.weights_fingerprint(src) == fp
+    assert missed > 25
+
+
+def test_weights_edited_in_place_are_refused_and_an_older_folders_fingerprint_still_checks(tmp_path, capsys,
+                                                                                         monkeypatch):
+    model, out = copy_of_warm(tmp_path / "ckpt"), str(tmp_path / "out")
+    src, weights = checkpoints.ModelSource(model), os.path.join(model, "model.safetensors")
+    E.main(["--model", model, *TINY, "--out", out])
+    old = eval_folder._sampled_fingerprint(src)
+    start, end = tensor_spans(weights)["model.layers.0.mlp.down_proj.weight"]
+    unseen = (start + end) // 2
+    flip_byte(weights, unseen)                                       # a byte the sampled reads miss
+    assert eval_folder._sampled_fingerprint(src) == old
+    no_sampling(monkeypatch)
+    code, err = refusal(E.main, ["--model", model, *TINY, "--out", out], capsys)
+    assert code == 2 and "made from other weights" in err[0] and len(err) == 1
+    flip_byte(weights, unseen)
+    # A folder an older evaluate.py made holds the sampled fingerprint: checked the way it was made
+    config = config_of(out)
+    config["models"][os.path.normpath(model)] = old
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    E.main(["--model", model, *TINY, "--out", out])
+    assert "all samples already in" in capsys.readouterr().out
+    retrain(model)
+    code, err = refusal(E.main, ["--model", model, *TINY, "--out", out], capsys)
+    assert code == 2 and "made from other weights" in err[0]
+
+
+def test_an_edited_gold_answer_is_refused_not_kept_with_the_old_grades(tmp_path, capsys, monkeypatch):
+    """Each sample names the version of its row: a benchmark file edited since is refused in one
+    line and the samples stay; the file as it was is accepted again. Records of an older
+    evaluate.py (no digest) are checked by the gold answer they stored."""
+    bench, out = tmp_path / "mine.jsonl", tmp_path / "out"
+    rows = [{"problem": "What is 2+3?", "answer": "5"}, {"problem": "What is 2*4?", "answer": "8"}]
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--model", WARM, *TINY, "--benchmarks", str(bench), "--limit", "2", "--out", str(out)]
+    E.main(argv)
+    samples = out / "samples.jsonl"
+    kept = samples.read_bytes()
+    bench.write_text(json.dumps(rows[0]) + "\n" + json.dumps({**rows[1], "answer": "9"}) + "\n")
+    no_sampling(monkeypatch)
+    code, err = refusal(E.main, argv, capsys)
+    assert (code, err) == (2, [f"evaluate.py: error: {out} holds samples of mine problem 1 made from another "
+                               "version of its row (the file changed since: an edited gold answer or "
+                               "problem?); use another --out"])
+    assert samples.read_bytes() == kept
+    older = [{k: v for k, v in r.items() if k != "row"} for r in E.run_dir.read_jsonl(samples)]
+    samples.write_text("".join(json.dumps(r) + "\n" for r in older))
+    assert refusal(E.main, argv, capsys)[0] == 2
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    E.main(argv)
+    assert "all samples already in" in capsys.readouterr().out
+
+
+def test_the_tables_are_of_the_problems_asked(tmp_path, monkeypatch):
+    """A smaller --limit, or a row deleted from the file: its samples stay on disk, out of the tables."""
+    bench, out = tmp_path / "mine.jsonl", tmp_path / "out"
+    rows = [{"id": "a", "problem": "What is 2+3?", "answer": "5"},
+            {"id": "b", "problem": "What is 2*4?", "answer": "8"}]
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--model", WARM, "--labels", "warm", *TINY, "--benchmarks", str(bench), "--out", str(out)]
+
+    def problems(summary):
+        return summary["results"]["warm"]["mine"]["by_temperature"]["1"]["num_problems"]
+
+    assert problems(E.main(argv + ["--limit", "2"])) == 2
+    no_sampling(monkeypatch)
+    assert problems(E.main(argv + ["--limit", "1"])) == 1
+    bench.write_text(json.dumps(rows[0]) + "\n")
+    assert problems(E.main(argv)) == 1
+    assert len(E.run_dir.read_jsonl(out / "samples.jsonl")) == 4
+
+
+def fake_run(folder, steps=2):
+    """What train.py leaves in its --out: its config.json and metrics (no model: enough to be a run)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"algo": "erpo", "lr": 2e-4, "template": "plain",
+                                                    "max_new_tokens": 24, "seed": 0}, indent=2))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(steps + 1)))
+    return folder
+
+
+def snapshot(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_an_out_that_holds_a_training_run_or_anything_else_is_refused_and_left_as_it_was(tmp_path, capsys):
+    run = fake_run(tmp_path / "run")
+    model = tmp_path / "model"
+    shutil.copytree(WARM, model)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine\n")
+    orphans = tmp_path / "orphans"
+    orphans.mkdir()
+    (orphans / "samples.jsonl").write_text(json.dumps({"model": "m"}) + "\n")
+    cases = [(run, f"--out {run} holds a training run (metrics up to step 2): evaluate.py would replace its "
+                   f"config.json; give the evaluation a folder of its own (e.g. --out {run / 'eval'})"),
+             (model, f"--out {model} holds a config.json that is not evaluate.py's resume key (its keys: "
+                     "architectures, attention_dropout, bos_token_id, ...); use another --out"),
+             (notes, f"--out {notes} holds files evaluate.py does not write (todo.txt); use a new or empty "
+                     "folder"),
+             (orphans, f"--out {orphans} holds samples but not the config.json they were made under; "
+                       "use another --out")]
+    for out, message in cases:
+        before = snapshot(out)
+        assert refusal(E.main, ["--model", WARM, *TINY, "--out", str(out)], capsys) == \
+            (2, [f"evaluate.py: error: {message}"])
+        assert snapshot(out) == before
+    damaged = fake_run(tmp_path / "damaged")            # a run whose config.json an older evaluate.py replaced
+    (damaged / "config.json").write_text(json.dumps({"template": "plain", "max_new_tokens": 16, "models": {}}))
+    assert "holds a training run (metrics up to step 2)" in refusal(E.main, ["--model", WARM, *TINY, "--out",
+                                                                           str(damaged)], capsys)[1][0]
+    (run / "metrics.jsonl").unlink()                    # a run that stopped before its first step
+    assert "holds a training run (the files of a run" in refusal(E.main, ["--model", WARM, *TINY, "--out",
+                                                                          str(run)], capsys)[1][0]
+    E.main(["--model", WARM, *TINY, "--out", str(run / "eval")])      # a folder of its own: works
+    (run / "eval" / "notes.txt").write_text("the user's own file beside the samples\n")
+    E.main(["--model", WARM, *TINY, "--out", str(run / "eval")])
+    assert "all samples already in" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- flag values
@@ -323,8 +484,9 @@ def popen_interruptible(cmd, **kw):
         signal.signal(signal.SIGINT, previous)
 
 
-def signal_once_sampling(procs, outs, timeout=120):
-    """Send each process its signal as soon as its first chunk of samples is on disk."""
+def signal_once_sampling(procs, outs, timeout=300):
+    """Send each process its signal as soon as its first chunk of samples is on disk (timeout: a
+    watchdog for a process that never starts sampling, not a bound the test asserts)."""
     waiting, deadline = set(procs), time.time() + timeout
     while waiting and time.time() < deadline:
         for sig in list(waiting):
@@ -348,7 +510,7 @@ def test_sigint_and_sigterm_stop_a_sweep_in_one_line_and_the_rerun_finishes_it(t
     try:
         whole = E.main(argv + ["--out", str(tmp_path / "whole")])      # while they start: the sweep uncut
         signal_once_sampling(procs, outs)
-        errs = {sig: p.communicate(timeout=60)[1] for sig, p in procs.items()}
+        errs = {sig: p.communicate(timeout=300)[1] for sig, p in procs.items()}
     finally:
         for p in procs.values():
             if p.poll() is None:

@@ -37,8 +37,10 @@ def data(tmp_path_factory):
 
 
 def small(out, train_data, *extra):
-    return ["--model", WARM, "--train-data", str(train_data), "--out", str(out), "--steps", "4",
-            "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--micro-batch", "8",
+    """4 tiny RL steps; --no-signal step: every optimizer step is taken whatever the 4 groups' rewards,
+    so the faults below always meet a step to break (the default skips a batch with no signal)."""
+    return ["--no-signal", "step", "--model", WARM, "--train-data", str(train_data), "--out", str(out),
+            "--steps", "4", "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--micro-batch", "8",
             "--max-new-tokens", "24", "--eval-data", "tiny-test", "--eval-limit", "4", "--eval-every", "2",
             "--save-every", "2", *extra]
 

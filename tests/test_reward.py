@@ -1,6 +1,7 @@
-"""Tests for reward.py and plumbing/mathverify_pool.py: extraction, normalization, equivalence, benchmark
-self-consistency, adversarial time bounds (also off the main thread), the pool's server, its
-outcomes and fork safety, the format reward and score_batch counts."""
+"""Tests for reward.py and plumbing/mathverify_pool.py: extraction (linear time), normalization,
+equivalence, benchmark self-consistency, adversarial inputs bounded by a guard or the pool's timeout
+(also off the main thread), the pool's server, its outcomes and fork safety, the format reward and
+score_batch counts. No test times itself against a clock: bench/bench_grader_timing.py has the seconds."""
 
 import ast
 import json
@@ -8,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -41,14 +41,50 @@ def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
 
 
-def test_extract_boxed_is_linear_on_adversarial_text():
-    cases = ["\\boxed{" + "{" * 100_000, "\\boxed{" * 15_000 + "}" * 5, "{" * 50_000 + "}" * 50_000,
-             "\\boxed{" + "{" * 50_000 + "}" * 50_001]
-    for text in cases:
-        t = time.perf_counter()
-        extract_boxed(text)
-        assert time.perf_counter() - t < 0.5
-    assert extract_boxed(cases[-1]) == "{" * 50_000 + "}" * 50_000
+class _CountingRegex:
+    """A compiled regex whose finditer counts the characters it is asked to scan (len(text) - pos)
+    and the matches it hands back: extract_boxed's work is these scans (the regexes are literals
+    and single tokens, linear in what they scan) and one Python step per match."""
+
+    def __init__(self, regex, counter):
+        self.regex, self.counter = regex, counter
+
+    def finditer(self, text, pos=0):
+        self.counter["scanned"] += len(text) - pos
+        for m in self.regex.finditer(text, pos):
+            self.counter["matches"] += 1
+            yield m
+
+
+# Adversarial texts of about n characters, by kind (the sizes of the old time-bound test at n = 100,000).
+ADVERSARIAL_TEXT = {
+    "unclosed box": lambda n: "\\boxed{" + "{" * n,
+    "boxes never closed": lambda n: "\\boxed{" * (n // 7) + "}" * 5,
+    "braces, no box": lambda n: "{" * (n // 2) + "}" * (n // 2),
+    "one deep box": lambda n: "\\boxed{" + "{" * (n // 2) + "}" * (n // 2 + 1),
+    "many boxes": lambda n: "\\boxed{1}" * (n // 9),
+}
+N = 100_000
+
+
+@pytest.mark.parametrize("kind", ADVERSARIAL_TEXT)
+def test_extract_boxed_is_linear_on_adversarial_text(kind, monkeypatch):
+    """Linear time, counted rather than timed: the regex scans read each character at most twice
+    (a box search, then one brace match from the last box; a brace match per box would read
+    ~len(text)^2 / 2), and the Python loop over their matches takes at most one step per character.
+    (Its seconds, at n and 4n characters: bench/bench_grader_timing.py.)"""
+    counter = {"scanned": 0, "matches": 0}
+    monkeypatch.setattr(reward, "_BOX_RE", _CountingRegex(reward._BOX_RE, counter))
+    monkeypatch.setattr(reward, "_BRACE_TOKEN_RE", _CountingRegex(reward._BRACE_TOKEN_RE, counter))
+    text = ADVERSARIAL_TEXT[kind](N)
+    extract_boxed(text)
+    assert 0 < counter["scanned"] <= 2 * len(text) and counter["matches"] <= len(text)
+
+
+def test_extract_boxed_on_adversarial_text_reads_the_last_box():
+    assert extract_boxed(ADVERSARIAL_TEXT["one deep box"](N)) == "{" * (N // 2) + "}" * (N // 2)
+    assert extract_boxed(ADVERSARIAL_TEXT["unclosed box"](N)) is None
+    assert extract_boxed(ADVERSARIAL_TEXT["many boxes"](N)) == "1"
 
 
 # -----------------------------------------------------------------------------
@@ -122,18 +158,20 @@ def test_functions_are_short(path):
     assert not long, long
 
 
-def test_integer_fast_path_is_fast_and_never_starts_math_verify():
+def test_integer_fast_path_never_starts_math_verify(monkeypatch):
+    """Integer answers are graded by string and number comparisons alone: the pool is asked about
+    no pair and never started (its timings: bench/bench_grader_timing.py)."""
     reward.shutdown()
+    asked = []
+    verify_many = mathverify_pool.verify_many
+    monkeypatch.setattr(mathverify_pool, "verify_many", lambda pairs, timeout: asked.append(list(pairs))
+                        or verify_many(pairs, timeout))
     golds = [str(17 * i + 3) for i in range(256)]
     comps = [f"<think> {g} </think> Mia has \\boxed{{{g if i % 3 else int(g) + 1}}} apples."
              for i, g in enumerate(golds)]
-    t = time.perf_counter()
     rewards, stats = score_batch(comps, golds, format_reward=True)
-    dt = time.perf_counter() - t
-    print(f"\nscore_batch on 256 integer completions: {dt * 1e3:.2f} ms")
-    assert mathverify_pool._server is None and stats["math_verify"] == 0
+    assert mathverify_pool._server is None and stats["math_verify"] == 0 and not any(asked)
     assert stats["correct"] == sum(1 for i in range(256) if i % 3) and stats["format_ok"] == 256
-    assert dt < 0.25
 
 
 # -----------------------------------------------------------------------------
@@ -183,27 +221,38 @@ ADVERSARIAL = {
 }
 
 
+# What each adversarial input ends as. Those that reach math-verify are stopped by the pool's
+# per-answer timeout ("timeout"; a fast machine may finish a factorial: then "wrong"); the power
+# tower can finish nowhere. The rest never reach math-verify: the guards reject them.
+BOUNDED = {"power tower": ("timeout",), "huge power": ("timeout", "wrong"), "factorial": ("timeout", "wrong"),
+           "100KB braces": ("rejected",), "unclosed braces": ("no_answer",), "3000 parens": ("rejected",),
+           "2000 sqrt": ("rejected",), "nested parens under length cap": ("rejected",),
+           "100k digits": ("rejected",), "many boxes": ("wrong",)}
+REACH_MATH_VERIFY = {"power tower", "huge power", "factorial"}
+WATCHDOG = 300      # seconds: only stops a hung test, never what a test asserts
+
+
 def _run_in_thread(fn):
     out = {}
     th = threading.Thread(target=lambda: out.update(value=fn()))
-    t = time.perf_counter()
     th.start()
-    th.join(timeout=30)
-    return out.get("value"), time.perf_counter() - t
+    th.join(timeout=WATCHDOG)
+    assert not th.is_alive(), "hung"
+    return out.get("value")
 
 
 def test_adversarial_inputs_are_bounded_off_main_thread():
-    reward.warmup()   # server start-up (~1-3 s) is a one-time cost, not part of the per-answer bound
-    timings = {}
+    """Off the main thread (math-verify's own signal.alarm timeouts do not work there), every
+    adversarial input scores 0 with the outcome that bounds it: the pool's "timeout" for those that
+    reach math-verify, a guard's rejection for the rest (bench/bench_grader_timing.py: the seconds)."""
+    reward.warmup()
+    assert set(BOUNDED) == set(ADVERSARIAL)
     for name, completion in ADVERSARIAL.items():
-        value, dt = _run_in_thread(lambda completion=completion: score(completion, "2"))
-        timings[name] = dt
-        assert value == 0.0, name
-        assert dt < 1.5, f"{name}: {dt:.2f}s"
-    print("\nadversarial seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in timings.items()))
+        (outcome,), mv = _run_in_thread(lambda c=completion: reward.grade_completions([c], ["2"]))
+        assert outcome in BOUNDED[name] and mv == (name in REACH_MATH_VERIFY), (name, outcome, mv)
+        assert _run_in_thread(lambda completion=completion: score(completion, "2")) == 0.0, name
     # and math-verify really answers off the main thread (not a silent 0 from a signal failure)
-    value, dt = _run_in_thread(lambda: score(r"\boxed{2\sqrt{2}}", r"\sqrt{8}"))
-    assert value == 1.0 and dt < 1.5
+    assert _run_in_thread(lambda: score(r"\boxed{2\sqrt{2}}", r"\sqrt{8}")) == 1.0
 
 
 def test_pool_outcomes_and_server_command():
@@ -212,12 +261,9 @@ def test_pool_outcomes_and_server_command():
     assert args[1:3] == [os.path.join(ROOT, "plumbing", "mathverify_pool.py"), "--server"]
     pairs = [(r"\sqrt{8}", r"2\sqrt{2}"), ("2", r"9^{9^{9^{9^{9}}}}"), (r"\sqrt{3}", r"\sqrt{2}"),
              ("x", ""), (r"(x+1)^2", "x^2+2x+1")]   # "": nothing to parse
-    t = time.perf_counter()
+    # the power tower is stopped by its 1 s bound ("timeout"), the others answered
     got = mathverify_pool.verify_many(pairs, timeout=1.0)
-    dt = time.perf_counter() - t
-    # the power tower costs its 1 s in its own runner; the others are answered meanwhile
     assert got == [(True, "ok"), (False, "timeout"), (False, "ok"), (False, "error"), (True, "ok")]
-    assert dt < 3.0, dt
     assert mathverify_pool.verify_many([], timeout=1.0) == []
 
 
@@ -256,7 +302,8 @@ def test_concurrent_threads_get_right_answers(patient_timeout):
     for th in threads:
         th.start()
     for th in threads:
-        th.join(timeout=60)
+        th.join(timeout=WATCHDOG)
+    assert not any(th.is_alive() for th in threads)
     assert results == [c[2] for c in cases]
 
 

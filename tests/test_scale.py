@@ -326,7 +326,7 @@ def test_sharded_checkpoint_resumes_at_world_size_1_and_2(tmp_path):
                "--train-data", str(tmp_path / "train.jsonl"), "--out", str(out), "--steps", str(steps),
                "--algo", "grpo", "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4",
                "--micro-batch", "8", "--max-new-tokens", "32", "--eval-every", "0", "--save-every", "2",
-               "--fsdp", "true", "--lr", "1e-3", *extra]
+               "--fsdp", "true", "--lr", "1e-3", "--no-signal", "step", *extra]   # every step taken
         r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                            text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
