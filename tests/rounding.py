@@ -39,8 +39,9 @@ def is_exact(key):
 
 
 def is_timing(key):
-    """Wall-clock keys (step_time, time_gen, gen_tok_per_s, ...): never compared."""
-    return key == "step_time" or key.startswith("time_") or key.endswith("_per_s")
+    """Wall-clock keys (step_time, time_gen, gen_tok_per_s, ...) and a GPU's memory (mem_*, CUDA
+    only): never compared."""
+    return key == "step_time" or key.startswith(("time_", "mem_")) or key.endswith("_per_s")
 
 
 def tolerance(worst_by_kernel, scale):

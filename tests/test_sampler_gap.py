@@ -93,3 +93,48 @@ def test_the_monitors_are_zero_in_float32_and_measure_a_known_gap(tmp_path, smal
         for m in run(tmp_path / f"tis{cap}", small_data, "--tis-cap", str(cap)):
             assert m["tis_weight"] == pytest.approx(weight, abs=1e-5)
             assert m["tis_capped_frac"] == pytest.approx(capped)
+
+
+class FakeCuda:
+    """torch.cuda as Phases reads it: a peak that the phase's work sets, a driver's free memory."""
+    GIB = 2**30
+
+    def __init__(self):
+        self.peak, self.reserved, self.free, self.total, self.resets = 0, 0, 0, 80 * self.GIB, 0
+
+    def synchronize(self):
+        pass
+
+    def reset_peak_memory_stats(self):
+        self.resets += 1
+        self.peak = self.reserved = 0
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def max_memory_reserved(self):
+        return self.reserved
+
+    def mem_get_info(self):
+        return self.free, self.total
+
+
+def test_gpu_memory_per_phase_in_gib_on_cuda():
+    """Each phase's peak (reset at its start), the reserved peak and the driver's used memory at its
+    end; a repeated phase keeps its largest; a CPU run logs none."""
+    from plumbing.timer import Phases
+    cuda, G = FakeCuda(), FakeCuda.GIB
+    t = Phases("cuda", cuda=cuda)
+    for phase, peak, reserved, free in (("gen", 30, 40, 20), ("update", 50, 60, 10), ("gen", 20, 45, 25)):
+        with t(phase):
+            cuda.peak, cuda.reserved, cuda.free = peak * G, reserved * G, free * G
+    m = t.metrics()
+    assert cuda.resets == 3
+    assert {k: v for k, v in m.items() if k.startswith("mem_")} == {
+        "mem_alloc_gen": 30.0, "mem_reserved_gen": 45.0, "mem_used_gen": 60.0,
+        "mem_alloc_update": 50.0, "mem_reserved_update": 60.0, "mem_used_update": 70.0}
+    assert t.metrics() == {}                                                      # afresh
+    cpu = Phases("cpu")
+    with cpu("gen"):
+        pass
+    assert list(cpu.metrics()) == ["time_gen"]
