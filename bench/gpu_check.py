@@ -462,7 +462,7 @@ def train_argv(a, tmp, steps=2):
             "--max-prompt-len", "128", "--micro-batch", "16", "--micro-tokens", "8192", "--fsdp", "true",
             "--grad-ckpt", "true", "--lr", "1e-6", "--eval-every", "0", "--save-every", str(steps),
             "--query-cache-dir", "", "--seed", "0",
-            "--no-signal", "step"]    # a random model's rewards are all 0: step anyway, to measure the step
+            "--no-signal", "step"]    # coin-flip rewards may leave a batch without signal: step anyway
 
 
 def plan_phases(argv, dev):
