@@ -8,7 +8,7 @@ train.rl_step calls `collect` once per step, on the decoding copy of the policy
 the whole row); what enters the advantages here is that reward, plus DAPO's overlong penalty.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,7 +17,7 @@ import losses
 import rollout
 import tasks
 from data.prompts import step_indices
-from plumbing import batching
+from plumbing import batching, distributed
 from plumbing.distributed import all_sum
 
 
@@ -83,6 +83,49 @@ def collect(run, decoder, step) -> Collected:
     kept = rollout.fill_groups(rounds, len(mine), G, run.tokenizer.pad_token_id)
     info["kept_groups"] = int(kept.valid.sum()) // G
     return Collected(kept.ro, kept.rewards, kept.valid, kept.prompt_idx, first.rewards, first.acc, info)
+
+
+@dataclass
+class Group:
+    """One prompt's G rows, as deal_by_length moves them between ranks (on the CPU, trimmed)."""
+    ro: rollout.Rollout
+    rewards: torch.Tensor               # (G,)
+    valid: torch.Tensor                 # (G,)
+    prompt_idx: int
+    tokens: int                         # prompt + response tokens of its G rows: what scoring it costs
+
+
+def deal_by_length(run, c: Collected) -> Collected:
+    """Whole groups dealt to the ranks by length (batching.deal) within each update batch: the same
+    groups make each optimizer step as before, on the same number of rows per rank, but no rank
+    gets all the long responses. One all-gather of the step's groups; nothing on one process. The
+    first sampling round's rewards (reward / train_acc) stay where they were: they are summed."""
+    if run.dist.world == 1:
+        return c
+    world, G = run.dist.world, run.args.group_size
+    ro, per = c.ro.to("cpu"), run.args.update_batch // world       # groups of an update batch, per rank
+    mine = []
+    for k, idx in enumerate(c.prompt_idx):
+        rows = slice(k * G, (k + 1) * G)
+        g = trimmed(ro.take(rows))
+        tokens = int(g.prompt_mask.sum() + g.response_mask.sum())
+        mine.append(Group(g, c.rewards[rows].cpu(), c.valid[rows].cpu(), idx, tokens))
+    everyone = distributed.all_gather_objects(mine)                    # [rank][group]
+    kept = []
+    for u in range(0, len(mine), per):                                 # each update batch
+        pool = [g for groups in everyone for g in groups[u:u + per]]
+        kept += [pool[i] for i in batching.deal([g.tokens for g in pool], world)[run.dist.rank]]
+    return replace(c, ro=rollout.cat_rollouts([g.ro for g in kept], run.tokenizer.pad_token_id),
+                   rewards=torch.cat([g.rewards for g in kept]), valid=torch.cat([g.valid for g in kept]),
+                   prompt_idx=[g.prompt_idx for g in kept])
+
+
+def trimmed(ro: rollout.Rollout) -> rollout.Rollout:
+    """Rows without their all-padding columns (prompts are left-padded, responses right-padded)."""
+    left = ro.prompt_ids.shape[1] - int(ro.prompt_mask.sum(1).max())   # padding columns on the left
+    R = int(ro.response_mask.sum(1).max())
+    return rollout.Rollout(ro.prompt_ids[:, left:], ro.prompt_mask[:, left:], ro.response_ids[:, :R],
+                           ro.response_mask[:, :R], ro.logprobs[:, :R], ro.finished)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -189,9 +189,10 @@ def rl_step(run, step):
 
 def rollouts(run, step) -> experience.Collected:
     """The step's rollouts, sampled from a decoding copy (FSDP2: the gathered weights) that is
-    freed when this returns, before scoring and the update need the memory."""
+    freed before scoring and the update need the memory; groups dealt to the ranks by length."""
     with distributed.gathered(run.policy, run.spec.weights_dtype) as decoder:
-        return experience.collect(run, decoder, step)
+        collected = experience.collect(run, decoder, step)
+    return experience.deal_by_length(run, collected)                   # the ranks' work evened out
 
 
 def on_policy_rows(run, update_rows) -> slice:

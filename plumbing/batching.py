@@ -51,6 +51,23 @@ def describe(a, world, n_train) -> str:
     ])
 
 
+def deal(tokens: list[int], world: int) -> list[list[int]]:
+    """Whole groups dealt to `world` ranks by their cost (`tokens`, one entry per group), each rank
+    the same number of them: longest first, each to the least-loaded rank that still has room (ties:
+    the lower rank). -> each rank's group indices, in their original order. Every rank computes
+    the same deal. The most and least loaded ranks end within the longest group's tokens of each
+    other (tests/test_scale.py checks it on random costs): FSDP2's collectives in scoring and the
+    update wait for the slowest rank, so a rank dealt the long responses would keep the rest idle."""
+    if len(tokens) % world:
+        raise ValueError(f"{len(tokens)} groups do not deal evenly to {world} ranks")
+    per, load, mine = len(tokens) // world, [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(tokens)), key=lambda i: -tokens[i]):
+        r = min((r for r in range(world) if len(mine[r]) < per), key=lambda r: load[r])
+        load[r] += tokens[i]
+        mine[r].append(i)
+    return [sorted(m) for m in mine]
+
+
 def microbatches(n, size) -> list[slice]:
     """Consecutive slices of at most `size` rows covering range(n)."""
     return [slice(s, min(n, s + size)) for s in range(0, n, size)]
