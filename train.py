@@ -34,7 +34,7 @@ import tasks
 from data.prompts import PromptSet
 from heldout import check_fits, heldout_at_temperatures
 from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan, optimizer,
-                      options, run_dir, timer)
+                      options, run_dir, time_model, timer)
 from plumbing.distributed import all_sum, print0
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
@@ -85,6 +85,8 @@ OPTIONS = [
     ("share_prompts",     True,                                "training forwards run each prompt once for its G responses (not with --fsdp/--grad-ckpt)"),
     ("dry_run",           False,                               "print the per-GPU memory plan (plumbing/memory_plan.py) and exit; no weights loaded"),
     ("plan_gpus",         8,                                   "GPUs the --dry-run plan assumes", ">=1"),
+    ("plan_gpu",          "h100",                              "the GPU --dry-run's time model assumes (plumbing/time_model.py)",
+                                                               list(time_model.GPUS)),
     ("qkl_ref",           "cache",                             "the Query-KL reference (query_reference.py): the "
                                                                "initial policy's prompt log-probs cached before RL "
                                                                "(the paper), or the reference model's forward over "
@@ -127,7 +129,7 @@ RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_
                      "save_every", "log", "export", "export_dtype", "nccl_timeout", "query_cache_dir",
                      "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
                      "measure_policy_kl"}
-NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus"}   # how this command runs, not what
+NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu"}   # how this command runs, not what
 
 
 @dataclass

@@ -2,8 +2,9 @@
 is about. Processes and collectives (distributed), the run folder and its checkpoints (run_dir,
 checkpoints), an evaluation folder's resume key (eval_folder), the options table -> argparse
 (options), AdamW and its schedule (optimizer), batch geometry (batching), the per-GPU memory plan
-(memory_plan), the grader's process pool (mathverify_pool), Ctrl-C / SIGTERM (interrupts),
-one-line errors (errors), failpoints (faults), figures (plots) and timers (timer).
+(memory_plan) and time model (time_model), the grader's process pool (mathverify_pool), Ctrl-C /
+SIGTERM (interrupts), one-line errors (errors), failpoints (faults), figures (plots) and timers
+(timer).
 
 These modules import only each other, torch, losses.py and the standard library (a test checks
 it); the files a reader of the paper needs stay at the top of the repository.

@@ -57,7 +57,7 @@ def test_no_module_imports_an_entry_script():
 
 # The floor (plumbing, losses) imports nothing above it; the task layer imports no entry script.
 PLUMBING = {"distributed", "run_dir", "checkpoints", "eval_folder", "optimizer", "options", "batching", "faults",
-            "plots", "mathverify_pool", "errors", "interrupts", "timer", "memory_plan"}
+            "plots", "mathverify_pool", "errors", "interrupts", "timer", "memory_plan", "time_model"}
 FLOOR = {"losses", "plumbing", *(f"plumbing.{m}" for m in PLUMBING)}
 
 
