@@ -26,7 +26,7 @@ class Collected:
     """This rank's share of one RL step's rollouts: rows of a group are consecutive."""
     ro: rollout.Rollout
     rewards: torch.Tensor               # (B,) the rewards that enter the advantages
-    valid: torch.Tensor                 # (B,) 0 for DAPO filler groups (no loss)
+    valid: torch.Tensor                 # (B,) 0 where a row carries no loss: trained_rows
     prompt_idx: list[int]               # (B / G,) training-set index of each group's prompt
     first_rewards: torch.Tensor         # the first sampling round's rewards and accuracies:
     first_acc: torch.Tensor             # what reward / train_acc report
@@ -71,7 +71,7 @@ def collect(run, decoder, step) -> Collected:
     first = sample_and_score(run, decoder, mine, step, 0)
     info = {"zero_var_frac": 1 - first.keep.float().mean().item(), "resample_rounds": 0, **first.counts}
     if not run.algo.dynamic_sampling:
-        everyone = torch.ones(len(mine) * G)                             # every group is trained on
+        everyone = trained_rows(torch.ones(len(mine) * G), first.ro, run.algo)
         return Collected(first.ro, first.rewards, everyone, mine, first.rewards, first.acc, info)
     rounds, have = [first], int(first.keep.sum())
     for r in range(1, run.args.max_resample_rounds + 1):
@@ -82,7 +82,14 @@ def collect(run, decoder, step) -> Collected:
         info["resample_rounds"] = r
     kept = rollout.fill_groups(rounds, len(mine), G, run.tokenizer.pad_token_id)
     info["kept_groups"] = int(kept.valid.sum()) // G
-    return Collected(kept.ro, kept.rewards, kept.valid, kept.prompt_idx, first.rewards, first.acc, info)
+    valid = trained_rows(kept.valid, kept.ro, run.algo)
+    return Collected(kept.ro, kept.rewards, valid, kept.prompt_idx, first.rewards, first.acc, info)
+
+
+def trained_rows(valid, ro: rollout.Rollout, algo) -> torch.Tensor:
+    """(B,) 1 where a row carries loss: not DAPO filler, and with algo.mask_truncated not cut at the
+    length limit (its reward still enters its group's baseline: the advantages use every row)."""
+    return valid * ro.finished.to(valid.dtype).cpu() if algo.mask_truncated else valid
 
 
 @dataclass

@@ -16,17 +16,20 @@ Conventions (every function):
   Masks are 0/1 tensors of the same shape; padded positions must hold finite values.
   Rows of a group are consecutive: rows [k*G, (k+1)*G) are the G responses to prompt k.
 
-This file imports only torch and the standard library. § numbers refer to docs/method.md, which
-writes out every equation implemented here.
+The policy-gradient term PG is surrogates.py's (PPO-clip for every row here but GSPO; CISPO, SAPO).
+This file imports only torch, the standard library and surrogates.py. § numbers refer to
+docs/method.md, which writes out every equation implemented here.
 """
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, NamedTuple
 
 import torch
 
+import surrogates
+
 KL_KINDS = ("k1", "k2", "k3")
-ADVANTAGES = ("grpo", "drgrpo", "rloo")
+ADVANTAGES = ("grpo", "drgrpo", "rloo", "batch-std", "reinforce++")
+BATCH_ADVANTAGES = ("batch-std", "reinforce++")        # they need the whole rollout batch's moments
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 WEIGHT_KINDS = ("none", "paper", "code")
 KL_PLACEMENTS = ("loss", "reward")
@@ -123,15 +126,23 @@ def _groups(x, group_size):
     return x.view(-1, group_size)
 
 
-def group_advantages(rewards, group_size, kind="grpo", eps=1e-6):
+def group_advantages(rewards, group_size, kind="grpo", eps=1e-6, valid=None, reduce=None):
     """Group-relative advantages. rewards (B,) with B = n_groups * G -> advantages (B,).
 
       "grpo":   A_i = (R_i - mean R) / (std R + eps). std is the UNBIASED (Bessel, /(G-1)) sample
                 std, torch.std's default, as in verl and EasyR1; eps = 1e-6.
       "drgrpo": A_i = R_i - mean R (Dr.GRPO drops the std, which up-weights easy/hard prompts).
       "rloo":   A_i = R_i - mean_{j != i} R_j = G/(G-1) * (R_i - mean R).
-    A group whose rewards are all equal gets exactly 0 (set explicitly: float round-off in
-    R - mean divided by a ~0 std would otherwise give small nonzero values).
+      "batch-std":   A_i = (R_i - mean R) / (std_batch(R) + eps): the group's mean, the whole rollout
+                batch's std (TRL's scale_rewards="batch": no prompt's std up-weights it).
+      "reinforce++": x_i = R_i - mean R, then whitened over the batch: (x_i - mean_batch x) /
+                (std_batch(x) + eps) (verl's REINFORCE++-baseline, which whitens over tokens; here
+                over responses, so a long response does not count more).
+    mean R / std R are the group's. The batch moments (Bessel std) run over the rows `valid` marks
+    (DAPO's filler is not part of it; None: every row) on every rank: `reduce` sums a tensor over
+    ranks (None: this process holds the whole batch). A group whose rewards are all equal gets
+    exactly 0 (set explicitly: float round-off in R - mean divided by a ~0 std would otherwise give
+    small nonzero values).
     """
     if kind not in ADVANTAGES:
         raise ValueError(f"advantage kind must be one of {ADVANTAGES}, got {kind!r}")
@@ -144,11 +155,25 @@ def group_advantages(rewards, group_size, kind="grpo", eps=1e-6):
         adv = centred / (r.std(dim=1, keepdim=True) + eps)               # unbiased std
     elif kind == "drgrpo":
         adv = centred
-    else:
+    elif kind == "rloo":
         adv = centred * (group_size / (group_size - 1))                  # leave-one-out baseline
+    else:
+        x = (r if kind == "batch-std" else centred).reshape(-1)
+        mean, std = batch_moments(x, valid, reduce)
+        adv = centred / (std + eps) if kind == "batch-std" else (centred - mean) / (std + eps)
     constant = ~nonconstant_groups(rewards, group_size)
     adv = adv.masked_fill(constant[:, None], 0.0)
     return adv.reshape(-1)
+
+
+def batch_moments(x, valid=None, reduce=None):
+    """Mean and Bessel std of x (B,) over the rows `valid` marks, on every rank (`reduce` sums a
+    tensor over ranks; None: this process only)."""
+    w = torch.ones_like(x) if valid is None else valid.to(x.dtype)
+    sums = torch.stack([w.sum(), (w * x).sum(), (w * x * x).sum()]).double()
+    n, s, ss = (sums if reduce is None else reduce(sums)).tolist()
+    mean = s / max(n, 1.0)
+    return mean, max(ss - n * mean * mean, 0.0) ** 0.5 / max(n - 1.0, 1.0) ** 0.5
 
 
 def nonconstant_groups(rewards, group_size):
@@ -202,105 +227,7 @@ def query_weights(nll, mean_nll=None, clip=None):
 
 
 # -----------------------------------------------------------------------------
-# Policy-gradient surrogate and loss aggregation (method.md §8)
-
-def ppo_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.0):
-    """PPO clipped surrogate, per token.
-
-    logp, old_logp: (B, T); advantages: (B,) (broadcast over tokens) or (B, T).
-      r = pi_theta / pi_old = exp(logp - old_logp)
-      loss_t = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)              (clip-higher when eps_high > eps_low)
-      A < 0 and dual_clip=c: loss_t = min(loss_t, c*|A|)                 (dual-clip: bounds the loss of
-                             a huge ratio on a bad token; c > 1, None disables)
-    Returns (loss_tok (B, T), clipped (B, T) bool): clipped marks tokens where a clip was active,
-    i.e. whose gradient was cut to zero; its masked mean is the usual "clip fraction".
-    """
-    if advantages.dim() == logp.dim() - 1:
-        advantages = advantages.unsqueeze(-1)
-    # the log-ratio is bounded only to keep exp() finite; any clip decision is made far inside it
-    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
-    pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(pg1, pg2)
-    clipped = pg2 > pg1
-    if dual_clip is not None:
-        pg3 = -advantages * dual_clip                      # = c*|A| where A < 0
-        dual = (advantages < 0) & (pg3 < loss)
-        loss = torch.where(dual, pg3, loss)
-        clipped = clipped | dual
-    return loss, clipped
-
-
-# What rl_loss reports about clipping, as fractions of the batch's valid response tokens: where a
-# clip was active (the gradient cut), where the ratio left [1 - eps_low, 1 + eps_high] whatever the
-# advantage's sign (the released ERPO code's clip_frac_low / clip_frac_high), where dual-clip bound it.
-CLIP_STATS = ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac")
-
-
-def clip_masks(ratio, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.0) -> dict[str, torch.Tensor]:
-    """(B, T) bool masks of where the ratio r (a surrogate's, e.g. pi_theta / pi_old per token)
-    left the clip range, for the statistics: "low" r < 1 - eps_low, "high" r > 1 + eps_high,
-    "dual" A < 0 and the PPO loss |A| max(r, clip(r)) above dual_clip * |A| (ppo_loss bounded it
-    there)."""
-    if advantages.dim() == ratio.dim() - 1:
-        advantages = advantages.unsqueeze(-1)
-    masks = {"low": ratio < 1.0 - eps_low, "high": ratio > 1.0 + eps_high}
-    bounded = torch.maximum(ratio, ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
-    if dual_clip is None:
-        masks["dual"] = torch.zeros_like(masks["low"])
-    else:
-        masks["dual"] = (advantages < 0) & (bounded > dual_clip)
-    return masks
-
-
-# -----------------------------------------------------------------------------
-# The table of policy-gradient surrogates (Algo.surrogate): one signature,
-#     surrogate(logp, old_logp, advantages, mask, algo) -> Surrogate(loss, ratio, clipped),
-# all (B, T): the per-token loss that `aggregate` reduces with algo.agg, the importance ratio it
-# used and where a clip cut the gradient (for the statistics). A new one is a function and a row.
-
-class Surrogate(NamedTuple):
-    loss: torch.Tensor                  # (B, T) per-token loss
-    ratio: torch.Tensor                 # (B, T) the importance ratio behind it (detached)
-    clipped: torch.Tensor               # (B, T) bool: a clip was active (zero gradient there)
-
-
-def _ratio(logp, old_logp):
-    # the log-ratio is bounded only to keep exp() finite; any clip decision is made far inside it
-    return torch.exp((logp - old_logp).clamp(-20.0, 20.0))
-
-
-def ppo_surrogate(logp, old_logp, advantages, mask, algo) -> Surrogate:
-    """PPO-clip on the token ratio r_t = pi_theta(y_t) / pi_old(y_t) (ppo_loss; method.md §8)."""
-    loss, clipped = ppo_loss(logp, old_logp, advantages, algo.eps_low, algo.eps_high, algo.dual_clip)
-    return Surrogate(loss, _ratio(logp, old_logp).detach(), clipped)
-
-
-def gspo_surrogate(logp, old_logp, advantages, mask, algo) -> Surrogate:
-    """GSPO (Zheng et al. 2025): one ratio per sequence, s_i = (pi_theta(y_i) / pi_old(y_i))^(1/|y_i|)
-    = exp(mean_t log r_t), clipped like PPO's (GSPO's own range is ~1e-4 wide: ALGOS["gspo"]).
-    Written per token as GSPO-token, s_i,t = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]: every
-    token carries the value s_i, and aggregated with seq-mean-token-mean the gradient is GSPO's,
-    -A_i s_i (1/|y_i|) sum_t grad log pi_theta(y_t) (zero where the sequence is clipped)."""
-    m = mask.to(logp.dtype)
-    log_s = ((logp - old_logp) * m).sum(-1) / m.sum(-1).clamp_min(1.0)       # (B,) log s_i
-    log_s_tok = log_s.detach()[:, None] + logp - logp.detach()                 # (B, T): value log s_i
-    loss, clipped = ppo_loss(log_s_tok, torch.zeros_like(logp), advantages, algo.eps_low, algo.eps_high,
-                             algo.dual_clip)
-    return Surrogate(loss, _ratio(log_s_tok, 0.0).detach(), clipped)
-
-
-SURROGATES: dict[str, Callable[..., Surrogate]] = {"ppo": ppo_surrogate, "gspo": gspo_surrogate}
-
-
-def truncated_is_weights(old_logp, sampler_logp, cap):
-    """Truncated importance sampling (TIS, method.md §8.3): the tokens were drawn by the sampler
-    pi_s, which is pi_old computed by other kernels (a decoding step, bf16 on GPUs), not pi_old
-    exactly. (B, T) -> (B, T) per-token weights min(pi_old / pi_s, cap), no gradient, that multiply
-    the surrogate's per-token loss: the policy gradient as if the tokens had come from pi_old, its
-    variance bounded by `cap` (TRL's vllm_importance_sampling_correction, verl's rollout_is)."""
-    return torch.exp((old_logp - sampler_logp).clamp(-20.0, 20.0)).clamp_max(cap).detach()
-
+# Loss aggregation (method.md §8.5)
 
 def aggregate(values, mask=None, mode="token-mean", num_tokens=None, num_seqs=None, max_len=None):
     """Reduce per-token (B, T) or per-sequence (B,) values to the scalar this micro-batch adds.
@@ -368,10 +295,13 @@ class Algo:
     qkl_estimator: str = _knob("k3", "per-token estimator of the Query-KL", KL_KINDS)
     weights: str = _knob("none", "query reweighting (method.md §4)", WEIGHT_KINDS)
     weight_clip: tuple[float, float] = _knob((0.0, 2.0), "clip range of the paper query weights")
-    surrogate: str = _knob("ppo", "policy-gradient surrogate (losses.SURROGATES)", SURROGATES)
+    surrogate: str = _knob("ppo", "policy-gradient surrogate (surrogates.SURROGATES)",
+                           surrogates.SURROGATES)
     eps_low: float = _knob(0.2, "PPO clip: ratio >= 1 - eps_low")
     eps_high: float = _knob(0.3, "PPO clip: ratio <= 1 + eps_high (EasyR1 default; DAPO clip-higher 0.28)")
     dual_clip: float | None = _knob(3.0, "dual-clip constant c > 1 (0 = off)")
+    sapo_tau_pos: float = _knob(1.0, "SAPO's gate temperature where A > 0 (--surrogate sapo)")
+    sapo_tau_neg: float = _knob(1.05, "SAPO's gate temperature where A < 0 (--surrogate sapo)")
     tis_cap: float = _knob(0.0, "truncated importance sampling: each token's policy-gradient loss "
                            "weighted by min(pi_old / pi_sampler, cap) (0 = off; TRL and verl suggest 2)")
     agg: str = _knob("token-mean", "loss aggregation (aggregate())", AGG_MODES)
@@ -379,6 +309,8 @@ class Algo:
     overlong: bool = _knob(False, "DAPO soft overlong punishment added to the reward")
     overlong_cache: float = _knob(0.2, "L_cache of the overlong punishment: tokens, or a fraction of "
                                   "L_max = --max-new-tokens if < 1 (DAPO: 4,096 of 20,480 = 0.2)")
+    mask_truncated: bool = _knob(False, "responses cut at --max-new-tokens (no EOS) carry no loss (TRL's "
+                                 "mask_truncated_completions); their rewards still enter their group's baseline")
     doc: str = field(default="", compare=False)  # one line: what it changes relative to GRPO
 
     @property
@@ -435,6 +367,8 @@ def validate_algo(algo):
     if algo.kl_clamp <= 0 or algo.adv_eps < 0 or algo.overlong_cache <= 0 or algo.tis_cap < 0:
         raise ValueError(f"need kl_clamp > 0, adv_eps >= 0, overlong_cache > 0, tis_cap >= 0, got "
                          f"{algo.kl_clamp}, {algo.adv_eps}, {algo.overlong_cache}, {algo.tis_cap}")
+    if algo.sapo_tau_pos <= 0 or algo.sapo_tau_neg <= 0:
+        raise ValueError(f"SAPO's temperatures must be > 0, got {algo.sapo_tau_pos}, {algo.sapo_tau_neg}")
     return algo
 
 
@@ -474,9 +408,11 @@ def unused_fields(algo):
     k3 = (policy_kl and algo.kl_in == "loss" and algo.kl == "k3") or (query_kl and algo.qkl_estimator == "k3")
     unused = {"kl": algo.beta == 0, "kl_in": not policy_kl, "beta": algo.kl is None,
               "kl_clamp": not k3, "qkl_estimator": not query_kl,
-              "weight_clip": algo.weights != "paper", "adv_eps": algo.adv != "grpo",
+              "weight_clip": algo.weights != "paper", "adv_eps": algo.adv in ("drgrpo", "rloo"),
               "overlong_cache": not algo.overlong}
-    return {name for name, is_unused in unused.items() if is_unused}
+    table = surrogates.SURROGATES                         # the surrogates' knobs this one does not read
+    return {name for name, is_unused in unused.items() if is_unused} | \
+        ({k for row in table.values() for k in row.knobs} - table[algo.surrogate].knobs)
 
 
 # -----------------------------------------------------------------------------
@@ -505,20 +441,11 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights, p
     adv = (advantages if weights is None
            else advantages * (weights if advantages.dim() == 1 else weights[:, None]))
 
-    sur = SURROGATES[algo.surrogate](logp, old_logp, adv, resp_mask, algo)          # PPO-clip, GSPO, ...
-    frac = lambda m: aggregate(m.float(), resp_mask, "token-mean", num_tokens).detach()  # noqa: E731
-    stats = {}
-    if algo.tis_cap > 0:                                                           # x min(pi_old / pi_s, C)
-        if sampler_logp is None:
-            raise ValueError("algo.tis_cap > 0: sampler_logp (the sampler's log-probs) is required")
-        tis = truncated_is_weights(old_logp, sampler_logp, algo.tis_cap)
-        sur = sur._replace(loss=sur.loss * tis)
-        stats.update(tis_weight=frac(tis), tis_capped_frac=frac(tis >= algo.tis_cap))
+    sur = surrogates.surrogate_loss(algo, logp, old_logp, adv, resp_mask, sampler_logp)  # PPO-clip, GSPO, ...
     pg = aggregate(sur.loss, resp_mask, algo.agg, **denom)                         # PG(A * w)
     loss = pg
-    masks = clip_masks(sur.ratio, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
-    stats.update(pg_loss=pg.detach(), clip_frac=frac(sur.clipped), clip_frac_low=frac(masks["low"]),
-                 clip_frac_high=frac(masks["high"]), dual_clip_frac=frac(masks["dual"]))
+    stats = {"pg_loss": pg.detach(), **{k: aggregate(v.float(), resp_mask, "token-mean", num_tokens).detach()
+                                        for k, v in sur.stats.items()}}      # the surrogate's, as token means
 
     if ref_logp is not None:
         kl = aggregate(policy_kl(logp, ref_logp, algo.kl or "k3", clamp=algo.kl_clamp), resp_mask, algo.agg,

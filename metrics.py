@@ -11,6 +11,7 @@ train.rl_step: `c` its experience.Collected, `batch` its experience.UpdateBatch.
 import torch
 
 import losses
+import surrogates
 from plumbing import distributed
 from plumbing.distributed import all_max, all_sums
 
@@ -50,16 +51,16 @@ def update_statistics(applied: list[dict]) -> dict:
     summed over ranks: rl_loss's averaged over the steps; the clip fractions over those that can
     clip (until one step is applied the policy is the rollout's: ratio 1, nothing clipped);
     grad_norm (None: every step was skipped). Every rank applies the same steps."""
-    stats, clip_stats, norms = {}, {}, []
+    stats, clip_stats, norms, off_policy = {}, {}, [], surrogates.off_policy_stats()
     for i, host in enumerate(applied):
         norms.append(host.pop("grad_norm"))
         for key, v in host.items():
-            into = clip_stats if key in losses.CLIP_STATS else stats
+            into = clip_stats if key in off_policy else stats
             if into is stats or i > 0:                                   # an earlier step moved the policy
                 into[key] = into.get(key, 0.0) + v
     n_opt, n_clip = max(1, len(norms)), len(norms) - 1
     sums = distributed.all_sums({**stats, **clip_stats})  # (the module's: memory_measure stubs it)
-    out = {k: v / (n_clip if k in losses.CLIP_STATS else n_opt) for k, v in sums.items()}
+    out = {k: v / (n_clip if k in off_policy else n_opt) for k, v in sums.items()}
     out["grad_norm"] = sum(norms) / n_opt if norms else None
     return out
 

@@ -179,7 +179,7 @@ def rl_step(run, step):
     rewards = collected.rewards.to(dev)
     if algo.kl is not None and algo.kl_in == "reward":                   # RLOO: R - beta * sum_t KL_t
         rewards = losses.kl_penalized_rewards(rewards, scores.old, scores.ref, resp_mask, algo.beta, algo.kl)
-    adv = losses.group_advantages(rewards, G, algo.adv, algo.adv_eps)    # A
+    adv = losses.group_advantages(rewards, G, algo.adv, algo.adv_eps, valid, reduce=all_sum)  # A
     w = row_weights(run, collected.prompt_idx, scores.prompt, prompt_mask, valid, update_rows)  # w(q)
     batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w, ro.logprobs)
     with run.timer("update"):

@@ -34,6 +34,7 @@ import torch
 
 import losses
 import models
+import surrogates
 import train
 from plumbing import distributed
 from study import walkthrough_doc
@@ -127,7 +128,7 @@ def loss_terms(run, algo, batch, plan) -> Terms:
     weights = None if algo.weights == "none" else batch.weights[rows]
     denom = dict(num_tokens=update.num_tokens, num_seqs=update.num_seqs, max_len=args.max_new_tokens)
     adv = batch.adv[rows] * (1.0 if weights is None else weights)
-    per_token = {"pg": losses.SURROGATES[algo.surrogate](now.response, old, adv, mask, algo).loss}
+    per_token = {"pg": surrogates.surrogate_loss(algo, now.response, old, adv, mask).loss}
     if algo.has_policy_kl_loss:
         per_token["policy_kl"] = algo.beta * losses.policy_kl(now.response, ref, algo.kl, clamp=algo.kl_clamp)
     qkl = losses.query_kl(now.prompt, qref, pmask, algo.qkl_estimator, algo.kl_clamp)   # (B,)

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from losses import (AGG_MODES, ALGOS, SURROGATES, Algo, aggregate, clip_masks, group_advantages,
-                    kl_penalized_rewards, make_algo, nonconstant_groups, overlong_penalty, policy_kl,
-                    ppo_loss, query_kl, query_weights, rl_loss)
+from losses import (AGG_MODES, ALGOS, Algo, aggregate, group_advantages, kl_penalized_rewards, make_algo,
+                    nonconstant_groups, overlong_penalty, policy_kl, query_kl, query_weights, rl_loss)
+from surrogates import SURROGATES, clip_masks, ppo_loss
 
 # -----------------------------------------------------------------------------
 # KL estimators on a 5-category toy where both KL directions are exact and clearly different
@@ -332,7 +332,7 @@ def test_gspo_is_the_clipped_sequence_ratio_with_gspos_gradient():
     algo = ALGOS["gspo"].__class__(**{**vars(ALGOS["gspo"]), "eps_low": 0.05, "eps_high": 0.08})
 
     logp = logp0.clone().requires_grad_(True)
-    sur = SURROGATES["gspo"](logp, old, A, mask, algo)
+    sur = SURROGATES["gspo"].fn(logp, old, A, mask, algo)
     aggregate(sur.loss, mask, "seq-mean-token-mean").backward()
 
     ref = logp0.clone().requires_grad_(True)
@@ -344,7 +344,7 @@ def test_gspo_is_the_clipped_sequence_ratio_with_gspos_gradient():
     torch.testing.assert_close(logp.grad, ref.grad)
     clipped_seq = (s.clamp(1 - 0.05, 1 + 0.08) * A < s * A).detach()    # where -min picks the clipped term
     assert 0 < int(clipped_seq.sum()) < B                               # both kinds of sequence occur
-    assert torch.equal(sur.clipped.any(-1), clipped_seq) and torch.allclose(sur.ratio, s.detach()[:, None].expand(B, T))
+    assert torch.equal(sur.stats["clip_frac"].any(-1), clipped_seq) and torch.allclose(sur.ratio, s.detach()[:, None].expand(B, T))
 
 
 def test_ppo_advantage_broadcast():

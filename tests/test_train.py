@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import losses
+import surrogates
 import train
 from tests.rounding import is_exact, load_tolerances
 
@@ -52,7 +53,7 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeyp
 
     def spy(algo, **kw):                       # each optimizer step's clip statistics, micro-batches summed
         loss, st = real(algo, **kw)
-        for k in train.losses.CLIP_STATS:
+        for k in surrogates.SURROGATES['ppo'].stats:
             opt_steps[-1][k] = opt_steps[-1].get(k, 0.0) + st[k].item()
         return loss, st
 
@@ -75,7 +76,7 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeyp
     opt_steps.pop()                            # (opened by the last clip_grad)
     assert len(opt_steps) == 2 * 4 and all(v == 0 for first in opt_steps[0::2] for v in first.values())
     for m, second in zip(steps, opt_steps[1::2]):
-        assert all(m[k] == pytest.approx(second[k], abs=1e-12) for k in train.losses.CLIP_STATS)
+        assert all(m[k] == pytest.approx(second[k], abs=1e-12) for k in surrogates.SURROGATES['ppo'].stats)
     assert max(m["clip_frac"] for m in steps) > 0 and max(m["clip_frac_high"] for m in steps) > 0
     assert steps[0]["query_kl"] < 1e-6          # step 1 samples from the reference itself
     assert steps[-1]["query_kl"] > 0            # ... and the queries drift once it trains
@@ -194,19 +195,23 @@ def test_every_algorithm_trains(tmp_path, small_data, algo):
 
 
 def test_a_surrogate_registered_from_outside_trains(tmp_path, small_data, monkeypatch):
-    """A new policy-gradient surrogate is a function and a row of losses.SURROGATES: registered
-    here, --surrogate picks it (the flag's choices are the table), and its loss is the one trained."""
+    """A new policy-gradient surrogate is a function and a row of surrogates.SURROGATES: registered
+    here, --surrogate picks it (the flag's choices are the table), its loss is the one trained, its
+    statistic is logged, and the knobs it does not read are inert (an error on the command line)."""
     calls = []
 
     def vanilla_pg(logp, old_logp, advantages, mask, algo):   # REINFORCE with the ratio, unclipped
         calls.append(logp.shape)
         ratio = torch.exp(logp - old_logp)
-        nothing_clipped = torch.zeros_like(mask, dtype=torch.bool)
-        return losses.Surrogate(-advantages[:, None] * ratio, ratio.detach(), nothing_clipped)
-    monkeypatch.setitem(losses.SURROGATES, "vanilla", vanilla_pg)
+        return surrogates.Surrogate(-advantages[:, None] * ratio, ratio.detach(), {"big_ratio": ratio > 2})
+    monkeypatch.setitem(surrogates.SURROGATES, "vanilla", surrogates.SurrogateRow(vanilla_pg, frozenset(),
+                                                                                  ("big_ratio",)))
     ms = run(tmp_path, small_data, "--algo", "grpo", "--surrogate", "vanilla", "--eval-every", "0",
              "--no-signal", "step", steps=1)
-    assert calls and ms[-1]["step"] == 1 and ms[-1]["clip_frac"] == 0 and math.isfinite(ms[-1]["loss"])
+    assert calls and ms[-1]["step"] == 1 and ms[-1]["big_ratio"] == 0 and math.isfinite(ms[-1]["loss"])
+    assert "clip_frac" not in ms[-1]                           # PPO's statistics are PPO's
+    with pytest.raises(SystemExit):                            # it reads no clip range: --eps-high is inert
+        train.parse_args(["--surrogate", "vanilla", "--eps-high", "0.28", "--out", str(tmp_path / "y")])
     with pytest.raises(SystemExit):                            # unregistered: an argparse error
         train.main(["--surrogate", "nope", "--out", str(tmp_path / "x")])
 

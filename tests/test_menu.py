@@ -1,0 +1,139 @@
+"""What researchers expect from TRL and verl (issue #33), each against hand values or its formula,
+and each run for 2 RL steps on the tiny world through one parametrised in-process fixture:
+CISPO and SAPO surrogates, batch-std and REINFORCE++-baseline advantages, masking truncated
+completions, truncated importance sampling."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import losses
+import surrogates
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
+
+
+def algo_with(**kw):
+    return losses.make_algo("grpo", **kw)
+
+
+def test_cispo_keeps_every_tokens_gradient_with_a_clipped_detached_weight():
+    """loss_t = -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi: gradient -clip(r) A on every token,
+    where PPO-clip zeroes the clipped ones."""
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5]], dtype=torch.float64))
+    r = torch.tensor([[0.5, 1.1, 2.0]], dtype=torch.float64)               # below, inside, above the range
+    logp = (old + r.log()).requires_grad_()
+    A, algo = torch.tensor([2.0], dtype=torch.float64), algo_with(surrogate="cispo", eps_low=0.2, eps_high=0.28)
+    sur = surrogates.SURROGATES["cispo"].fn(logp, old, A, torch.ones_like(r), algo)
+    sur.loss.sum().backward()
+    weight = torch.tensor([[0.8, 1.1, 1.28]], dtype=torch.float64)
+    torch.testing.assert_close(sur.loss.detach(), -weight * 2.0 * logp.detach())
+    torch.testing.assert_close(logp.grad, -weight * 2.0)                  # no token's gradient is cut
+    assert sur.stats["clip_frac_low"].tolist() == [[True, False, False]]
+    assert sur.stats["clip_frac_high"].tolist() == [[False, False, True]]
+    ppo = logp.detach().clone().requires_grad_()
+    surrogates.ppo_loss(ppo, old, A, 0.2, 0.28, None)[0].sum().backward()
+    assert ppo.grad[0, 2] == 0 and ppo.grad[0, 0] != 0                    # PPO: the high one is cut (A > 0)
+
+
+def test_sapo_is_a_soft_gate_with_pgs_gradient_on_policy():
+    """loss_t = -sigmoid(tau (r - 1)) 4 / tau A, tau_pos for A > 0, tau_neg for A < 0: on-policy its
+    gradient is the plain policy gradient -A; off-policy it fades as 4 s (1 - s)."""
+    old = torch.full((2, 3), -1.0, dtype=torch.float64)
+    algo = algo_with(surrogate="sapo", sapo_tau_pos=1.0, sapo_tau_neg=2.0)
+    A = torch.tensor([1.5, -0.5], dtype=torch.float64)
+    logp = old.clone().requires_grad_()                                   # on-policy: r = 1
+    sur = surrogates.SURROGATES["sapo"].fn(logp, old, A, torch.ones_like(old), algo)
+    sur.loss.sum().backward()
+    torch.testing.assert_close(logp.grad, -A[:, None].expand(2, 3))
+    torch.testing.assert_close(sur.loss.detach(), torch.tensor([[-3.0] * 3, [0.5] * 3], dtype=torch.float64))
+    logp = (old + math.log(3.0)).requires_grad_()                         # r = 3
+    sur = surrogates.SURROGATES["sapo"].fn(logp, old, A, torch.ones_like(old), algo)
+    sur.loss.sum().backward()
+    for row, (a, tau) in enumerate(((1.5, 1.0), (-0.5, 2.0))):
+        s = 1 / (1 + math.exp(-tau * 2.0))
+        assert logp.grad[row, 0].item() == pytest.approx(-4 * s * (1 - s) * 3.0 * a)
+        assert sur.stats["sapo_grad_weight"][row, 0].item() == pytest.approx(4 * s * (1 - s))
+
+
+def test_a_surrogate_declares_the_knobs_it_reads():
+    assert {"eps_low", "eps_high", "dual_clip"} <= losses.unused_fields(algo_with(surrogate="sapo"))
+    assert "dual_clip" in losses.unused_fields(algo_with(surrogate="cispo"))
+    assert not {"eps_low", "eps_high"} & losses.unused_fields(algo_with(surrogate="cispo"))
+    assert {"sapo_tau_pos", "sapo_tau_neg"} <= losses.unused_fields(algo_with())
+    assert surrogates.off_policy_stats() >= {"clip_frac", "sapo_grad_weight"}
+    with pytest.raises(ValueError):
+        algo_with(sapo_tau_neg=0.0)
+
+
+def test_batch_std_and_reinforce_pp_advantages_by_hand():
+    R = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])            # 4 groups of 2: (1,0) (1,1) (0,0) (0,1)
+    centred = torch.tensor([0.5, -0.5, 0.0, 0.0, 0.0, 0.0, -0.5, 0.5])
+    std_R = R.std().item()                                                 # Bessel, over the batch
+    torch.testing.assert_close(losses.group_advantages(R, 2, "batch-std", 0.0), centred / std_R)
+    torch.testing.assert_close(losses.group_advantages(R, 2, "reinforce++", 0.0), centred / centred.std())
+    # DAPO filler (valid 0) is no part of the batch's moments; a constant group stays exactly 0
+    valid = torch.tensor([1.0, 1, 1, 1, 1, 1, 0, 0])
+    got = losses.group_advantages(R, 2, "batch-std", 0.0, valid=valid)
+    torch.testing.assert_close(got[:6], centred[:6] / R[:6].std())
+    assert got[2:6].abs().max() == 0
+
+
+def test_batch_advantages_on_two_ranks_equal_one_process():
+    """reduce sums the moments over ranks: each half of the batch on its own 'rank' gives the one-
+    process advantages."""
+    g = torch.Generator().manual_seed(0)
+    R = torch.randint(0, 2, (16,), generator=g).float() + 0.1 * torch.rand(16, generator=g)
+    halves = (R[:8], R[8:])
+    for kind in losses.BATCH_ADVANTAGES:
+        whole = losses.group_advantages(R, 4, kind)
+        for i, h in enumerate(halves):
+            other = halves[1 - i]
+
+            def reduce(t, other=other, kind=kind):                        # this rank's sums + the other's
+                w = torch.ones_like(other)
+                x = other if kind == "batch-std" else other - other.view(-1, 4).mean(1).repeat_interleave(4)
+                return t + torch.stack([w.sum(), x.sum(), (x * x).sum()]).double()
+            torch.testing.assert_close(losses.group_advantages(h, 4, kind, reduce=reduce), whole[8 * i:8 * i + 8])
+
+
+def test_truncated_rows_carry_no_loss_but_keep_their_baseline():
+    from experience import trained_rows
+    from rollout import Rollout
+
+    finished = torch.tensor([True, False, True, True])
+    ro = Rollout(*(torch.zeros(4, 2, dtype=torch.long) for _ in range(4)), torch.zeros(4, 2), finished)
+    valid = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    assert trained_rows(valid, ro, algo_with(mask_truncated=True)).tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert trained_rows(valid, ro, algo_with()).tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
+# Each new loss term / option of issue #33, run for 2 RL steps (2 optimizer steps each) in-process.
+MENU = {
+    "cispo": ["--surrogate", "cispo", "--eps-low", "0.99", "--eps-high", "1.0"],
+    "sapo": ["--surrogate", "sapo"],
+    "batch-std": ["--adv", "batch-std"],
+    "reinforce++": ["--adv", "reinforce++"],
+    "mask-truncated": ["--mask-truncated", "--max-new-tokens", "40"],
+    "tis": ["--tis-cap", "2"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MENU))
+def test_each_option_trains_two_steps(name, tmp_path, small_data):
+    train.main(["--algo", "erpo", "--model", WARM, "--train-data", small_data, "--out", str(tmp_path), "--steps", "2",
+                "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--max-new-tokens", "24",
+                "--eval-every", "0", "--save-every", "0", "--no-signal", "step", *MENU[name]])
+    with open(tmp_path / "metrics.jsonl") as f:
+        ms = [json.loads(line) for line in f]
+    assert [m["step"] for m in ms] == [1, 2] and all(math.isfinite(m["loss"]) for m in ms)
+    assert ms[1]["query_kl"] > 0                                          # the policy moved
+    if name == "sapo":
+        assert 0 < ms[1]["sapo_grad_weight"] <= 1 and "clip_frac" not in ms[1]
+    if name == "mask-truncated":
+        assert all(m["truncated_frac"] > 0 for m in ms)                   # there were some to mask
