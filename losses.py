@@ -310,7 +310,7 @@ class Algo:
     overlong_cache: float = _knob(0.2, "L_cache of the overlong punishment: tokens, or a fraction of "
                                   "L_max = --max-new-tokens if < 1 (DAPO: 4,096 of 20,480 = 0.2)")
     mask_truncated: bool = _knob(False, "responses cut at --max-new-tokens (no EOS) carry no loss (TRL's "
-                                 "mask_truncated_completions); their rewards still enter their group's baseline")
+                                 "mask_truncated_completions); their rewards still enter the group baseline")
     doc: str = field(default="", compare=False)  # one line: what it changes relative to GRPO
 
     @property

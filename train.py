@@ -75,6 +75,11 @@ OPTIONS = [
     ("lr",                2e-4,                                "AdamW learning rate", ">0"),
     ("weight_decay",      0.01,                                "AdamW weight decay", ">=0"),
     ("warmup",            0,                                   "linear warm-up, in optimizer steps", ">=0"),
+    ("lr_schedule",       "constant",                          "the LR after warm-up: constant, or decayed to --lr-floor "
+                                                               "(plumbing/optimizer.py)", list(optimizer.SCHEDULES)),
+    ("lr_floor",          0.0,                                 "a decaying schedule's final LR, as a fraction of --lr", "[0,1]"),
+    ("lr_decay_steps",    0,                                   "RL steps over which the LR decays (0: --steps, fixed when "
+                                                               "the run starts: a resumed run keeps it)", ">=0"),
     ("grad_clip",         1.0,                                 "clip the global grad norm (0 = off)", ">=0"),
     ("ppo_epochs",        1,                                   "passes over each rollout batch", ">=1"),
     ("micro_batch",       64,                                  "sequences per forward/backward on each rank", ">=1"),
@@ -410,7 +415,9 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
                                        resuming=state is not None)
     qref, cached = query_reference.for_run(args.qkl_ref, cache, algo.weights, ref is not None, state)
     opt = optimizer.adamw(policy, args.lr, args.weight_decay)
-    sched = optimizer.warmup_then_constant(opt, args.warmup)
+    per_rl_step = args.rollout_batch // args.update_batch * args.ppo_epochs      # optimizer steps
+    sched = optimizer.schedule(opt, args.lr_schedule, args.warmup, args.lr_decay_steps * per_rl_step,
+                               args.lr_floor)
     checkpoints.restore(state, policy, opt, sched, args.out)             # on --resume (else state is None)
     if state is not None:                                                # the new --lr, not the saved one
         optimizer.set_hyperparameters(opt, sched, args.lr, args.weight_decay)
@@ -498,6 +505,7 @@ def parse_args(argv=None):
     if args.resume and args.algo == "sft":
         parsed.error("--resume: the SFT warm start does not resume (it saves HF folders, sft-<step>/, not "
                      "training state); start it again (--overwrite)")
+    args.lr_decay_steps = args.lr_decay_steps or args.steps             # (after --resume's config.json)
     return args, options.make_algo(parsed)                                 # None for sft
 
 

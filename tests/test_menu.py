@@ -121,6 +121,8 @@ MENU = {
     "reinforce++": ["--adv", "reinforce++"],
     "mask-truncated": ["--mask-truncated", "--max-new-tokens", "40"],
     "tis": ["--tis-cap", "2"],
+    "lr-linear": ["--lr-schedule", "linear", "--lr-floor", "0.1"],
+    "lr-cosine": ["--lr-schedule", "cosine"],
 }
 
 
@@ -137,3 +139,31 @@ def test_each_option_trains_two_steps(name, tmp_path, small_data):
         assert 0 < ms[1]["sapo_grad_weight"] <= 1 and "clip_frac" not in ms[1]
     if name == "mask-truncated":
         assert all(m["truncated_frac"] > 0 for m in ms)                   # there were some to mask
+    if name.startswith("lr-"):                                            # 4 optimizer steps, decay over 4
+        assert ms[0]["lr"] < 2e-4 and ms[1]["lr"] == pytest.approx(2e-4 * (0.1 if name == "lr-linear" else 0.0))
+
+
+def test_lr_schedules_by_hand():
+    from plumbing.optimizer import lr_factor
+    W, D = 2, 10                                                          # 2 warm-up steps, decay to step 10
+    assert [lr_factor(s, "constant", W, D) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert [lr_factor(s, "linear", W, D) for s in (0, 1, 2, 6, 10, 12)] == [0.5, 1.0, 1.0, 0.5, 0.0, 0.0]
+    assert lr_factor(6, "linear", W, D, floor=0.2) == pytest.approx(0.6)
+    cos = [lr_factor(s, "cosine", 0, 8, floor=0.1) for s in (0, 2, 4, 8, 9)]
+    assert cos == pytest.approx([1.0, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2, 0.55, 0.1, 0.1])
+
+
+def test_a_decaying_schedule_is_fixed_when_the_run_starts(tmp_path, small_data):
+    """--lr-schedule linear, a run of --steps 2 (2 optimizer steps each) resumed to --steps 4: the
+    decay keeps the horizon it started with (lr_decay_steps 2 in config.json), reaching 0 after step
+    2, not stretched over 4 steps."""
+    base = ["--algo", "grpo", "--model", WARM, "--train-data", small_data, "--rollout-batch", "8",
+            "--update-batch", "4", "--group-size", "4", "--max-new-tokens", "16", "--eval-every", "0",
+            "--save-every", "2", "--no-signal", "step", "--lr-schedule", "linear", "--lr", "1e-3"]
+    train.main([*base, "--out", str(tmp_path / "a"), "--steps", "2"])
+    train.main([*base, "--out", str(tmp_path / "a"), "--steps", "4", "--resume"])
+    with open(tmp_path / "a" / "metrics.jsonl") as f:
+        lrs = [json.loads(line)["lr"] for line in f]
+    # the lr after each RL step's 2 optimizer steps (horizon 2 x 2 = 4, not 2 x 4 = 8)
+    assert lrs == pytest.approx([1e-3 * 0.5, 0.0, 0.0, 0.0], abs=1e-12)
+    assert json.load(open(tmp_path / "a" / "config.json"))["lr_decay_steps"] == 2
