@@ -117,7 +117,7 @@ def deal_by_length(run, c: Collected) -> Collected:
         g = trimmed(ro.take(rows))
         tokens = int(g.prompt_mask.sum() + g.response_mask.sum())
         mine.append(Group(g, c.rewards[rows].cpu(), c.valid[rows].cpu(), idx, tokens))
-    everyone = distributed.all_gather_objects(mine)                    # [rank][group]
+    everyone = distributed.all_gather_list([mine])                     # [rank][group]
     kept = []
     for u in range(0, len(mine), per):                                 # each update batch
         pool = [g for groups in everyone for g in groups[u:u + per]]

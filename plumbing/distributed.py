@@ -111,15 +111,6 @@ def all_sums(values: dict) -> dict[str, float]:
     return dict(zip(values, all_sum(t).tolist()))
 
 
-def all_gather_objects(obj) -> list:
-    """Every rank's `obj` (picklable; tensors on the CPU), in rank order: [obj] on one process."""
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def all_max(x: torch.Tensor) -> torch.Tensor:
     return all_sum(x, dist.ReduceOp.MAX) if dist.is_initialized() else x
 

@@ -65,15 +65,15 @@ def test_deal_by_length_moves_whole_groups_within_each_update_batch(monkeypatch)
         pass
 
     def send(r):                                       # what each rank contributes to the all-gather
-        def record(obj):
-            sent[r] = obj
+        def record(items):
+            sent[r] = items[0]
             raise Sent
         return record
     for r in (0, 1):
-        monkeypatch.setattr(experience.distributed, "all_gather_objects", send(r))
+        monkeypatch.setattr(experience.distributed, "all_gather_list", send(r))
         with pytest.raises(Sent):
             deal_by_length(FakeRun(r), mine[r])
-    monkeypatch.setattr(experience.distributed, "all_gather_objects", lambda obj: [sent[0], sent[1]])
+    monkeypatch.setattr(experience.distributed, "all_gather_list", lambda obj: [sent[0], sent[1]])
     out = {r: deal_by_length(FakeRun(r), mine[r]) for r in (0, 1)}
     # update batch 1: tokens 66, 62 (rank 0) and 10, 12 (rank 1) -> {66, 10} and {62, 12}; batch 2 alike
     assert out[0].prompt_idx == [0, 10, 3, 13] and out[1].prompt_idx == [1, 11, 2, 12]
