@@ -94,8 +94,10 @@ OPTIONS = [
                                                                list(time_model.GPUS)),
     ("qkl_ref",           "cache",                             "the Query-KL reference (query_reference.py): the "
                                                                "initial policy's prompt log-probs cached before RL "
-                                                               "(the paper), or the reference model's forward over "
-                                                               "each step's prompts (live: the released code)",
+                                                               "(the paper); the reference model's forward over "
+                                                               "each step's prompts (live: what the released code "
+                                                               "means); zeros (released-zeros: what it computes); "
+                                                               "an anchor that moves (ema, refresh)",
                                                                query_reference.REFERENCES),
     ("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)"),
     ("measure_policy_kl", True,                                "keep a reference model to log Policy-KL even when the loss has none"),
@@ -125,7 +127,7 @@ OPTIONS = [
     ("nccl_timeout",      120.0,                               "minutes a rank waits at a collective (NCCL's default 10 can fire "
                                                                "during a long evaluation or export)", ">0"),
     ("log",               "jsonl",                             "also mirror metrics.jsonl to TensorBoard or W&B", ["jsonl", "tensorboard", "wandb"]),
-] + sft.OPTIONS  # --sft-data, --sft-steps, ...: the warm start's own options, in sft.py
+] + sft.OPTIONS + query_reference.reference_options()  # the warm start's (--sft-*), the references' (--qkl-ref-*)
 
 # --resume continues the run its config.json describes: these options may change (they apply from
 # the resumed step and are recorded in config.json's "resumed"); every other option and loss knob
@@ -179,7 +181,7 @@ def rl_step(run, step):
     with run.timer("score"):
         scores = score_old_and_ref(run, packed, fresh, plan)             # pi_old, reference
     prompts = query_reference.PromptBatch(collected.prompt_idx, G, packed.P - 1, scores.prompt, prompt_mask,
-                                          scores.ref_prompt, step)
+                                          scores.ref_prompt, step, packed.input_ids[:, :packed.P])
     qref = run.qref.prompt_logp(prompts)                                 # Query-KL's reference
     rewards = collected.rewards.to(dev)
     if algo.kl is not None and algo.kl_in == "reward":                   # RLOO: R - beta * sum_t KL_t
@@ -413,7 +415,14 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
         with amp():                                                      # the training forward's numerics
             return query_cache.for_run(args, dist, policy, data.ids, tokenizer.pad_token_id,
                                        resuming=state is not None)
-    qref, cached = query_reference.for_run(args.qkl_ref, cache, algo.weights, ref is not None, state)
+
+    def score_prompts() -> list[torch.Tensor]:                          # the current policy's (a moving
+        with amp(), phases("qkl_ref"):                                   # Query-KL reference's forward)
+            return query_cache.build(distributed.unwrap(policy), data.ids, tokenizer.pad_token_id,
+                                     args.temperature, dist.device, args.micro_batch)
+    phases = timer.Phases(dist.device)
+    qref, cached = query_reference.for_run(args.qkl_ref, cache, algo.weights, ref is not None, state, args,
+                                           score_prompts)
     opt = optimizer.adamw(policy, args.lr, args.weight_decay)
     per_rl_step = args.rollout_batch // args.update_batch * args.ppo_epochs      # optimizer steps
     sched = optimizer.schedule(opt, args.lr_schedule, args.warmup, args.lr_decay_steps * per_rl_step,
@@ -424,7 +433,7 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
     spec = rollout.SampleSpec.make(model, tokenizer, args.max_new_tokens, args.sampler, args.gen_batch,
                                    args.kv_budget, bf16, opt)
     return Run(args, algo, dist, policy, ref, tokenizer, opt, sched, data, qref, cached, spec,
-               timer.Phases(dist.device), task_names=tuple(tasks.task_names_in(data.rows)),
+               phases, task_names=tuple(tasks.task_names_in(data.rows)),
                ckpt_checked=state is None or checkpoints.is_checked(args.out))
 
 
