@@ -22,6 +22,7 @@ fragmentation (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True keeps that small
 """
 
 import json
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -122,6 +123,7 @@ class Measured:
     world: int
     fake: bool
     micro_batches: int                  # update micro-batches run (each of the config's size)
+    skipped: str = ""                   # why the step was not run (then no peaks): too_large_to_measure
 
 
 @contextmanager
@@ -194,8 +196,12 @@ def step_models(a, needs_ref: bool, device, bf16: bool, fake: bool, mesh=None) -
     choice on CUDA) holding its state already, as after a run's first step."""
     cfg = model_config(a.model)
     attn = "sdpa_float32" if bf16 and not fake else "sdpa"            # as models.load_for_training on a CPU
+    # DDP on fake ranks: a replica, unwrapped. DDP's construction and its gradient hooks need real
+    # values (a parameter check across ranks, futures of reductions); what a rank holds is the same,
+    # its gradients being views into the reduction buckets (distributed.wrap_model).
+    replica = fake and not a.fsdp
     policy = distributed.wrap_model(random_model(cfg, attn=attn), device, a.fsdp, bf16, a.grad_ckpt,
-                                    mesh=mesh)
+                                    trainable=not replica, mesh=mesh)
     ref = None
     if needs_ref:
         ref = random_model(cfg, torch.bfloat16 if bf16 else torch.float32, attn).eval().requires_grad_(False)
@@ -221,6 +227,29 @@ def real_tensors():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+# Host bytes per [prompt | response] token of the worst-case step's real tensors: int64 ids and
+# masks of the rollout and its packed rows, float masks and reference log-probs, and the prompts as
+# a Python list (about 36 bytes per token id): an estimate on the high side.
+HOST_BYTES_PER_TOKEN = 96
+HOST_BUDGET = 4 * 2 ** 30               # the paper's 7B step holds ~0.2 GiB of them per rank
+
+
+def too_large_to_measure(a, world: int) -> str:
+    """Why the step of options `a` on `world` ranks is not measured ("" if it is): its worst-case
+    rollout is planned from real host tensors (the masks of every row), which would exceed
+    HOST_BUDGET or half of the memory free now. The plan's formulas cost nothing at any size.
+    Sizes a run would refuse (batching.check: they do not divide) exit here with its one line."""
+    batching.check(a, world)
+    rows = a.rollout_batch // world * a.group_size
+    need = rows * (a.max_prompt_len + a.max_new_tokens) * HOST_BYTES_PER_TOKEN
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else need
+    if need <= min(HOST_BUDGET, free // 2):
+        return ""
+    return (f"its worst-case rollout ({rows} rows of {a.max_prompt_len} + {a.max_new_tokens} tokens a rank) "
+            f"would take {need / 2 ** 30:.1f} GiB of host memory to plan (at most "
+            f"{min(HOST_BUDGET, free // 2) / 2 ** 30:.1f} GiB here)")
 
 
 def worst_case_rollout(a, rows: int, vocab: int, seed=0) -> rollout.Rollout:

@@ -16,26 +16,29 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import torch
-from tqdm import tqdm
-
-import experience
-import logprobs
-import losses
-import memory_measure
-import metrics
-import models
-import query_cache
-import query_reference
-import rollout
-import sft
-import step_plan
-import tasks
-from data.prompts import PromptSet
-from heldout import check_fits, heldout_at_temperatures
-from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan, optimizer,
-                      options, run_dir, timer)
-from plumbing.distributed import all_sum, print0
+try:                                       # Ctrl-C during these imports: one line, no traceback
+    import torch
+    from tqdm import tqdm
+    import experience
+    import logprobs
+    import losses
+    import memory_measure
+    import metrics
+    import models
+    import query_cache
+    import query_reference
+    import rollout
+    import sft
+    import step_plan
+    import tasks
+    from data.prompts import PromptSet
+    from heldout import check_fits, heldout_at_temperatures
+    from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan,
+                          optimizer, options, run_dir, timer)
+    from plumbing.distributed import all_sum, print0
+except KeyboardInterrupt:
+    os.write(2, b"interrupted (SIGINT): stopped while starting, nothing written\n")
+    raise SystemExit(130) from None
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
 
@@ -340,7 +343,10 @@ def measure_memory(args, algo, world=1, fake=True, max_micro_batches=3) -> memor
     fake tensors on `world` fake ranks (the paper's widths on a CPU, in seconds), or real tensors
     in the process group this process is in. One optimizer step, of at most max_micro_batches
     micro-batches (each of the config's size: gradients are sharded/reduced per micro-batch, so
-    more of them hold no more)."""
+    more of them hold no more). A step too large to plan on this host is not run (`skipped`)."""
+    skipped = memory_measure.too_large_to_measure(args, world)          # (sizes that do not divide: exit)
+    if skipped:
+        return memory_measure.Measured({}, world, fake, 0, skipped)
     with memory_measure.fake_world(world) if fake else nullcontext((None, None)) as (mesh, _):
         dist = distributed.Dist(*distributed.rank_world(), torch.device("cpu"))
         device = torch.device("cuda") if fake else dist.device           # fake: what a GPU runs
@@ -467,11 +473,10 @@ NO_SIGNAL = ("no signal: an update batch whose groups all have equal rewards (ev
 
 
 def save(run, step, final):
-    args = run.args
-    bf16 = distributed.uses_bf16(args.dtype, run.dist.device)
-    checkpoints.save_checkpoint(args.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
-                            export_dtype=args.export_dtype, bf16=bf16,
-                            extra={"query_reference": run.qref.state_dict()})
+    a, bf16 = run.args, distributed.uses_bf16(run.args.dtype, run.dist.device)
+    extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta}
+    checkpoints.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
+                                export_dtype=a.export_dtype, bf16=bf16, extra=extra)
     run.ckpt_checked = False                                             # until the next finite loss
 
 
@@ -487,6 +492,7 @@ def parse_args(argv=None):
     task = tasks.get(args.task)                                          # its own sets, where it has them
     own = {"train_data": task.train_data, "eval_data": list(task.heldout)}
     options.fill(parsed, {k: v for k, v in own.items() if v})
+    options.absolute_paths(parsed, ("model", "train_data", "eval_data", "sft_data", "export"))
     if args.resume:                                     # what the command does not say, config.json does
         options.fill(parsed, run_dir.read_config(args.out) or {}, skip=NOT_THE_RUN)
     if args.resume and args.overwrite:
@@ -508,14 +514,14 @@ def load_data(args, tokenizer):
         else:
             data = tasks.prompt_set(args.train_data, tokenizer, args.template, args.task, training=True,
                                     max_prompt_len=args.max_prompt_len, strict=args.strict_data)
+            errors.check_heldout(evalsets, args.train_data, data, tasks.source_of)  # held-out: not trained on
         batching.check_data(len(data), args)
     return evalsets, data
 
 
 def main(argv=None):
-    args, algo = parse_args(argv)                                          # bad options: argparse errors
     with interrupts.exit_when_interrupted(lambda: "stopped now, without saving"):  # outside the steps
-        return train(args, algo)                                           # (theirs: train_rl), or twice
+        return train(*parse_args(argv))                                    # (theirs: train_rl), or twice
 
 
 def train(args, algo):
@@ -524,17 +530,19 @@ def train(args, algo):
         measured = measure_memory(args, algo, args.plan_gpus) if algo else None
         has_ref = bool(algo) and needs_reference_model(args, algo)
         return print(memory_plan.report(args, args.plan_gpus, has_ref, measured))
-    why = run_dir.refusal(args.out, resume=args.resume, overwrite=args.overwrite)  # before minutes of loading
-    why = why or (args.export and run_dir.check_writable(args.export, "--export"))
+    why = run_dir.refusal(args.out, resume=args.resume, overwrite=args.overwrite, export=args.export,
+                          log=args.log)                   # before minutes of loading, and before claim
     if why:
         raise SystemExit(f"error: {why}")
     # --fsdp at world size 1: a process group of one
     dist = distributed.setup(fsdp=args.fsdp, timeout_min=args.nccl_timeout)
     batching.check(args, dist.world) if algo else None                   # sizes that do not divide
+    if algo is None and args.sft_batch % dist.world:                     # (sft.train_sft's, before claim)
+        raise SystemExit(f"error: --sft-batch {args.sft_batch} does not divide by world size {dist.world}")
     torch.manual_seed(args.seed), random.seed(args.seed)
-    with run_dir.RunLock(args.out) as lock:                                # released on any exit (a kill too)
+    with run_dir.RunLock(args.out) as lock:                              # released on any exit (a kill too)
         evalsets = train_in_folder(args, algo, dist, lock)
-    print0(run_dir.summary(args.out, time.time() - t0, list(evalsets), args.template))
+    print0(run_dir.summary(args.out, time.time() - t0, list(evalsets), args.template, args.save_every))
     distributed.teardown()
 
 
@@ -554,11 +562,11 @@ def train_in_folder(args, algo, dist, lock):
     with errors.one_line():                                          # prompts + responses fit the positions
         check_fits(model, evalsets, args.max_new_tokens)
     run_dir.claim(args.out, lock, resume=args.resume, overwrite=args.overwrite)  # --overwrite: old run goes
-    log = run_dir.MetricsLog(args.out, state.step if state else 0, args.log, vars(args))  # (--log's package)
+    if algo is not None:
+        print0(f"algo {args.algo}: {options.algo_summary(algo)}")
+        run = setup_rl(args, algo, dist, model, tokenizer, data, state)  # (a refused resume: metrics kept)
+    log = run_dir.MetricsLog(args.out, state.step if state else 0, args.log, vars(args))  # after every check
     try:
-        if algo is not None:
-            print0(f"algo {args.algo}: {options.algo_summary(algo)}")
-            run = setup_rl(args, algo, dist, model, tokenizer, data, state)  # (a refused resume: config kept)
         run_dir.write_config(args.out, run_dir.with_resume_record(args.out, vars(args), state and state.step,
                                                                   changed))
         if algo is None:

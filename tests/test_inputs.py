@@ -163,3 +163,28 @@ def test_blank_problems_are_skipped_in_training_and_errors_elsewhere(tmp_path, c
     msg = refused(tmp_path, capsys, "--eval-data", str(f), "--eval-limit", "0",
                   "--train-data", str(good_train), *NO_STEPS)
     assert msg.startswith(f"error: {f}:4: no problem")
+
+
+# ----------------------------------------------------------------------------- held-out sets
+
+def test_a_heldout_set_that_is_the_training_set_is_refused(tmp_path, capsys, rows, good_train):
+    """Held-out accuracy of the training problems is training accuracy: the same file, or a file of
+    training problems (a copy of its first lines), is refused; a set that shares a few is not."""
+    msg = refused(tmp_path, capsys, "--train-data", str(good_train), "--eval-data", str(good_train), *NO_STEPS)
+    assert msg == (f"error: --eval-data {good_train} is the training file (--train-data {good_train}): its "
+                   "accuracy would be training accuracy, not held-out; give a set the run does not train on")
+    copy = write_jsonl(tmp_path / "held.jsonl", rows[10:20])
+    msg = refused(tmp_path, capsys, "--train-data", str(good_train), "--eval-data", "tiny-test", str(copy),
+                  *NO_STEPS)
+    assert msg.startswith(f"error: --eval-data {copy} holds only training problems (--train-data {good_train})")
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", rows[:3] + [{"problem": "What is 1+1?", "answer": "2"}])
+    train.main(["--model", WARM, "--out", str(tmp_path / "ok"), "--train-data", str(good_train),   # a few
+                "--eval-data", str(mixed), "--steps", "0", "--query-cache-dir", ""])    # shared: still held out
+    assert (tmp_path / "ok" / "metrics.jsonl").exists()
+
+
+def test_inf_gets_no_advice_to_give_a_large_number(tmp_path, capsys):
+    """No option means infinity, and for none of them is "a large one such as 1e9" what to give."""
+    for flag in ("--alpha", "--lr", "--eval-temperatures"):
+        msg = refused(tmp_path, capsys, flag, "inf", *NO_MODEL, code=2)
+        assert msg.endswith(f"argument {flag}: expected a finite number, got 'inf'"), msg
