@@ -153,10 +153,9 @@ def resumed(path, meta, a, d, prompt_ids, pad_id) -> QueryCache:
               f"{run_dir.short(meta.get(k), 40)}" for k, v in saved_meta.items()
               if k not in ("weights", "numerics", "versions") and not run_dir.same_value(v, meta.get(k))]
     if differ:
-        raise SystemExit(f"error: --resume: {path} was built from other training prompts or settings than "
-                         f"this command gives ({'; '.join(differ)}); resume with the run's own "
-                         "(config.json), from the folder it was started in, or start a new run "
-                         "(another --out)")
+        raise SystemExit(f"error: --resume: {path} was built from other prompts or settings "
+                         f"({'; '.join(differ)}); resume from the folder the run was started in, with its "
+                         "options (config.json), or start a new run (another --out)")
     return QueryCache.from_logp(logp, saved_meta)
 
 

@@ -602,10 +602,9 @@ def test_path_options_name_the_same_files_wherever_a_resume_runs(tmp_path, capsy
                                                  "train_data": "train.jsonl"}))
     before = fingerprint(out)
     msg = exit_line(capsys, train.main, "--out", str(out), "--resume", "--steps", "4")
-    assert msg == (f"error: --resume: {out}/query_cache.pt was built from other training prompts or settings "
-                   f"than this command gives (data {run_dir.short(str(a / 'train.jsonl'), 40)} -> 'train.jsonl'; "
-                   "the prompts differ); resume "
-                   "with the run's own (config.json), from the folder it was started in, or start a new run "
+    assert msg == (f"error: --resume: {out}/query_cache.pt was built from other prompts or settings (data "
+                   f"{run_dir.short(str(a / 'train.jsonl'), 40)} -> 'train.jsonl'; the prompts differ); resume from "
+                   "the folder the run was started in, with its options (config.json), or start a new run "
                    "(another --out)")
     assert fingerprint(out) == before
 
