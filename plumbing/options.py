@@ -4,7 +4,8 @@ An entry script writes each option exactly once, as a row (name, default, help[,
 range like ">=1" or "(0,1]"]); the flag is --name-with-dashes, its type comes from the default.
 Every field of `losses.Algo` becomes a flag too (--adv, --kl, --weight-clip, ...): unset, it keeps
 the chosen algorithm's own value. A JSON --config file sets defaults (same keys); flags given on
-the command line override it. Every float, wherever it comes from, must be finite (`finite_float`).
+the command line override it, and its loss knobs apply only to the algorithm it names
+(`resolve_knobs`). Every float, wherever it comes from, must be finite (`finite_float`).
 """
 
 import argparse

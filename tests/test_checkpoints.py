@@ -343,3 +343,11 @@ def test_an_unreadable_query_cache_is_rebuilt_exactly_or_refused(tiny_run, tmp_p
     torch.save(state, out / "ckpt" / "state.pt")
     msg = exits(capsys, tiny(out, tiny_run[1], "--resume"))
     assert "cannot be rebuilt exactly: the checkpoint does not record what it was built from" in msg
+
+
+def test_an_export_that_cannot_be_written_is_one_line(tmp_path):
+    model, tok = models.load_policy(WARM)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as e:
+        checkpoints.export(model, tok, str(tmp_path / "afile" / "hf"))
+    assert str(e.value.code).startswith(f"error: cannot write the export {tmp_path / 'afile' / 'hf'} (")
