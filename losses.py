@@ -317,6 +317,12 @@ class Algo:
     def has_policy_kl_loss(self):
         return self.kl is not None and self.kl_in == "loss" and self.beta > 0
 
+    @property
+    def needs_pi_old_first(self):
+        """pi_old's log-probs are needed before the update (RLOO's KL-penalised rewards, the code
+        weights), so no update forward can stand in for pi_old's own (train.on_policy_rows)."""
+        return (self.kl is not None and self.kl_in == "reward") or self.weights == "code"
+
     def overlong_cache_len(self, max_len) -> int:
         """L_cache in tokens: overlong_cache itself, or that fraction of max_len (at least 1)."""
         c = self.overlong_cache

@@ -4,7 +4,7 @@
     python bench/memory_check.py   # 12 small CPU configurations, real tensors
 
 plumbing/memory_plan.py says what an RL step should hold, as formulas; this module measures what the code
-holds. train.measure_memory runs the real phases of a step (the FSDP2 decoding copy with the
+holds. measure_step (train.measure_memory) runs the real phases of a step (the FSDP2 decoding copy with the
 sampler's prefill and one decode step, the no-grad scoring forwards, `train.ppo_update` with its
 micro-batches, gradient sync and optimizer step) under `PhasePeaks`, torch's MemTracker: every
 storage an op creates is followed by a weak reference until it is freed, so the measurement is
@@ -22,16 +22,20 @@ fragmentation (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True keeps that small
 """
 
 import json
-from contextlib import contextmanager
+import os
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
+import experience
 import kv_cache
 import rollout
-from plumbing import batching, distributed, memory_plan, optimizer
+import step_plan
+from plumbing import batching, distributed, memory_plan, optimizer, timer
 
 
 class PhasePeaks(MemTracker):
@@ -122,6 +126,7 @@ class Measured:
     world: int
     fake: bool
     micro_batches: int                  # update micro-batches run (each of the config's size)
+    skipped: str = ""                   # why the step was not run (then no peaks): too_large_to_measure
 
 
 @contextmanager
@@ -194,8 +199,12 @@ def step_models(a, needs_ref: bool, device, bf16: bool, fake: bool, mesh=None) -
     choice on CUDA) holding its state already, as after a run's first step."""
     cfg = model_config(a.model)
     attn = "sdpa_float32" if bf16 and not fake else "sdpa"            # as models.load_for_training on a CPU
+    # DDP on fake ranks: a replica, unwrapped. DDP's construction and its gradient hooks need real
+    # values (a parameter check across ranks, futures of reductions); what a rank holds is the same,
+    # its gradients being views into the reduction buckets (distributed.wrap_model).
+    replica = fake and not a.fsdp
     policy = distributed.wrap_model(random_model(cfg, attn=attn), device, a.fsdp, bf16, a.grad_ckpt,
-                                    mesh=mesh)
+                                    trainable=not replica, mesh=mesh)
     ref = None
     if needs_ref:
         ref = random_model(cfg, torch.bfloat16 if bf16 else torch.float32, attn).eval().requires_grad_(False)
@@ -221,6 +230,32 @@ def real_tensors():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+# Host bytes per [prompt | response] token of the worst-case step's real tensors: int64 ids and
+# masks of the rollout and its packed rows, float masks and reference log-probs, and the prompts as
+# a Python list (about 36 bytes per token id): an estimate on the high side.
+HOST_BYTES_PER_TOKEN = 96
+HOST_BUDGET = 4 * 2 ** 30               # the paper's 7B step holds ~0.2 GiB of them per rank
+
+
+def too_large_to_measure(a, world: int) -> str:
+    """Why the step of options `a` on `world` ranks is not measured ("" if it is): its worst-case
+    rollout is planned from real host tensors (the masks of every row), which would exceed
+    HOST_BUDGET or half of the memory free now. The plan's formulas cost nothing at any size.
+    Sizes a run would refuse (batching.check: they do not divide) exit here with its one line."""
+    batching.check(a, world)
+    rows = a.rollout_batch // world * a.group_size
+    need = rows * (a.max_prompt_len + a.max_new_tokens) * HOST_BYTES_PER_TOKEN
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):                      # (not every OS says)
+        free = 2 * HOST_BUDGET
+    if need <= min(HOST_BUDGET, free // 2):
+        return ""
+    return (f"its worst-case rollout ({rows} rows of {a.max_prompt_len} + {a.max_new_tokens} tokens a rank) "
+            f"would take {need / 2 ** 30:.1f} GiB of host memory to plan (at most "
+            f"{min(HOST_BUDGET, free // 2) / 2 ** 30:.1f} GiB here)")
 
 
 def worst_case_rollout(a, rows: int, vocab: int, seed=0) -> rollout.Rollout:
@@ -266,3 +301,59 @@ def decode_once(policy, spec: rollout.SampleSpec, prompts: list[list[int]], max_
         pre = kv_cache.prefill(decoder, prompts[:rows], spec.pad_id, max_new_tokens)
         pre.step(pre.logits.argmax(-1), pre.pos[:, -1] + 1)
         del pre
+
+
+# ----------------------------------------------------------------------------------------------
+# The step, measured
+
+
+@dataclass
+class StepCode:
+    """The parts of train.py's RL step the measurement runs (train.measure_memory passes its own):
+    memory_measure sits below train.py and cannot import it."""
+    run: Callable                       # train.Run
+    on_policy_rows: Callable            # (run, update_rows) -> slice
+    score_old_and_ref: Callable         # (run, packed, fresh, plan) -> experience.OldScores
+    ppo_update: Callable                # (run, experience.UpdateBatch, plan) -> statistics
+
+
+def measure_step(a, algo, code: StepCode, needs_ref: bool, world=1, fake=True,
+                 max_micro_batches=3) -> Measured:
+    """rl_step's phases on a worst-case rollout of a random model of --model's architecture: fake
+    tensors on `world` fake ranks, or real tensors in the process group this process is in. One
+    optimizer step, of at most max_micro_batches micro-batches (each of the config's size:
+    gradients are sharded/reduced per micro-batch, so more of them hold no more). A step too large
+    to plan on this host is not run (`skipped`)."""
+    skipped = too_large_to_measure(a, world)                          # (sizes that do not divide: exit)
+    if skipped:
+        return Measured({}, world, fake, 0, skipped)
+    with fake_world(world) if fake else nullcontext((None, None)) as (mesh, _):
+        d = distributed.Dist(*distributed.rank_world(), torch.device("cpu"))
+        device = torch.device("cuda") if fake else d.device             # fake: what a GPU runs
+        bf16 = distributed.uses_bf16(a.dtype, device)
+        m = step_models(a, needs_ref, d.device, bf16, fake, mesh)
+        sched = optimizer.warmup_then_constant(m.opt, a.warmup)
+        run = code.run(a, algo, d, m.policy, m.ref, None, m.opt, sched, data=None, qref=None, cache=None,
+                       spec=m.spec, timer=timer.Phases("cpu"))
+        with real_tensors():                                             # the host-side plan: from real masks
+            w = worst_case_step(a, d.world, distributed.unwrap(m.policy).config.vocab_size)
+            B, fresh = len(w.ro.finished), code.on_policy_rows(run, w.update_rows)
+            plan = step_plan.plan_step(a, w.packed, [1.0] * B, w.update_rows, fresh, m.ref is not None)
+            for mbs in (plan.old, plan.ref, plan.updates[0].micro_batches):  # the longest come first
+                del mbs[max_micro_batches:]
+        tracker = PhasePeaks()
+        stub = stub_scalar_reads() if fake else nullcontext()
+        with tracker, stub, distributed.precision(a.dtype, d.device)[1]():
+            tracker.track_external(m.policy, m.opt, *[m.ref] * (m.ref is not None), w.packed.input_ids,
+                                   w.packed.attention_mask, w.resp_mask, w.prompt_mask, w.qref)
+            tracker.optimizer_phase(m.opt)
+            with tracker.phase("rollout"):
+                decode_once(m.policy, m.spec, w.ro.prompt_ids.tolist(), a.max_new_tokens)
+            with tracker.phase("score"):
+                scores = code.score_old_and_ref(run, w.packed, fresh, plan)
+            batch = experience.UpdateBatch(w.packed, w.resp_mask, w.prompt_mask, valid=torch.ones(B),
+                                           scores=scores, qref=w.qref, adv=torch.randn(B),
+                                           weights=torch.ones(B), sampler=w.ro.logprobs)
+            with tracker.phase("update"):
+                code.ppo_update(run, batch, plan)
+    return Measured(tracker.peaks, d.world, fake, len(plan.updates[0].micro_batches))

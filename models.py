@@ -182,12 +182,15 @@ TINY_WORLD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "t
 
 
 def load_for_training(path, device, dtype, shard=None, bf16=False):
-    """load_policy for train.py: a missing local folder or one that does not load is one line
-    (`error: ...`, exit), not a traceback; under bf16 autocast on a CPU attention is SDPA in
-    float32 (why: _sdpa_float32)."""
+    """load_policy for train.py: a missing local folder or one that does not load (a truncated
+    model.safetensors too) is one line (`error: ...`, exit), not a traceback; under bf16 autocast
+    on a CPU attention is SDPA in float32 (why: _sdpa_float32)."""
     if (os.path.isabs(path) or path.startswith(".")) and not os.path.exists(path):   # not a hub id either
         hint = " (the tiny world's: python -m data.tinymath.prepare)" if path.startswith(TINY_WORLD) else ""
         raise SystemExit(f"error: model folder {path} not found{hint}")
+    from safetensors import SafetensorError
+
     attn = "sdpa_float32" if bf16 and torch.device(device).type == "cpu" else None
-    with errors.one_line((OSError, ValueError), f"cannot load model {path!r}"):  # no folder, no usable config
+    # no folder, no usable config, a truncated weights file (as evaluate.py's heldout.load_model says)
+    with errors.one_line((OSError, ValueError, SafetensorError), f"cannot load model {path!r}"):
         return load_policy(path, device=device, dtype=dtype, shard=shard, attn_implementation=attn)

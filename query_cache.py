@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-import logprobs
 import kv_cache
-from plumbing import distributed, faults
+import logprobs
+import models
+from plumbing import checkpoints, distributed, faults, run_dir
 
 
 @dataclass
@@ -29,11 +30,12 @@ class QueryCache:
     logp: list[torch.Tensor]   # per prompt: (T_i - 1,) float32 log p_ref(x_t | x_<t), t = 2..T_i
     nll: torch.Tensor          # (N,) s_i = -l_ref(q_i), the reference NLL of the whole prompt
     nll_mean: float            # its mean over the training set (the paper weights' s-bar)
+    meta: dict | None = None   # what it was built from (cache_meta); checkpoints keep it (`resumed`)
 
     @classmethod
-    def from_logp(cls, logp):
+    def from_logp(cls, logp, meta=None):
         nll = torch.stack([-x.sum() for x in logp])
-        return cls(logp, nll, nll.mean().item())
+        return cls(logp, nll, nll.mean().item(), meta)
 
     def ref_logp(self, prompt_idx, group_size, width) -> torch.Tensor:
         """(len(prompt_idx) * G, width) reference prompt log-probs, right-aligned like the
@@ -54,9 +56,11 @@ def cache_meta(model_path, data_path, template, temperature, prompt_ids, *, weig
 
 def weights_fingerprint(model) -> str:
     """blake2b of every parameter and buffer (name, dtype, shape, bytes) as loaded: this rank's shards
-    under FSDP2, the digests of all ranks combined. Costs one read of the weights (7B: seconds)."""
+    under FSDP2, the digests of all ranks combined. Costs one read of the weights (7B: seconds). The
+    names are the model's own, whatever wraps it (DDP's "module.", activation checkpointing's)."""
     h = hashlib.blake2b(digest_size=16)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        name = name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")
         t = t.detach()
         t = t.to_local() if hasattr(t, "to_local") else t               # DTensor: this rank's shard
         h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
@@ -115,30 +119,96 @@ def build(model, prompt_ids, pad_id, temperature, device, batch=64) -> list[torc
 
 def for_run(a, d, policy, prompt_ids, pad_id, resuming) -> QueryCache:
     """train.py's cache (options `a`, distributed.Dist `d`, the wrapped policy): the run folder's
-    on --resume; else a shared one with the same meta (--query-cache-dir); else built, and shared."""
-    meta = cache_meta(a.model, a.train_data, a.template, a.temperature, prompt_ids,
-                      weights=None if resuming else weights_fingerprint(policy),
-                      numerics=f"{d.device.type} {a.dtype} "
-                               f"{distributed.unwrap(policy).config._attn_implementation} "
-                               f"{'fsdp' if a.fsdp else 'ddp'} world {d.world}")
-    return load_or_build(os.path.join(a.out, "query_cache.pt"), meta, policy, prompt_ids, pad_id,
-                         a.temperature, d.device, a.micro_batch, resuming, a.query_cache_dir)
-
-
-def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, batch, resuming,
-                  shared_dir="") -> QueryCache:
+    on --resume (`resumed`); else a shared one with the same meta (--query-cache-dir); else built,
+    and shared."""
+    numerics = (f"{d.device.type} {a.dtype} {distributed.unwrap(policy).config._attn_implementation} "
+                f"{'fsdp' if a.fsdp else 'ddp'} world {d.world}")
+    path = os.path.join(a.out, "query_cache.pt")
     if resuming:
-        if not os.path.exists(path):
-            raise SystemExit(f"error: resuming but {path} is missing; the reference cache must come "
-                             "from the initial model: put the file back, or start a new run (another --out)")
+        meta = cache_meta(a.model, a.train_data, a.template, a.temperature, prompt_ids, weights=None,
+                          numerics=numerics)
+        return resumed(path, meta, a, d, prompt_ids, pad_id)
+    meta = cache_meta(a.model, a.train_data, a.template, a.temperature, prompt_ids,
+                      weights=weights_fingerprint(policy), numerics=numerics)
+    return load_or_build(path, meta, policy, prompt_ids, pad_id, a.temperature, d.device, a.micro_batch,
+                         a.query_cache_dir)
+
+
+def resumed(path, meta, a, d, prompt_ids, pad_id) -> QueryCache:
+    """The run folder's cache on --resume (its policy is no longer the reference, so the file is the
+    reference). What is cached must match this run (`meta`: its prompts, template, temperature); how
+    it was computed may not (the weights are trained by now, and a run may resume at another world
+    size or library version). An unreadable file (empty, truncated) is rebuilt where that gives it
+    back bit for bit (`rebuild_exactly`), else one line."""
+    if not os.path.exists(path):
+        raise SystemExit(f"error: resuming but {path} is missing; the reference cache must come "
+                         "from the initial model: put the file back, or start a new run (another --out)")
+    try:
         saved = torch.load(path)
-        # What is cached must match; how it was computed may not (the weights are trained by now,
-        # and a run may resume at another world size or library version).
-        if any(meta.get(k) != v for k, v in saved["meta"].items()
-               if k not in ("weights", "numerics", "versions")):
-            raise SystemExit(f"error: {path} was built for {saved['meta']}, this run is {meta}; "
-                             "use a fresh --out or delete the cache")
-        return QueryCache.from_logp(saved["logp"])
+        saved_meta, logp = saved["meta"], saved["logp"]
+    except Exception as e:  # an empty or cut file: torch raises anything from EOFError to RuntimeError
+        rebuilt = rebuild_exactly(path, _first_line(e), meta, a, d, prompt_ids, pad_id)
+        saved_meta, logp = rebuilt.meta, rebuilt.logp
+    differ = ["the prompts differ" if k == "prompts_sha1" else f"{k} {run_dir.short(v, 40)} -> "
+              f"{run_dir.short(meta.get(k), 40)}" for k, v in saved_meta.items()
+              if k not in ("weights", "numerics", "versions") and not run_dir.same_value(v, meta.get(k))]
+    if differ:
+        raise SystemExit(f"error: --resume: {path} was built from other prompts or settings "
+                         f"({'; '.join(differ)}); resume from the folder the run was started in, with its "
+                         "options (config.json), or start a new run (another --out)")
+    return QueryCache.from_logp(logp, saved_meta)
+
+
+def rebuild_exactly(path, why, meta, a, d, prompt_ids, pad_id) -> QueryCache:
+    """Rebuild an unreadable cache of a run from its initial model (--model), where the checkpoint
+    records what it was built from (its meta, saved with every checkpoint) and this process gives
+    the same bits: the same prompts, template, temperature and numerics, and a model whose weights
+    have the recorded fingerprint. -> the cache (its meta: the recorded one); SystemExit with one
+    line otherwise."""
+    recorded = checkpoints.saved_extra(checkpoints.checkpoint_dir(a.out)).get("query_cache")
+
+    def refuse(reason):
+        raise SystemExit(f"error: --resume: {path} is unreadable ({why}) and cannot be rebuilt exactly: "
+                         f"{reason}; put the file back, or start a new run (another --out)")
+    if not recorded:
+        refuse("the checkpoint does not record what it was built from (saved by an older version)")
+    keys = ("prompts_sha1", "n", "template", "temperature", "numerics", "versions")
+    differ = [f"{k} {run_dir.short(recorded.get(k), 40)} -> {run_dir.short(meta.get(k), 40)}" for k in keys
+              if recorded.get(k) != meta.get(k)]
+    if differ:
+        refuse(f"it was built with other settings ({'; '.join(differ)})")
+    initial = initial_policy(a, d, refuse)
+    if weights_fingerprint(initial) != recorded["weights"]:
+        refuse(f"the initial model {a.model} does not have the weights it was built from")
+    cache = load_or_build(path, recorded, initial, prompt_ids, pad_id, a.temperature, d.device, a.micro_batch,
+                          a.query_cache_dir)
+    distributed.print0(f"--resume: {path} was unreadable ({why}): rebuilt it from the initial model "
+                       f"{a.model} (the same weights, prompts and numerics as when the run built it)")
+    return cache
+
+
+def initial_policy(a, d, refuse):
+    """The run's initial model, loaded as train.py loads a policy (sharded under FSDP2)."""
+    bf16 = distributed.uses_bf16(a.dtype, d.device)
+    dtype, _ = distributed.precision(a.dtype, d.device)
+    shard = distributed.sharder(a.fsdp, d.device, bf16)
+    try:
+        model, _ = models.load_for_training(a.model, d.device, dtype, shard, bf16)
+    except SystemExit as e:
+        refuse(f"its initial model does not load ({str(e.code).removeprefix('error: ')})")
+    return model.eval()
+
+
+def _first_line(e) -> str:
+    """An exception's type and the start of its first line (torch's run on for a paragraph)."""
+    text = (str(e).splitlines() or [""])[0].split(". ")[0]
+    return f"{type(e).__name__}: {text[:80]}" if text else f"{type(e).__name__} (an empty file?)"
+
+
+def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, batch,
+                  shared_dir="") -> QueryCache:
+    """A fresh run's cache (or one `rebuild_exactly` makes): a shared one with the same meta, else
+    built (and shared); written to `path`."""
     shared = _shared_path(shared_dir, meta) if shared_dir else None
     found = _load_shared(shared) if shared and os.path.exists(shared) else None
     if found is not None and {k: v for k, v in found["meta"].items() if k not in ("model", "data")} == \
@@ -162,4 +232,4 @@ def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, ba
     failed = distributed.all_gather_list([failed])[0]                  # every rank stops, not only rank 0
     if failed:
         raise SystemExit(failed)
-    return QueryCache.from_logp(logp)
+    return QueryCache.from_logp(logp, meta)

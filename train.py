@@ -13,29 +13,31 @@ algorithms is a row of `losses.ALGOS`; every loss term is in `losses.py` (equati
 import os
 import random
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
-import torch
-from tqdm import tqdm
-
-import experience
-import logprobs
-import losses
-import memory_measure
-import metrics
-import models
-import query_cache
-import query_reference
-import rollout
-import sft
-import step_plan
-import tasks
-from data.prompts import PromptSet
-from heldout import check_fits, heldout_at_temperatures
-from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan, optimizer,
-                      options, run_dir, time_model, timer)
-from plumbing.distributed import all_sum, print0
+try:                                       # Ctrl-C during these imports: one line, no traceback
+    import torch
+    from tqdm import tqdm
+    import experience
+    import logprobs
+    import losses
+    import memory_measure
+    import metrics
+    import models
+    import query_cache
+    import query_reference
+    import rollout
+    import sft
+    import step_plan
+    import tasks
+    from data.prompts import PromptSet
+    from heldout import check_fits, heldout_at_temperatures
+    from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan,
+                          optimizer, options, run_dir, time_model, timer)
+    from plumbing.distributed import all_sum, print0
+except KeyboardInterrupt:
+    os.write(2, b"interrupted (SIGINT): stopped while starting, nothing written\n")
+    raise SystemExit(130) from None
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
 
@@ -208,9 +210,8 @@ def on_policy_rows(run, update_rows) -> slice:
     """Rows that need no old-policy forward of their own: the first optimizer step's, in the first
     PPO epoch. Their update forward runs on the rollout's weights, so it IS pi_old (ratio exactly
     1) and yields the monitors too. Not where something needs them before the update: RLOO's
-    KL-penalised rewards, the code weights."""
-    rloo_like, code = run.algo.kl is not None and run.algo.kl_in == "reward", run.algo.weights == "code"
-    return slice(0, 0) if rloo_like or code else update_rows[0]
+    KL-penalised rewards, the code weights (losses.Algo.needs_pi_old_first)."""
+    return slice(0, 0) if run.algo.needs_pi_old_first else update_rows[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,47 +348,21 @@ def skip_bad_step(run):
 
 
 def measure_memory(args, algo, world=1, fake=True, max_micro_batches=3) -> memory_measure.Measured:
-    """rl_step's phases on a worst-case rollout of a random model of --model's architecture:
-    fake tensors on `world` fake ranks (the paper's widths on a CPU, in seconds), or real tensors
-    in the process group this process is in. One optimizer step, of at most max_micro_batches
-    micro-batches (each of the config's size: gradients are sharded/reduced per micro-batch, so
-    more of them hold no more)."""
-    with memory_measure.fake_world(world) if fake else nullcontext((None, None)) as (mesh, _):
-        dist = distributed.Dist(*distributed.rank_world(), torch.device("cpu"))
-        device = torch.device("cuda") if fake else dist.device           # fake: what a GPU runs
-        bf16 = distributed.uses_bf16(args.dtype, device)
-        m = memory_measure.step_models(args, needs_reference_model(args, algo), dist.device, bf16, fake, mesh)
-        sched = optimizer.warmup_then_constant(m.opt, args.warmup)
-        run = Run(args, algo, dist, m.policy, m.ref, None, m.opt, sched, data=None, qref=None, cache=None,
-                  spec=m.spec, timer=timer.Phases("cpu"))
-        with memory_measure.real_tensors():                              # the host-side plan: from real masks
-            vocab = distributed.unwrap(m.policy).config.vocab_size
-            w = memory_measure.worst_case_step(args, dist.world, vocab)
-            B, fresh = len(w.ro.finished), on_policy_rows(run, w.update_rows)
-            prompts = w.ro.prompt_ids.tolist()
-            plan = step_plan.plan_step(args, w.packed, [1.0] * B, w.update_rows, fresh, m.ref is not None)
-            for mbs in (plan.old, plan.ref, plan.updates[0].micro_batches):  # the longest come first
-                del mbs[max_micro_batches:]
-        tracker = memory_measure.PhasePeaks()
-        stub = memory_measure.stub_scalar_reads() if fake else nullcontext()
-        with tracker, stub, distributed.precision(args.dtype, dist.device)[1]():
-            tracker.track_external(m.policy, m.opt, *[m.ref] * (m.ref is not None), w.packed.input_ids,
-                                   w.packed.attention_mask, w.resp_mask, w.prompt_mask, w.qref)
-            tracker.optimizer_phase(m.opt)
-            with tracker.phase("rollout"):
-                memory_measure.decode_once(m.policy, m.spec, prompts, args.max_new_tokens)
-            with tracker.phase("score"):
-                scores = score_old_and_ref(run, w.packed, fresh, plan)
-            batch = experience.UpdateBatch(w.packed, w.resp_mask, w.prompt_mask, valid=torch.ones(B),
-                                           scores=scores, qref=w.qref, adv=torch.randn(B),
-                                           weights=torch.ones(B))
-            with tracker.phase("update"):
-                ppo_update(run, batch, plan)
-    return memory_measure.Measured(tracker.peaks, dist.world, fake, len(plan.updates[0].micro_batches))
+    """rl_step's phases measured by running this file's own step code (memory_measure.measure_step):
+    fake tensors on `world` fake ranks (the paper's widths on a CPU, in seconds), or real tensors in
+    the process group this process is in; at most max_micro_batches micro-batches of one update."""
+    code = memory_measure.StepCode(Run, on_policy_rows, score_old_and_ref, ppo_update)
+    return memory_measure.measure_step(args, algo, code, needs_reference_model(args, algo), world, fake,
+                                       max_micro_batches)
 
 
 # ----------------------------------------------------------------------------------------------
 # Set-up and the loop
+
+
+def old_rows(args, algo) -> float:
+    """The fraction of rows pi_old's own forward scores: all but the first update's (on_policy_rows)."""
+    return 1.0 if algo.needs_pi_old_first else 1.0 - args.update_batch / args.rollout_batch
 
 
 def needs_reference_model(args, algo) -> bool:
@@ -487,11 +462,10 @@ NO_SIGNAL = ("no signal: an update batch whose groups all have equal rewards (ev
 
 
 def save(run, step, final):
-    args = run.args
-    bf16 = distributed.uses_bf16(args.dtype, run.dist.device)
-    checkpoints.save_checkpoint(args.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
-                            export_dtype=args.export_dtype, bf16=bf16,
-                            extra={"query_reference": run.qref.state_dict()})
+    a, bf16 = run.args, distributed.uses_bf16(run.args.dtype, run.dist.device)
+    extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta}
+    checkpoints.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
+                                export_dtype=a.export_dtype, bf16=bf16, extra=extra)
     run.ckpt_checked = False                                             # until the next finite loss
 
 
@@ -507,6 +481,7 @@ def parse_args(argv=None):
     task = tasks.get(args.task)                                          # its own sets, where it has them
     own = {"train_data": task.train_data, "eval_data": list(task.heldout)}
     options.fill(parsed, {k: v for k, v in own.items() if v})
+    options.absolute_paths(parsed, ("model", "train_data", "eval_data", "sft_data", "export"))
     if args.resume:                                     # what the command does not say, config.json does
         options.fill(parsed, run_dir.read_config(args.out) or {}, skip=NOT_THE_RUN)
     if args.resume and args.overwrite:
@@ -515,7 +490,11 @@ def parse_args(argv=None):
         parsed.error("--resume: the SFT warm start does not resume (it saves HF folders, sft-<step>/, not "
                      "training state); start it again (--overwrite)")
     args.lr_decay_steps = args.lr_decay_steps or args.steps             # (after --resume's config.json)
-    return args, options.make_algo(parsed)                                 # None for sft
+    algo = options.make_algo(parsed)                                     # None for sft
+    for name in query_reference.inert_options(args.qkl_ref, parsed.cli):   # another reference's option
+        options.check_acts(parsed, name, False, f"it is an option of another Query-KL reference than "
+                           f"--qkl-ref {args.qkl_ref}")
+    return args, algo
 
 
 def load_data(args, tokenizer):
@@ -529,14 +508,14 @@ def load_data(args, tokenizer):
         else:
             data = tasks.prompt_set(args.train_data, tokenizer, args.template, args.task, training=True,
                                     max_prompt_len=args.max_prompt_len, strict=args.strict_data)
+            errors.check_heldout(evalsets, args.train_data, data, tasks.source_of)  # held-out: not trained on
         batching.check_data(len(data), args)
     return evalsets, data
 
 
 def main(argv=None):
-    args, algo = parse_args(argv)                                          # bad options: argparse errors
     with interrupts.exit_when_interrupted(lambda: "stopped now, without saving"):  # outside the steps
-        return train(args, algo)                                           # (theirs: train_rl), or twice
+        return train(*parse_args(argv))                                    # (theirs: train_rl), or twice
 
 
 def train(args, algo):
@@ -544,18 +523,22 @@ def train(args, algo):
     if args.dry_run:  # the plan's formulas, and the step's memory measured on fake tensors beside them
         measured = measure_memory(args, algo, args.plan_gpus) if algo else None
         has_ref = bool(algo) and needs_reference_model(args, algo)
+        if algo:                                                         # the step's time, modelled
+            print(time_model.report(args, args.plan_gpus, has_ref, args.plan_gpu, old_rows(args, algo)))
         return print(memory_plan.report(args, args.plan_gpus, has_ref, measured))
-    why = run_dir.refusal(args.out, resume=args.resume, overwrite=args.overwrite)  # before minutes of loading
-    why = why or (args.export and run_dir.check_writable(args.export, "--export"))
+    why = run_dir.refusal(args.out, resume=args.resume, overwrite=args.overwrite, export=args.export,
+                          log=args.log)                   # before minutes of loading, and before claim
     if why:
         raise SystemExit(f"error: {why}")
     # --fsdp at world size 1: a process group of one
     dist = distributed.setup(fsdp=args.fsdp, timeout_min=args.nccl_timeout)
     batching.check(args, dist.world) if algo else None                   # sizes that do not divide
+    if algo is None and args.sft_batch % dist.world:                     # (sft.train_sft's, before claim)
+        raise SystemExit(f"error: --sft-batch {args.sft_batch} does not divide by world size {dist.world}")
     torch.manual_seed(args.seed), random.seed(args.seed)
-    with run_dir.RunLock(args.out) as lock:                                # released on any exit (a kill too)
+    with run_dir.RunLock(args.out) as lock:                              # released on any exit (a kill too)
         evalsets = train_in_folder(args, algo, dist, lock)
-    print0(run_dir.summary(args.out, time.time() - t0, list(evalsets), args.template))
+    print0(run_dir.summary(args.out, time.time() - t0, list(evalsets), args.template, args.save_every))
     distributed.teardown()
 
 
@@ -575,11 +558,11 @@ def train_in_folder(args, algo, dist, lock):
     with errors.one_line():                                          # prompts + responses fit the positions
         check_fits(model, evalsets, args.max_new_tokens)
     run_dir.claim(args.out, lock, resume=args.resume, overwrite=args.overwrite)  # --overwrite: old run goes
-    log = run_dir.MetricsLog(args.out, state.step if state else 0, args.log, vars(args))  # (--log's package)
+    if algo is not None:
+        print0(f"algo {args.algo}: {options.algo_summary(algo)}")
+        run = setup_rl(args, algo, dist, model, tokenizer, data, state)  # (a refused resume: metrics kept)
+    log = run_dir.MetricsLog(args.out, state.step if state else 0, args.log, vars(args))  # after every check
     try:
-        if algo is not None:
-            print0(f"algo {args.algo}: {options.algo_summary(algo)}")
-            run = setup_rl(args, algo, dist, model, tokenizer, data, state)  # (a refused resume: config kept)
         run_dir.write_config(args.out, run_dir.with_resume_record(args.out, vars(args), state and state.step,
                                                                   changed))
         if algo is None:

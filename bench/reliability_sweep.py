@@ -1133,7 +1133,207 @@ FUZZ_EVALUATE = [
          countdown_file("cd.jsonl", {6: {"numbers": [3, -1]}})),
 ]
 
-CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE
+
+# ----------------------------------------------------------------------------------------------
+# Issue #31's fuzz findings on train.py: each a clear one-line refusal (nothing lost) or correct behaviour
+
+CONFIGS = ROOT / "configs"
+# Sends the process SIGINT while train.py imports torch: a Ctrl-C in its first seconds.
+INTERRUPT_IMPORT = """
+import builtins, os, signal
+_import = builtins.__import__
+def _interrupting(name, *a, **k):
+    if name == "torch":
+        builtins.__import__ = _import
+        os.kill(os.getpid(), signal.SIGINT)
+    return _import(name, *a, **k)
+builtins.__import__ = _interrupting
+"""
+# The command runs from another folder (SWEEP_CWD), as `cd there && python <repo>/train.py ...`.
+CHDIR = """
+import os, sys
+sys.argv[1] = os.path.abspath(sys.argv[1])
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+os.chdir(os.environ["SWEEP_CWD"])
+"""
+FILE_SIZE_LIMIT = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (2 * 2 ** 20, 2 * 2 ** 20))"
+
+
+def no_wandb(env):
+    import importlib.util
+    need(importlib.util.find_spec("wandb") is None, "skip: wandb is installed (the case needs it missing)")
+
+
+def drop_last_line(rel):
+    def setup(env):
+        path = env.path(rel)
+        path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
+    return setup
+
+
+def empty(rel):
+    def setup(env):
+        env.path(rel).write_bytes(b"")
+    return setup
+
+
+def forget_cache_record(env):
+    """The checkpoint as an older version saved it: no record of what its Query-KL cache was built from."""
+    import torch
+    path = env.dir / "run" / "ckpt" / "state.pt"
+    state = torch.load(path, weights_only=False)
+    state["extra"].pop("query_cache", None)
+    torch.save(state, path)
+
+
+def training_rows(name, n):
+    def setup(env):
+        write_jsonl(env.dir / name, rows()[:n])
+    return setup
+
+
+def logged(key, run="run") -> Check:
+    def check(env):
+        return None if all(key in m for m in metrics(env.path(run)) if "reward" in m) else f"{key} not logged"
+    return check
+
+
+def error_line_without(text) -> Check:
+    def check(env):
+        line = env.last.last_err_line()
+        return f"the error line says {text!r}: {line[:120]}" if text in line else None
+    return check
+
+
+def short_error_line(most) -> Check:
+    """The error line is one short line (its case-folder paths aside), no dict dumped."""
+    def check(env):
+        line = env.last.last_err_line().replace(str(env.dir), "")
+        return None if len(line) <= most and "{" not in line else f"a {len(line)}-character error line"
+    return check
+
+
+def relative_train_data_run(env):
+    """{c}/a/run: a 2-step run made in {c}/a with `--train-data train.jsonl`; {c}/b/train.jsonl holds
+    other problems (the same relative path names another file from there)."""
+    (env.dir / "a").mkdir(), (env.dir / "b").mkdir()
+    write_jsonl(env.dir / "a" / "train.jsonl", rows())
+    with open(TRAIN) as f:
+        write_jsonl(env.dir / "b" / "train.jsonl", [json.loads(ln) for ln in f.readlines()[100:100 + TRAIN_ROWS]])
+    argv = ["train.jsonl" if a == "{data}" else a for a in train("{c}/a/run", 2)]
+    p = env.run("train.py", argv, env={"SWEEP_CWD": "{c}/a"}, prelude=CHDIR)
+    need(p.code == 0, f"set-up run failed: {p.last_err_line()[:120]}")
+
+
+def as_an_older_version_wrote_it(env):
+    """config.json's --train-data relative, as runs recorded it before paths were made absolute."""
+    path = env.dir / "a" / "run" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "train_data": "train.jsonl"}, indent=2))
+
+
+GRPO_KNOBS = '{"kl": "k3", "beta": 0.01, "alpha": 0, "weights": "none"}'
+ONE_STEP = ("--eval-every", "0", "--save-every", "0")
+CKPT_FILES = ("run/ckpt/state.pt", "run/ckpt/model.safetensors")      # (a resumed step marks ckpt/ checked)
+
+FUZZ_TRAIN = [
+    Case("overwrite-log-no-package", "train.py", "--overwrite --log wandb without wandb: refused before the "
+         "old run is removed",
+         train("{c}/run", 4, "--overwrite", "--log", "wandb"),
+         Refused("--log wandb needs the wandb package", protect=("run",)),
+         both(no_wandb, copy_base), uses_base=True),
+    Case("config-grpo-knobs-as-erpo", "train.py", "a config spelling out GRPO's knobs, run --algo erpo: refused; "
+         "the suggested fix runs",
+         ["--config", "{c}/grpo.json", "--algo", "erpo", *train("{c}/run", 1, *ONE_STEP)],
+         Refused("sets loss knobs of another algorithm (it names no algorithm, this run is --algo erpo): "
+                 "alpha 0 (erpo: 0.01), beta 0.01 (erpo: 0), kl k3 (erpo: none)", absent=("run",),
+                 then=Then(["--config", "{c}/grpo.json", "--algo", "erpo", "--alpha", "0", "--beta", "0.01",
+                            "--kl", "k3", "--weights", "none", *train("{c}/run", 1, *ONE_STEP)],
+                           post=all_of(steps_are([1]), logged("loss_policy_kl")))),
+         write_text("grpo.json", GRPO_KNOBS)),
+    Case("released-config-as-grpo", "train.py", "the released config, run --algo grpo (alpha 0.01, code weights "
+         "kept): refused",
+         ["--config", str(CONFIGS / "released_qwen25_7b.json"), "--algo", "grpo", "--out", "{c}/run"],
+         Refused("alpha 0.01 (grpo: 0)", absent=("run",))),
+    Case("eval-data-is-train-data", "train.py", "--eval-data the training file (training accuracy): refused",
+         train("{c}/run", 1, "--eval-data", "{data}"),
+         Refused("is the training file", absent=("run",))),
+    Case("eval-data-training-rows", "train.py", "--eval-data a file of training problems first: refused",
+         train("{c}/run", 1, "--eval-data", "{c}/held.jsonl", "tiny-test"),
+         Refused("{c}/held.jsonl holds only training problems", absent=("run",)),
+         training_rows("held.jsonl", 10)),
+    Case("grpo-qkl-ref-live", "train.py", "--algo grpo --qkl-ref live (nothing reads it): refused",
+         train("{c}/run", 1, "--algo", "grpo", "--qkl-ref", "live"),
+         Refused("--qkl-ref live cannot act on --algo grpo", absent=("run",))),
+    Case("resume-lost-metrics-line", "train.py", "metrics.jsonl without its last line: --resume says so, goes on",
+         train("{c}/run", 6, "--resume"),
+         Works("has no line for step 4", all_of(steps_are([0, 1, 2, 3, 5, 6]), ckpt_at(6))),
+         both(copy_base, drop_last_line("run/metrics.jsonl")), uses_base=True),
+    Case("dry-run-ddp", "train.py", "--dry-run of the tiny default (DDP) plans and measures",
+         ["--dry-run"],
+         Works("measured: fake tensors on 8 rank(s)")),
+    Case("dry-run-7b-ddp", "train.py", "--dry-run of the paper's 7B config without FSDP2 plans and measures",
+         ["--config", str(CONFIGS / "paper_qwen7b.json"), "--fsdp", "false", "--dry-run"],
+         Works("measured: fake tensors on 8 rank(s)")),
+    Case("dry-run-huge-batch", "train.py", "--dry-run --rollout-batch 1e8: the plan, not 128 GB of host masks",
+         ["--dry-run", "--rollout-batch", "100000000"],
+         Works("not measured: its worst-case rollout")),
+    Case("dry-run-huge-length", "train.py", "--dry-run --max-new-tokens 1e7: the plan, not a MemoryError",
+         ["--dry-run", "--max-new-tokens", "10000000"],
+         Works("not measured: its worst-case rollout")),
+    Case("dry-run-gpus-indivisible", "train.py", "--dry-run --plan-gpus 64 (16 update prompts): refused",
+         ["--dry-run", "--plan-gpus", "64"],
+         Refused("--update-batch 16 must be divisible by the world size 64")),
+    Case("train-truncated-model", "train.py", "a truncated model.safetensors: one line, --out not created",
+         train("{c}/run", 1, "--model", "{c}/model"),
+         Refused("cannot load model", absent=("run",)),
+         broken_copy_of_warm),
+    Case("resume-empty-query-cache", "train.py", "an empty query_cache.pt: --resume rebuilds it bit for bit",
+         train("{c}/run", 6, "--resume", "--query-cache-dir", ""),
+         Recovered("query_cache.pt was unreadable (", all_of(steps_are(range(7)), ckpt_at(6), same_prompts_as_base)),
+         both(copy_base, empty("run/query_cache.pt")), uses_base=True),
+    Case("resume-cut-cache-no-record", "train.py", "a cut query_cache.pt, no record to rebuild it exactly: "
+         "one line, nothing changed",
+         train("{c}/run", 6, "--resume"),
+         Refused("cannot be rebuilt exactly: the checkpoint does not record", protect=("run",)),
+         both(copy_base, truncate("run/query_cache.pt"), forget_cache_record), uses_base=True),
+    Case("save-disk-full", "train.py", "a full disk at a save: one line, the checkpoint before it kept; resumes",
+         train("{c}/run", 6, "--resume"),
+         Refused("cannot save the checkpoint of step 6", protect=CKPT_FILES, then=resumed_to(6)),
+         copy_base, prelude=FULL_DISK, env={"SWEEP_FULL_DIR": "{c}/run/ckpt.tmp"}, uses_base=True),
+    Case("save-file-size-limit", "train.py", "`ulimit -f` below a checkpoint: one line, the one before kept",
+         train("{c}/run", 6, "--resume"),
+         Refused("File too large", protect=CKPT_FILES, then=resumed_to(6)),
+         copy_base, prelude=FILE_SIZE_LIMIT, uses_base=True),
+    Case("ctrl-c-in-imports", "train.py", "Ctrl-C while train.py imports: exit 130, one line, nothing written",
+         train("{c}/run", 1, *ONE_STEP),
+         Interrupted((), lambda env: None, 130, "interrupted (SIGINT): stopped while starting, nothing written",
+                     Then(train("{c}/run", 1, *ONE_STEP), post=steps_are([1])), post=exists("run", False)),
+         prelude=INTERRUPT_IMPORT),
+    Case("alpha-inf-no-advice", "train.py", "--alpha inf: refused without advice to give 1e9",
+         train("{c}/run", 1, "--alpha", "inf"),
+         Refused("argument --alpha: expected a finite number, got 'inf'", absent=("run",),
+                 after=error_line_without("1e9"))),
+    Case("eval-temperatures-inf", "train.py", "--eval-temperatures inf: refused without advice to give 1e9",
+         train("{c}/run", 1, "--eval-temperatures", "inf"),
+         Refused("argument --eval-temperatures: expected a finite number", absent=("run",),
+                 after=error_line_without("1e9"))),
+    Case("steps-0-save-every-1", "train.py", "--steps 0 --save-every 1: the summary says why no checkpoint",
+         train("{c}/run", 0, "--save-every", "1"),
+         Works("no checkpoint (no step was trained)")),
+    Case("resume-from-elsewhere", "train.py", "--resume from a folder where the relative --train-data names "
+         "another file: the run's own file",
+         ["--out", "{c}/a/run", "--resume", "--steps", "3"],
+         Works("resumed from", all_of(steps_are(range(4), "a/run"), ckpt_at(3, "a/run/ckpt"))),
+         relative_train_data_run, prelude=CHDIR, env={"SWEEP_CWD": "{c}/b"}),
+    Case("resume-old-relative-elsewhere", "train.py", "an older run's relative --train-data, resumed from elsewhere: "
+         "one short line",
+         ["--out", "{c}/a/run", "--resume", "--steps", "3"],
+         Refused("was built from other prompts or settings (data ", protect=("a/run",),
+                 after=short_error_line(300)),
+         both(relative_train_data_run, as_an_older_version_wrote_it), prelude=CHDIR, env={"SWEEP_CWD": "{c}/b"}),
+]
+
+CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE + FUZZ_TRAIN
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,6 +37,15 @@ def saved_step(ckpt) -> int | None:
         return None
 
 
+def saved_extra(ckpt) -> dict:
+    """The "extra" state of a checkpoint's state.pt (memory-mapped, as saved_step); {} if none."""
+    try:
+        state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False, mmap=True)
+        return state.get("extra") or {}
+    except Exception:
+        return {}
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints
 
@@ -104,25 +113,67 @@ def save_checkpoint(out, model, tokenizer, opt, sched, step, final=False, export
     optimizer state. Both with the scheduler/step/RNG state, written to ckpt.tmp and renamed into
     place; the checkpoint it replaces becomes ckpt.prev/ if it was checked (see `mark_checked`).
     Two checkpoints on disk: at 7B without FSDP2, ~90 GB each (float32 weights + Adam state).
-    extra: {name: state} of other parts of the run (rank 0's), given back as TrainState.extra."""
-    if final and distributed.is_fsdp(model):
-        export(model, tokenizer, os.path.join(out, "hf"), export_dtype, bf16=bf16)
+    extra: {name: state} of other parts of the run (rank 0's), given back as TrainState.extra.
+    A write that fails (a full disk, `ulimit -f`) ends the run with one line on every rank: the
+    checkpoint before it is untouched (the new one goes to ckpt.tmp, removed again)."""
     tmp = os.path.join(out, "ckpt.tmp")
     if distributed.is_main():
         for leftover in (tmp, checkpoint_dir(out) + ".drop"):  # from a run killed mid-save
             shutil.rmtree(leftover, ignore_errors=True)
     distributed.barrier()
-    if distributed.is_fsdp(model):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp"))
-        model_sd = opt_sd = None
-    else:
-        model_sd, opt_sd = distributed.full_state(model, opt)
-    if distributed.is_main():
-        _write_checkpoint(out, model, model_sd, opt_sd, tokenizer, sched, step, extra or {})
-    distributed.barrier()
+    if final and distributed.is_fsdp(model):
+        try:
+            export(model, tokenizer, os.path.join(out, "hf"), export_dtype, bf16=bf16)
+        except SystemExit as e:                          # (every rank: export's one line, and what is kept)
+            raise SystemExit(f"{e.code}; {kept_note(out)}") from None
+    failed = None
+    try:
+        if distributed.is_fsdp(model):
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp"))
+            model_sd = opt_sd = None
+        else:
+            model_sd, opt_sd = distributed.full_state(model, opt)
+        if distributed.is_main():
+            _write_checkpoint(out, model, model_sd, opt_sd, tokenizer, sched, step, extra or {})
+    except write_errors() as e:
+        if distributed.is_main():                        # what it wrote goes: it may have filled the disk
+            shutil.rmtree(tmp, ignore_errors=True)
+        failed = (f"error: cannot save the checkpoint of step {step} in {out} ({write_error(e)}); "
+                  + kept_note(out))
+    failed = next((f for f in distributed.all_gather_list([failed]) if f), None)  # every rank stops
+    if failed:
+        raise SystemExit(failed)
+
+
+def kept_note(out) -> str:
+    before, ckpt = saved_step(checkpoint_dir(out)), checkpoint_dir(out)
+    if before is None:
+        return "there is no checkpoint before it: run again once the disk takes one"
+    return (f"the checkpoint of step {before} ({ckpt}/) is intact: --resume continues from it once the disk "
+            "takes one")
+
+
+def write_errors() -> tuple:
+    """What a failed write raises (a full disk, `ulimit -f`): OSError (ENOSPC, EFBIG), torch.save's
+    RuntimeError, safetensors' SafetensorError, and torch.distributed.checkpoint's
+    CheckpointException (a BaseException, raised on every rank)."""
+    from safetensors import SafetensorError
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return OSError, RuntimeError, SafetensorError, CheckpointException
+
+
+def write_error(e) -> str:
+    """A failed write's cause in a few words (a CheckpointException's is its last line); where the
+    writer does not say (torch.save: "unexpected pos ..."), what usually causes it."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    why = (lines[-1] if type(e).__name__ == "CheckpointException" else lines[0])[:160]
+    return why if "os error" in why else f"{why}: a full disk, or a file size limit (ulimit -f)?"
 
 
 def _write_checkpoint(out, model, model_sd, opt_sd, tokenizer, sched, step, extra):
@@ -288,15 +339,23 @@ def export(model, tokenizer, path, dtype=None, *, bf16=False):
     `dtype`: one of EXPORT_DTYPES or a torch.dtype. None / "auto": bfloat16 when the run computed
     in bf16 (`bf16`: distributed.uses_bf16 of the run), else the weights' own dtype (the float32
     master weights of a float32 run, e.g. the tiny world's CPU warm start). A 7B model is 15 GB in
-    bfloat16, 30 GB in float32; config.json's "dtype" names the dtype of the files."""
+    bfloat16, 30 GB in float32; config.json's "dtype" names the dtype of the files. A write that
+    fails (a full disk) ends the process with one line on every rank."""
     if not path:
         return
     target = export_dtype(dtype, bf16, next(model.parameters()).dtype)  # (a bad name: before any gather)
     model_sd, _ = distributed.full_state(model)
+    failed = None
     if distributed.is_main():
-        distributed.unwrap(model).save_pretrained(path, state_dict=_cast(model_sd, target))
-        _set_config_dtype(path, target)
-        tokenizer.save_pretrained(path)
+        try:
+            distributed.unwrap(model).save_pretrained(path, state_dict=_cast(model_sd, target))
+            _set_config_dtype(path, target)
+            tokenizer.save_pretrained(path)
+        except write_errors() as e:
+            failed = f"error: cannot write the export {path} ({write_error(e)})"
+    failed = distributed.all_gather_list([failed])[0]
+    if failed:
+        raise SystemExit(failed)
 
 
 def export_dtype(name, bf16, weights_dtype) -> torch.dtype:

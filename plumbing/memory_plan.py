@@ -248,7 +248,9 @@ NOT_COUNTED = "not counted (not tensors): the CUDA context, NCCL buffers, alloca
 
 def report(a, gpus: int, needs_ref: bool, measured=None) -> str:
     """The plan, term by term and per phase, and beside it the measurement
-    (memory_measure.Measured) if given. The last line is for scripts: key=value pairs."""
+    (memory_measure.Measured) if given and run. The last line is for scripts: key=value pairs."""
+    skipped = measured.skipped if measured else ""
+    measured = None if skipped else measured
     arch = arch_for(a.model)
     ts, plan = terms(arch, a, gpus, needs_ref), phases(arch, a, gpus, needs_ref)
     lines = [f"memory plan per GPU: {a.model} ({arch.params() / 1e9:.2f}B parameters), {gpus} GPU(s), "
@@ -264,6 +266,8 @@ def report(a, gpus: int, needs_ref: bool, measured=None) -> str:
         lines.append(f"  measured: {'fake' if measured.fake else 'real'} tensors on {measured.world} "
                      f"rank(s) running train.py's step (memory_measure.py; "
                      f"{measured.micro_batches} update micro-batches)")
+    if skipped:
+        lines.append(f"  not measured: {skipped}")
     lines.append(f"  {NOT_COUNTED}")
     peak, update = max(plan, key=plan.get), max(plan["update"], plan["optimizer"])
     m = ""

@@ -4,14 +4,16 @@ An entry script writes each option exactly once, as a row (name, default, help[,
 range like ">=1" or "(0,1]"]); the flag is --name-with-dashes, its type comes from the default.
 Every field of `losses.Algo` becomes a flag too (--adv, --kl, --weight-clip, ...): unset, it keeps
 the chosen algorithm's own value. A JSON --config file sets defaults (same keys); flags given on
-the command line override it. Every float, wherever it comes from, must be finite (`finite_float`).
+the command line override it, and its loss knobs apply only to the algorithm it names
+(`resolve_knobs`). Every float, wherever it comes from, must be finite (`finite_float`).
 """
 
 import argparse
 import json
 import math
+import os
 import re
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 
 import losses
 
@@ -28,16 +30,14 @@ def finite_float(text):
     """The argparse type of every float option (table rows, loss knobs, pairs, config values):
     a float that is not nan or +-inf. A nan passes every range check (nan >= 0 and nan < 0 are
     both False), so `--alpha nan` would switch the Query-KL term off without a word; and no
-    option means infinity: "no limit" is a large finite value."""
+    option here means infinity (a coefficient, a learning rate, a temperature: none has a "no
+    limit" value), so inf is refused without advice on what to give instead."""
     try:
         x = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if math.isnan(x):
+    if math.isnan(x) or math.isinf(x):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    if math.isinf(x):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r} "
-                                         "(for no limit, give a large one such as 1e9)")
     return x
 
 
@@ -190,6 +190,9 @@ class Parsed:
     cli: set                      # names given on the command line
     config_keys: set              # names set by the --config file
     parser: argparse.ArgumentParser
+    config: dict = field(default_factory=dict)  # the --config file's values (its "algo" among them)
+    defaults: dict = field(default_factory=dict)  # the table's defaults
+    config_path: str | None = None
 
     def error(self, msg):
         self.parser.error(msg)    # argparse-style: usage line, message, exit status 2
@@ -199,13 +202,13 @@ def parse(argv, table, description) -> Parsed:
     """Table default < config file < command line."""
     parser = build_parser(table, description)
     ns = parser.parse_args(argv)
-    cfg = {name: default for name, default, *_ in table}
-    cfg.update({name: None for name, *_ in algo_knobs()})
+    defaults = {name: default for name, default, *_ in table}
+    cfg = {**defaults, **{name: None for name, *_ in algo_knobs()}}
     from_file = _read_config(ns.config, cfg, parser) if ns.config else {}
     cfg.update(from_file)
     cli = {k for k, v in vars(ns).items() if v is not None and k != "config"}
     cfg.update({k: getattr(ns, k) for k in cli})
-    return Parsed(argparse.Namespace(**cfg), cli, set(from_file), parser)
+    return Parsed(argparse.Namespace(**cfg), cli, set(from_file), parser, from_file, defaults, ns.config)
 
 
 def fill(parsed: Parsed, values: dict, skip=()):
@@ -217,26 +220,203 @@ def fill(parsed: Parsed, values: dict, skip=()):
 
 
 def make_algo(parsed: Parsed):
-    """losses.make_algo(args.algo, knobs...), where a knob given on the command line that cannot act
-    on the chosen algorithm is an error (a config file may set defaults for unused parts)."""
+    """losses.make_algo(args.algo, knobs...) under two rules (`resolve_knobs`): a knob given on the
+    command line that cannot act on the chosen algorithm is an error, and a --config file's knobs
+    apply only to the algorithm it names. Knobs of a config for another algorithm that cannot act
+    either way are dropped (args records the row's own)."""
     args, knobs = parsed.args, {k for k, *_ in algo_knobs()}
     if args.algo not in losses.ALGOS:  # e.g. sft: no loss knob can act on it
         if parsed.cli & knobs:
             parsed.error(f"{_flags(parsed.cli & knobs)} cannot act on --algo {args.algo}")
         return None
+    src = knob_sources(parsed)
     try:
-        algo = losses.make_algo(args.algo, **{k: getattr(args, k) for k in knobs})
+        algo, dropped = resolve_knobs(src)
+    except ForeignKnobs as e:
+        parsed.error(foreign_knobs_message(src, e.knobs))
+    except InertKnobs as e:
+        parsed.error(f"{_flags(e.knobs)} cannot act on --algo {args.algo} as configured "
+                     f"({algo_summary(e.algo)}); "
+                     "e.g. a Policy-KL estimator needs --beta > 0, a Query-KL estimator --alpha > 0")
     except ValueError as e:
         parsed.error(str(e))
-    if "max_resample_rounds" in parsed.cli and not algo.dynamic_sampling:  # an option that acts via a knob
+    for k in dropped:
+        setattr(args, k, None)
+    if "max_resample_rounds" in parsed.cli and not algo.dynamic_sampling:  # options that act via a knob
         parsed.error("--max-resample-rounds cannot act without dynamic sampling "
                      "(--algo dapo, or --dynamic-sampling)")
-    inert = sorted(parsed.cli & losses.unused_fields(algo))
-    if inert:
-        parsed.error(f"{_flags(inert)} cannot act on --algo {args.algo} as configured "
-                     f"({algo_summary(algo)}); "
-                     "e.g. a Policy-KL estimator needs --beta > 0, a Query-KL estimator --alpha > 0")
+    if hasattr(args, "qkl_ref"):
+        check_acts(parsed, "qkl_ref", algo.alpha > 0, "alpha=0, no Query-KL term takes a reference (the "
+                   "query_kl monitor measures the drift from the initial policy either way)")
     return algo
+
+
+# ----------------------------------------------------------------------------------------------
+# Which loss knobs apply: the command line's, the algorithm's row, and a --config file's
+
+
+class ForeignKnobs(ValueError):
+    """Knobs a --config file sets for another algorithm that would change this one's loss."""
+
+    def __init__(self, knobs):
+        super().__init__(_flags(knobs))
+        self.knobs = set(knobs)
+
+
+class InertKnobs(ValueError):
+    """Knobs given on the command line that cannot act on the algorithm as resolved."""
+
+    def __init__(self, knobs, algo):
+        super().__init__(_flags(knobs))
+        self.knobs, self.algo = set(knobs), algo
+
+
+@dataclass(frozen=True)
+class KnobSources:
+    """Where each loss knob's value comes from."""
+    algo: str                         # the algorithm run (a row of losses.ALGOS)
+    given: dict                       # knob -> value: command line, --config, or a resumed run's config.json
+    cli: frozenset                    # knobs given on the command line
+    config: frozenset                 # knobs set by the --config file
+    config_algo: str | None = None    # the --config file's "algo" (None: it names none)
+    config_path: str | None = None
+
+
+def knob_sources(parsed: Parsed) -> KnobSources:
+    knobs = {k for k, *_ in algo_knobs()}
+    given = {k: getattr(parsed.args, k) for k in knobs if getattr(parsed.args, k) is not None}
+    return KnobSources(parsed.args.algo, given, frozenset(parsed.cli & knobs),
+                       frozenset(parsed.config_keys & knobs), parsed.config.get("algo"), parsed.config_path)
+
+
+def is_rows_own(algo: str, knob: str, value) -> bool:
+    """Is `value` (as a flag or config would give it: "none", 0, a list) the row's own value?"""
+    try:
+        value = getattr(losses.make_algo(algo, **{knob: value}), knob)   # its normal form ("none" -> None)
+    except ValueError:
+        pass
+    return value == getattr(losses.ALGOS[algo], knob)
+
+
+def resolve_knobs(src: KnobSources) -> tuple[losses.Algo, set]:
+    """The run's losses.Algo, and the config knobs dropped because they cannot act. The rules:
+    - a --config file's knobs apply only to the algorithm it names ("algo"). Run with another one
+      (a command-line --algo that differs, or a config that names none), each config knob not
+      also on the command line whose value is not the row's own is refused (ForeignKnobs), unless
+      it acts neither on the row nor with the config's values (then it is dropped);
+    - a knob on the command line that cannot act on the algorithm as resolved is refused
+      (InertKnobs), unless its value is the row's own (it changes nothing: `--alpha 0` on grpo).
+    ValueError: values losses.make_algo refuses."""
+    own = src.config_algo == src.algo
+    foreign = set() if own else {k for k in src.config - src.cli
+                                 if k in src.given and not is_rows_own(src.algo, k, src.given[k])}
+    algo = losses.make_algo(src.algo, **{k: v for k, v in src.given.items() if k not in foreign})
+    if foreign:
+        try:
+            with_config = losses.make_algo(src.algo, **src.given)
+            idle = losses.unused_fields(algo) & losses.unused_fields(with_config)
+        except ValueError:
+            idle = set()
+        if foreign - idle:
+            raise ForeignKnobs(foreign - idle)
+    inert = {k for k in src.cli & losses.unused_fields(algo) if not is_rows_own(src.algo, k, src.given[k])}
+    if inert:
+        raise InertKnobs(inert, algo)
+    return algo, foreign
+
+
+def knob_text(knob: str, value) -> str:
+    """A knob's value as its flag takes it: `--kl none`, `--dual-clip 0`, `--weight-clip 0 2`."""
+    if value is None:
+        choices = next(f.metadata.get("choices") for f in fields(losses.Algo) if f.name == knob)
+        return "none" if choices else "0"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return " ".join(knob_text(knob, v) for v in value)
+    return repr(value).removesuffix(".0") if isinstance(value, float) else str(value)
+
+
+def _command_line(src: KnobSources, values: dict) -> str:
+    return " ".join(f"--{k.replace('_', '-')} {knob_text(k, v)}" for k, v in sorted(values.items()))
+
+
+def _accepted(src: KnobSources, **changes) -> Exception | None:
+    try:
+        resolve_knobs(replace(src, **changes))
+        return None
+    except ValueError as e:
+        return e
+
+
+def suggested_fixes(src: KnobSources, knobs: set) -> dict:
+    """{"keep": {knob: value}, "drop": {knob: value}, "add_algo": bool}: command-line knobs that
+    keep the config's values / give the row's, each checked by `resolve_knobs` itself (a fix that
+    would be refused is not offered). Keeping a knob that cannot act with the others kept is
+    refused as inert; one of such a pair (`--kl none --beta 0`) is enough, so those are left out
+    one at a time."""
+    row, fixes = losses.ALGOS[src.algo], {}
+    keep = set(knobs)
+    while keep:
+        e = _accepted(src, cli=src.cli | keep)
+        if e is None:
+            fixes["keep"] = {k: src.given[k] for k in keep}
+            break
+        if not isinstance(e, InertKnobs) or not e.knobs & keep:
+            break
+        keep.discard(min(e.knobs & keep))
+    drop = set(knobs)
+    for _ in range(len(algo_knobs())):
+        e = _accepted(src, given={**src.given, **{k: getattr(row, k) for k in drop}}, cli=src.cli | drop)
+        if e is None:
+            fixes["drop"] = {k: getattr(row, k) for k in drop}
+            break
+        if not isinstance(e, ForeignKnobs):
+            break
+        drop |= e.knobs
+    fixes["add_algo"] = src.config_algo is None and _accepted(src, config_algo=src.algo) is None
+    return fixes
+
+
+def foreign_knobs_message(src: KnobSources, knobs: set) -> str:
+    """One line: the knobs, their config values and the row's, and the fixes that are accepted."""
+    row = losses.ALGOS[src.algo]
+    named = f"it names {src.config_algo}" if src.config_algo else "it names no algorithm"
+    each = ", ".join(f"{k} {knob_text(k, src.given[k])} ({src.algo}: {knob_text(k, getattr(row, k))})"
+                     for k in sorted(knobs))
+    fixes = suggested_fixes(src, knobs)
+    how = []
+    if "keep" in fixes:
+        how.append(f"to keep them give them on the command line ({_command_line(src, fixes['keep'])})")
+    if "drop" in fixes:
+        how.append(f"to drop them give {src.algo}'s ({_command_line(src, fixes['drop'])})")
+    if fixes["add_algo"]:
+        how.append(f'or add "algo": "{src.algo}" to {src.config_path}')
+    return (f"--config {src.config_path} sets loss knobs of another algorithm ({named}, this run is "
+            f"--algo {src.algo}): {each}; they apply only to the config's own algorithm: " + "; ".join(how))
+
+
+def check_acts(parsed: Parsed, name: str, acts: bool, why: str):
+    """An option given on the command line with a value other than its default that cannot act is
+    an error, as an inert loss knob is (the default itself changes nothing)."""
+    value = getattr(parsed.args, name)
+    if name in parsed.cli and value != parsed.defaults.get(name) and not acts:
+        parsed.error(f"--{name.replace('_', '-')} {value} cannot act on --algo {parsed.args.algo} as "
+                     f"configured: {why}")
+
+
+def absolute_paths(parsed: Parsed, names):
+    """Options `names` whose values name existing files or folders (relative to here) become
+    absolute paths, so that config.json says which file a run used wherever a command is run from
+    (and --resume from another folder reads the same files). Other values (set names, hub ids)
+    stay as they are."""
+    def absolute(value):
+        is_path = isinstance(value, str) and value and os.path.exists(value)
+        return os.path.abspath(value) if is_path else value
+    for name in names:
+        value = getattr(parsed.args, name, None)
+        value = [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
+        setattr(parsed.args, name, value)
 
 
 def _flags(names):

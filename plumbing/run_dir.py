@@ -27,8 +27,21 @@ from plumbing import checkpoints, distributed, faults, options
 def write_config(out, cfg: dict):
     os.makedirs(out, exist_ok=True)
     if distributed.is_main():
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
+        write_whole(os.path.join(out, "config.json"), json.dumps(cfg, indent=2))
+
+
+def write_whole(path, text):
+    """Replace a file by `text` all at once (written beside it, then renamed): a full disk leaves
+    the old file as it was and ends the run with one line, instead of leaving it cut short."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise SystemExit(f"error: cannot write {path} ({e.strerror or e}); it is as it was") from None
 
 
 def with_resume_record(out, cfg: dict, step, changed: dict) -> dict:
@@ -55,7 +68,7 @@ def read_config(out) -> dict | None:
 # the user's own files, e.g. evaluate.py's results of the run).
 RUN_FILES = ("config.json", "metrics.jsonl", "metrics.jsonl.old", "query_cache.pt", "ckpt", "ckpt.tmp",
              "ckpt.prev", "ckpt.drop", "ckpt.old", "ckpt.diverged", "ckpt.corrupt", "hf", "tensorboard",
-             "wandb_id.txt")
+             "wandb_id.txt", "config.json.tmp", "metrics.jsonl.tmp")
 
 
 def what_run_is_here(out) -> str | None:
@@ -135,15 +148,30 @@ def _existing_parent(path):
     return path
 
 
-def refusal(out, *, resume, overwrite) -> str | None:
+def refusal(out, *, resume, overwrite, export=None, log="jsonl") -> str | None:
     """Why a run may not start in `out` (read-only: main asks before loading anything, and again
-    under the lock): not a writable folder, or a fresh run over a run without --overwrite."""
+    under the lock): not a writable folder, a fresh run over a run without --overwrite, an --export
+    folder that cannot be written, --log's package missing. Everything here is asked before
+    `claim`, which with --overwrite removes the run that is there."""
     why = check_writable(out)
     here = None if why or resume or overwrite else what_run_is_here(out)
     if here:
         why = (f"{out} holds a run ({here}); continue it with --resume, choose another --out, "
                "or replace it with --overwrite")
-    return why
+    return why or (export and check_writable(export, "--export")) or missing_package(log)
+
+
+MIRROR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}   # --log: the package Mirror imports
+
+
+def missing_package(mirror) -> str | None:
+    """Why `Mirror(mirror)` would fail to import its package, or None (looked up, not imported)."""
+    import importlib.util
+
+    package = MIRROR_PACKAGES.get(mirror)
+    if package and importlib.util.find_spec(package) is None:
+        return f"--log {mirror} needs the {package} package (pip install {package})"
+    return None
 
 
 def claim(out, lock: RunLock, *, resume, overwrite) -> None:
@@ -190,7 +218,8 @@ def resume_changes(args, algo, state, may_change: set, not_the_run: set) -> dict
         before = losses.make_algo(saved["algo"], **{k: saved.get(k) for k in knobs})
         fixed = config_changes(vars(before), vars(algo), knobs)
     if fixed:
-        what = "; ".join(f"--{k.replace('_', '-')} {old!r} -> {new!r}" for k, (old, new) in fixed.items())
+        what = "; ".join(f"--{k.replace('_', '-')} {short(old)} -> {short(new)}"
+                         for k, (old, new) in fixed.items())
         raise SystemExit(f"error: --resume: {what}: the run in {args.out} was made with the first "
                          "(config.json), and these options fix what a run is; resume with its values, or "
                          "start a new run (another --out)")
@@ -201,23 +230,30 @@ def resume_changes(args, algo, state, may_change: set, not_the_run: set) -> dict
     return changed
 
 
+def short(value, most=60) -> str:
+    """repr(value), its middle cut out if longer than `most` characters (an error stays one short line)."""
+    text = repr(value)
+    return text if len(text) <= most else f"{text[:most // 2 - 2]}...{text[-(most // 2 - 1):]}"
+
+
 def config_changes(saved: dict, now: dict, keys) -> dict:
     """{key: (saved value, new value)} for the `keys` whose value differs (a key the saved config
     lacks, an option newer than the run, is not compared). Paths that name the same file are equal."""
     out = {}
     for k in keys:
-        if k in saved and not _same(saved[k], now.get(k)):
+        if k in saved and not same_value(saved[k], now.get(k)):
             out[k] = (saved[k], now.get(k))
     return out
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
+    """Equal values, where paths that name the same file are equal (relative or absolute)."""
     if a == b:
         return True
     if isinstance(a, str) and isinstance(b, str) and os.path.exists(a) and os.path.exists(b):
         return os.path.samefile(a, b)
     return isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b) and \
-        all(_same(x, y) for x, y in zip(a, b))
+        all(same_value(x, y) for x, y in zip(a, b))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,9 +262,11 @@ def _same(a, b) -> bool:
 
 class MetricsLog:
     """Append-mode JSONL logger (rank 0 writes; other ranks hold a no-op). On resume, lines after
-    the checkpoint's step are dropped (they will be recomputed), everything before is kept; a
-    fresh run moves an older file aside instead of mixing with it. `mirror` ("tensorboard" or
-    "wandb") also sends every numeric value there; metrics.jsonl stays the source of truth."""
+    the checkpoint's step are dropped (they will be recomputed), everything before is kept, and
+    steps before it without a line (a file cut short or edited) are named in a warning: their
+    metrics cannot be recomputed, the run goes on without them. A fresh run moves an older file
+    aside instead of mixing with it. `mirror` ("tensorboard" or "wandb") also sends every numeric
+    value there; metrics.jsonl stays the source of truth."""
 
     def __init__(self, out, start_step, mirror="jsonl", config=None):
         self.path = os.path.join(out, "metrics.jsonl")
@@ -238,12 +276,18 @@ class MetricsLog:
         if mirror != "jsonl":  # first, so a missing package fails before anything is moved
             self.mirror = Mirror(mirror, out, config or {}, start_step)
         os.makedirs(out, exist_ok=True)
-        if start_step > 0 and os.path.exists(self.path):
-            with open(self.path) as f:
-                keep = [ln for ln in f if _step_of(ln) is not None and _step_of(ln) <= start_step]
-            with open(self.path, "w") as f:
-                f.writelines(keep)
-        elif start_step == 0 and os.path.exists(self.path):
+        if start_step > 0:
+            keep = []
+            if os.path.exists(self.path):
+                with open(self.path) as f:
+                    keep = [ln for ln in f if _step_of(ln) is not None and _step_of(ln) <= start_step]
+                write_whole(self.path, "".join(keep))
+            missing = sorted(set(range(1, start_step + 1)) - {_step_of(ln) for ln in keep})
+            if missing:
+                print(f"warning: --resume: {self.path} has no line for {_steps_text(missing)} (of the "
+                      f"checkpoint's 1..{start_step}): their metrics are lost (not recomputed); the run "
+                      f"continues from step {start_step}", flush=True)
+        elif os.path.exists(self.path):
             os.replace(self.path, self.path + ".old")
         self.f = open(self.path, "a")
 
@@ -252,14 +296,23 @@ class MetricsLog:
             return
         line = json.dumps(m) + "\n"
         faults.point("metrics-write", before=lambda: (self.f.write(line[:len(line) // 2]), self.f.flush()))
-        self.f.write(line)
-        self.f.flush()
+        try:
+            self.f.write(line)
+            self.f.flush()
+        except OSError as e:                                  # a full disk, `ulimit -f`
+            self.close()
+            raise SystemExit(f"error: cannot append step {m.get('step')} to {self.path} ({e.strerror or e}); "
+                             f"{checkpoints.kept_note(os.path.dirname(self.path))}") from None
         if self.mirror:
             self.mirror.log(m)
 
     def close(self):
         if self.f is not None:
-            self.f.close()
+            f, self.f = self.f, None
+            try:
+                f.close()
+            except OSError:                                   # (its last write failed: reported already)
+                pass
         if self.mirror:
             self.mirror.close()
 
@@ -284,7 +337,7 @@ class Mirror:
                 self.w = wandb.init(project=os.environ.get("WANDB_PROJECT", "erpo"), dir=out, config=config,
                                     name=os.path.basename(os.path.normpath(out)),
                                     id=_wandb_id(out, start_step), resume="allow")
-        except ImportError as e:
+        except ImportError as e:                             # (train.py asks missing_package first)
             raise SystemExit(f"error: --log {kind} needs the {e.name} package (pip install {kind})") from None
 
     def log(self, m):
@@ -309,6 +362,15 @@ def _wandb_id(out, start_step):
             f.write(os.urandom(6).hex())
     with open(path) as f:
         return f.read().strip()
+
+
+def _steps_text(steps) -> str:
+    """'step 4', 'steps 2, 3, 4' or 'steps 1, 2, ..., 40 (40 steps)'."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    shown = ", ".join(map(str, steps)) if len(steps) <= 6 else \
+        f"{steps[0]}, {steps[1]}, ..., {steps[-1]} ({len(steps)} steps)"
+    return f"steps {shown}"
 
 
 def _step_of(line):
@@ -352,9 +414,10 @@ def drop_partial_line(path):
 # The end of a run
 
 
-def summary(out, wall_s, eval_sets=(), template="plain") -> str:
+def summary(out, wall_s, eval_sets=(), template="plain", save_every=1) -> str:
     """What changed and where things are, from metrics.jsonl (so a resumed run reports the whole
-    run): held-out accuracy first -> last per set, the final KLs and entropy, and what to run next."""
+    run): held-out accuracy first -> last per set, the final KLs and entropy, and what to run next
+    (`save_every`: the run's --save-every, one reason for no checkpoint)."""
     rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
     evals = [r for r in rows if "eval_acc" in r]
     last = next((r for r in reversed(rows) if "query_kl" in r or "sft_loss" in r), {})
@@ -372,8 +435,10 @@ def summary(out, wall_s, eval_sets=(), template="plain") -> str:
     if skipped:
         lines.append(f"  skipped optimizer steps (non-finite loss or gradient): {skipped}")
     ckpt, saved = checkpoints.checkpoint_dir(out), sorted(glob.glob(os.path.join(out, "sft-*")))
+    why = "--save-every 0" if not save_every else \
+        "no step was trained" if not any(r.get("step", 0) > 0 for r in rows) else "none was saved"
     where = f", checkpoint {ckpt}/" if checkpoints.has_checkpoint(out) else \
-        (f", SFT exports {saved[0]} ... {saved[-1]}" if saved else ", no checkpoint (--save-every 0)")
+        (f", SFT exports {saved[0]} ... {saved[-1]}" if saved else f", no checkpoint ({why})")
     lines += [f"  run folder {out}/ (metrics.jsonl, config.json){where}",
               "next:",
               f"  python analysis.py runs {out} --out {out}/plots        # KL and train vs held-out curves"]

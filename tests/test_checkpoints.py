@@ -186,3 +186,168 @@ def test_the_final_export_of_an_fsdp2_run_takes_the_export_dtype(tmp_path):
     a = heldout.load_model(str(out / "ckpt"), "cpu", "bfloat16")[0].state_dict()
     b = models.load_policy(str(out / "hf"), dtype="bfloat16")[0].state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- writes that fail, files lost
+
+
+TRAIN = os.path.join(ROOT, "data", "tinymath", "train.jsonl")
+
+
+def tiny(out, train_data, *extra):
+    """train.py's argv of a 4-step single-process run, a checkpoint every 2 steps."""
+    return ["--model", WARM, "--train-data", str(train_data), "--out", str(out), "--steps", "4",
+            "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--micro-batch", "8",
+            "--max-new-tokens", "24", "--eval-data", "tiny-test", "--eval-limit", "4", "--eval-every", "2",
+            "--save-every", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """(the finished run's folder, its training file): checkpoints of steps 4 (ckpt/) and 2 (ckpt.prev/)."""
+    d = tmp_path_factory.mktemp("tiny")
+    with open(TRAIN) as f:
+        (d / "train.jsonl").write_text("".join(next(f) for _ in range(64)))
+    import train as T
+    T.main(tiny(d / "run", d / "train.jsonl"))
+    return d / "run", d / "train.jsonl"
+
+
+def copy_of(tiny_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run[0], out)
+    return out
+
+
+def files(folder):
+    """{relative path: bytes} of the files under `folder` (a checkpoint's loss_checked marker aside: a
+    resumed run's first finite step writes it)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name not in (checkpoints.CHECKED, ".lock")}
+
+
+def exits(capsys, argv) -> str:
+    """train.main(argv) exits with one line and no traceback -> the line."""
+    import train as T
+    with pytest.raises(SystemExit) as e:
+        T.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code not in (0, None) and "Traceback" not in err, err[-2000:]
+    return e.value.code if isinstance(e.value.code, str) else err.strip().splitlines()[-1]
+
+
+def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_checkpoint(tiny_run, tmp_path, capsys, monkeypatch):
+    out = copy_of(tiny_run, tmp_path)
+    ckpt, real_save = files(out / "ckpt"), torch.save
+
+    def full_disk(obj, path, *a, **k):       # what torch.save raises when the disk fills mid-write
+        if "ckpt.tmp" in str(path):
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 512 vs 448")
+        return real_save(obj, path, *a, **k)
+    monkeypatch.setattr(checkpoints.torch, "save", full_disk)
+    msg = exits(capsys, tiny(out, tiny_run[1], "--resume", "--steps", "6"))
+    assert msg == (f"error: cannot save the checkpoint of step 6 in {out} ([enforce fail at inline_container.cc:"
+                   "626] . unexpected pos 512 vs 448: a full disk, or a file size limit (ulimit -f)?); the "
+                   f"checkpoint of step 4 ({out}/ckpt/) is intact: --resume continues from it once the disk "
+                   "takes one")
+    assert files(out / "ckpt") == ckpt and not (out / "ckpt.tmp").exists()
+    monkeypatch.setattr(checkpoints.torch, "save", real_save)
+    import train as T
+    T.main(tiny(out, tiny_run[1], "--resume", "--steps", "6"))                  # the advice, followed
+    assert checkpoints.saved_step(str(out / "ckpt")) == 6
+
+
+def test_a_file_size_limit_at_a_save_is_one_line(tiny_run, tmp_path):
+    """`ulimit -f`: the write fails with EFBIG (Python ignores SIGXFSZ), the checkpoint of step 4 stays."""
+    import resource
+
+    out = copy_of(tiny_run, tmp_path)
+    ckpt = files(out / "ckpt")
+    limit = 2 * 2 ** 20                      # below the 3.5 MB model.safetensors
+    r = subprocess.run([sys.executable, "train.py", *tiny(out, tiny_run[1], "--resume", "--steps", "6")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    line = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert line.startswith(f"error: cannot save the checkpoint of step 6 in {out} (") and "File too large" in line
+    assert line.endswith(f"the checkpoint of step 4 ({out}/ckpt/) is intact: --resume continues from it once the "
+                         "disk takes one")
+    assert files(out / "ckpt") == ckpt
+
+
+def test_a_metrics_line_on_a_full_disk_is_one_line(tiny_run, tmp_path, capsys, monkeypatch):
+    import builtins
+    import errno
+
+    from plumbing import run_dir
+
+    class Full:                              # metrics.jsonl opened for appending on a disk that is full
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            self.f.flush()
+
+        def close(self):
+            self.f.close()
+
+    def open_full(path, mode="r", *a, **k):
+        f = builtins.open(path, mode, *a, **k)
+        return Full(f) if str(path).endswith("metrics.jsonl") and mode == "a" else f
+    out = copy_of(tiny_run, tmp_path)
+    lines = (out / "metrics.jsonl").read_text()
+    monkeypatch.setattr(run_dir, "open", open_full, raising=False)
+    msg = exits(capsys, tiny(out, tiny_run[1], "--resume", "--steps", "6"))
+    assert msg == (f"error: cannot append step 5 to {out}/metrics.jsonl (No space left on device); the checkpoint "
+                   f"of step 4 ({out}/ckpt/) is intact: --resume continues from it once the disk takes one")
+    assert (out / "metrics.jsonl").read_text() == lines
+
+
+def test_an_unreadable_query_cache_is_rebuilt_exactly_or_refused(tiny_run, tmp_path, capsys):
+    """On --resume the cache is the reference: rebuilt from the initial model where the checkpoint's
+    record of it (its meta) says that gives it back bit for bit, else one line and nothing changed."""
+    import train as T
+
+    out = copy_of(tiny_run, tmp_path)
+    cache = out / "query_cache.pt"
+    saved = torch.load(cache)
+    cache.write_bytes(cache.read_bytes()[:100])                         # cut short
+    T.main(tiny(out, tiny_run[1], "--resume", "--query-cache-dir", ""))  # (no shared copy: built again)
+    assert f"--resume: {cache} was unreadable (RuntimeError: " in capsys.readouterr().out
+    rebuilt = torch.load(cache)
+    assert rebuilt["meta"] == saved["meta"] and all(torch.equal(x, y) for x, y in zip(rebuilt["logp"], saved["logp"]))
+    cache.write_bytes(b"")
+    other = tmp_path / "other"                                           # the initial model, retrained
+    shutil.copytree(WARM, other)
+    from safetensors.torch import load_file, save_file
+    w = load_file(str(other / "model.safetensors"))
+    save_file({k: v + 1e-3 if k.endswith("norm.weight") else v for k, v in w.items()}, str(other / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    for model, why in ((str(other), f"the initial model {other} does not have the weights it was built from"),
+                       (str(tmp_path / "gone"), "its initial model does not load (model folder ")):
+        (out / "config.json").write_text(json.dumps({**config, "model": model}))
+        before = files(out)
+        msg = exits(capsys, tiny(out, tiny_run[1], "--resume", "--measure-policy-kl", "false")[2:])  # (config.json's
+        # --model; no reference model, whose load would be the first to fail)
+        assert msg.startswith(f"error: --resume: {cache} is unreadable (EOFError (an empty file?)) and cannot be "
+                              f"rebuilt exactly: {why}") and msg.endswith("put the file back, or start a new run "
+                                                                          "(another --out)"), msg
+        assert files(out) == before
+    (out / "config.json").write_text(json.dumps(config))
+    state = torch.load(out / "ckpt" / "state.pt", weights_only=False)
+    del state["extra"]["query_cache"]                                    # a checkpoint of an older version
+    torch.save(state, out / "ckpt" / "state.pt")
+    msg = exits(capsys, tiny(out, tiny_run[1], "--resume"))
+    assert "cannot be rebuilt exactly: the checkpoint does not record what it was built from" in msg
+
+
+def test_an_export_that_cannot_be_written_is_one_line(tmp_path):
+    model, tok = models.load_policy(WARM)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as e:
+        checkpoints.export(model, tok, str(tmp_path / "afile" / "hf"))
+    assert str(e.value.code).startswith(f"error: cannot write the export {tmp_path / 'afile' / 'hf'} (")

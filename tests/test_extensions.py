@@ -111,7 +111,9 @@ def test_a_task_registered_from_outside_scores_whole_rows(tmp_path, monkeypatch)
     data = tmp_path / "colors.jsonl"
     data.write_text("".join(json.dumps({"id": str(i), "problem": f"Name a color, number {i}.", "answer": "x",
                                         "color": c}) + "\n" for i, c in enumerate(["red", "blue"] * 8)))
-    ms = run(tmp_path / "run", str(data), "--task", "color", "--algo", "grpo", "--eval-data", str(data),
+    held = tmp_path / "held.jsonl"                  # (held out: not the training problems)
+    held.write_text(data.read_text().replace("Name a color, number", "Name a color, held-out number"))
+    ms = run(tmp_path / "run", str(data), "--task", "color", "--algo", "grpo", "--eval-data", str(held),
              "--eval-every", "1", "--eval-limit", "4")
     assert set(seen) == {"red", "blue"} and len(seen) == 8 * 4 + 2 * 4   # 8 prompts x G; 4 held-out rows
                                                                          # at step 0 and after step 1

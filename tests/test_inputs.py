@@ -163,3 +163,34 @@ def test_blank_problems_are_skipped_in_training_and_errors_elsewhere(tmp_path, c
     msg = refused(tmp_path, capsys, "--eval-data", str(f), "--eval-limit", "0",
                   "--train-data", str(good_train), *NO_STEPS)
     assert msg.startswith(f"error: {f}:4: no problem")
+
+
+# ----------------------------------------------------------------------------- held-out sets
+
+def test_a_heldout_set_that_is_the_training_set_is_refused(tmp_path, capsys, rows, good_train):
+    """eval_acc, the held-out accuracy a run reports, is the first --eval-data set's: the training
+    file, or a file of training problems (a copy of its first lines), is refused there; after a
+    held-out set it is measured as the training set it is (the train vs held-out gap)."""
+    msg = refused(tmp_path, capsys, "--train-data", str(good_train), "--eval-data", str(good_train),
+                  *NO_STEPS)
+    assert msg == (f"error: --eval-data {good_train} is the training file (--train-data {good_train}): "
+                   "eval_acc, the held-out accuracy, would be training accuracy; give a held-out set first "
+                   "(training problems may follow it, to measure the gap)")
+    copy = write_jsonl(tmp_path / "held.jsonl", rows[10:20])
+    msg = refused(tmp_path, capsys, "--train-data", str(good_train), "--eval-data", str(copy), "tiny-test",
+                  *NO_STEPS)
+    assert msg.startswith(f"error: --eval-data {copy} holds only training problems "
+                          f"(--train-data {good_train})")
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"problem": "What is 1+1?", "answer": "2"}] + rows[:3])
+    for i, eval_data in enumerate(([str(mixed)], ["tiny-test", str(good_train)])):   # a few shared; the gap
+        out = tmp_path / f"ok{i}"
+        train.main(["--model", WARM, "--out", str(out), "--train-data", str(good_train), "--eval-data",
+                    *eval_data, "--eval-limit", "2", "--steps", "0", "--query-cache-dir", ""])
+        assert (out / "metrics.jsonl").exists()
+
+
+def test_inf_gets_no_advice_to_give_a_large_number(tmp_path, capsys):
+    """No option means infinity, and for none of them is "a large one such as 1e9" what to give."""
+    for flag in ("--alpha", "--lr", "--eval-temperatures"):
+        msg = refused(tmp_path, capsys, flag, "inf", *NO_MODEL, code=2)
+        assert msg.endswith(f"argument {flag}: expected a finite number, got 'inf'"), msg

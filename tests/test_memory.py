@@ -66,6 +66,7 @@ def test_dry_run_measures_the_paper_step_on_fake_tensors(capsys):
         planned, measured = map(float, row.split()[1:3])
         assert abs(planned / measured - 1) <= 0.15, row
     assert "CUDA context" in out  # what is not counted is said
+    assert "time model of one RL step on 8 x H100" in out and "12,288" in out   # one pass, 128 slots
 
 
 def test_the_fake_measurement_stubs_only_the_two_scalar_reads():

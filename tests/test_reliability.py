@@ -532,3 +532,111 @@ def test_a_full_query_cache_disk_does_not_stop_a_run(tmp_path, monkeypatch, caps
     assert "query-KL reference cache: not shared ([enforce fail" in capsys.readouterr().out
     assert [m["step"] for m in metrics(out)] == [1] and not list(shared.rglob("*.tmp*"))
 
+
+
+# ----------------------------------------------------------------------------- the fuzz sweep's (issue #31)
+
+
+def test_every_refusal_comes_before_overwrite_removes_the_old_run(tmp_path, capsys, monkeypatch, data,
+                                                                  uninterrupted_run):
+    """--overwrite removes the old run only once nothing can refuse any more: --log's package (looked
+    up, not imported) and the SFT batch that does not divide by the world size are asked first."""
+    import importlib.util
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted_run, out)
+    before = fingerprint(out)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else
+                        real_find_spec(name, *a))                        # (wandb may be installed here)
+    msg = exit_line(capsys, train.main, *small(out, data[0] / "train.jsonl", "--overwrite", "--log", "wandb"))
+    assert msg == "error: --log wandb needs the wandb package (pip install wandb)"
+    monkeypatch.setattr(train.distributed, "setup", lambda **kw: train.distributed.Dist(0, 3, torch.device("cpu")))
+    msg = exit_line(capsys, train.main, "--algo", "sft", "--model", WARM, "--out", str(out), "--overwrite",
+                    "--sft-batch", "8")
+    assert msg == "error: --sft-batch 8 does not divide by world size 3"
+    assert fingerprint(out) == before
+
+
+def test_a_resume_says_which_metrics_lines_before_the_checkpoint_are_lost(tmp_path, capsys, data,
+                                                                           uninterrupted_run):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted_run, out)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[:-1]))              # step 4's line lost
+    train.main(small(out, data[0] / "train.jsonl", "--resume", "--steps", "5", "--eval-every", "0"))
+    printed = capsys.readouterr().out
+    assert (f"warning: --resume: {out}/metrics.jsonl has no line for step 4 (of the checkpoint's 1..4): "
+            "their metrics are lost (not recomputed); the run continues from step 4") in printed
+    assert [m["step"] for m in metrics(out)] == [0, 1, 2, 3, 5]
+
+
+def test_no_checkpoint_says_why(tmp_path, capsys, data):
+    out = tmp_path / "run"
+    train.main(small(out, data[0] / "train.jsonl", "--steps", "0", "--save-every", "1"))
+    assert f"run folder {out}/ (metrics.jsonl, config.json), no checkpoint (no step was trained)" in \
+        capsys.readouterr().out
+    train.main(small(tmp_path / "r2", data[0] / "train.jsonl", "--steps", "1", "--save-every", "0",
+                     "--eval-every", "0"))
+    assert "no checkpoint (--save-every 0)" in capsys.readouterr().out
+
+
+def test_path_options_name_the_same_files_wherever_a_resume_runs(tmp_path, capsys, monkeypatch, data):
+    """config.json records the files a run used as absolute paths: a resume from another folder, where
+    the relative --train-data names another file, reads the run's own. An older run's relative path
+    (as config.json wrote it then) names that other file from there: refused in one short line."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    shutil.copy(data[0] / "train.jsonl", a / "train.jsonl")
+    with open(TRAIN) as f:
+        (b / "train.jsonl").write_text("".join(f.readlines()[100:164]))   # other problems
+    monkeypatch.chdir(a)
+    out = a / "run"
+    train.main(small(out, "train.jsonl", "--steps", "2", "--eval-every", "0"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["train_data"] == str(a / "train.jsonl") and config["model"] == WARM
+    monkeypatch.chdir(b)
+    train.main(["--out", str(out), "--resume", "--steps", "3"])
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+    (out / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()),
+                                                 "train_data": "train.jsonl"}))
+    before = fingerprint(out)
+    msg = exit_line(capsys, train.main, "--out", str(out), "--resume", "--steps", "4")
+    assert msg == (f"error: --resume: {out}/query_cache.pt was built from other prompts or settings (data "
+                   f"{run_dir.short(str(a / 'train.jsonl'), 40)} -> 'train.jsonl'; the prompts differ); resume from "
+                   "the folder the run was started in, with its options (config.json), or start a new run "
+                   "(another --out)")
+    assert fingerprint(out) == before
+
+
+def test_a_truncated_model_file_is_one_line(tmp_path, capsys, data):
+    model = tmp_path / "model"
+    shutil.copytree(WARM, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    msg = exit_line(capsys, train.main, *small(tmp_path / "run", data[0] / "train.jsonl", "--model", str(model)))
+    assert msg.startswith(f"error: cannot load model '{model}': ") and not (tmp_path / "run").exists()
+
+
+# Sends the process SIGINT while train.py imports torch (how a Ctrl-C in the first seconds lands).
+INTERRUPT_IMPORT = """
+import builtins, os, runpy, signal, sys
+real = builtins.__import__
+def interrupting(name, *a, **k):
+    if name == "torch":
+        builtins.__import__ = real
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(name, *a, **k)
+builtins.__import__ = interrupting
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ctrl_c_during_the_imports_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-c", INTERRUPT_IMPORT, "train.py", "--out", str(tmp_path / "run")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "interrupted (SIGINT): stopped while starting, nothing written"
+    assert not (tmp_path / "run").exists()

@@ -371,3 +371,46 @@ def test_gpu_check_runs_its_code_on_a_tiny_model():
     assert {k: status.get(k) for k in must_pass} == dict.fromkeys(must_pass, "PASS"), r.stdout
     assert set(status) == set(must_pass) | set(may_skip), r.stdout
     assert r.stdout.splitlines()[-1].startswith(f"gpu_check: {len(must_pass)} PASS, 0 FAIL, "), r.stdout
+
+
+# The memory check's model (configs/models/memcheck-20m.json) at widths a fake step runs in seconds.
+MEMCHECK = ["--model", "memcheck-20m", "--max-prompt-len", "1008", "--max-new-tokens", "16", "--group-size", "2",
+            "--rollout-batch", "16", "--update-batch", "16", "--micro-batch", "1", "--gen-batch", "2"]
+
+
+def test_the_dry_run_measures_ddp_replicas(capsys):
+    """--dry-run without --fsdp (DDP: a full replica per GPU) measures the step too: on fake ranks the
+    replica runs unwrapped (DDP's construction and reduction hooks need values), holding what a DDP
+    rank holds (its gradients are views into the reduction buckets); within 15% of the plan."""
+    import train
+    from plumbing import memory_plan
+
+    args, algo = train.parse_args([*MEMCHECK, "--dtype", "float32", "--fsdp", "false"])
+    measured = train.measure_memory(args, algo, world=8)
+    plan = memory_plan.phases(memory_plan.arch_for(args.model), args, 8, train.needs_reference_model(args, algo))
+    for phase in memory_plan.PHASES:
+        assert measured.peaks[phase] == pytest.approx(plan[phase], rel=0.15), phase
+    train.main(["--dry-run"])                            # the tiny default (DDP): "data is not allocated yet"
+    out = capsys.readouterr().out
+    assert ", DDP" in out and "measured: fake tensors on 8 rank(s)" in out
+
+
+@pytest.mark.parametrize("argv", [["--rollout-batch", "100000000"], ["--max-new-tokens", "10000000"],
+                                  ["--group-size", "100000000"]])
+def test_a_dry_run_of_absurd_sizes_plans_without_allocating_them(capsys, argv):
+    """The measurement plans its worst-case step from real host tensors; sizes that would take more
+    host memory than memory_measure.HOST_BUDGET are not measured (said), the plan is printed."""
+    import train
+
+    train.main(["--dry-run", *argv])
+    out = capsys.readouterr().out
+    assert "  not measured: its worst-case rollout (" in out and "GiB of host memory to plan" in out
+    assert out.strip().splitlines()[-1].startswith("plan: peak_gib_per_gpu=")
+
+
+def test_a_dry_run_refuses_the_sizes_a_run_refuses(capsys):
+    import train
+
+    with pytest.raises(SystemExit) as e:
+        train.main(["--dry-run", "--plan-gpus", "64"])
+    assert e.value.code == "error: --update-batch 16 must be divisible by the world size 64"

@@ -4,6 +4,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import torch
 import losses
 import surrogates
 import train
+from plumbing import options
 from tests.rounding import is_exact, load_tolerances
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,13 +250,131 @@ def test_loss_knobs_are_flags_and_inert_ones_are_errors(capsys, tmp_path):
     _, algo = train.parse_args(["--algo", "dapo", "--overlong-cache", "8", "--dual-clip", "0"])
     assert algo.overlong_cache == 8 and algo.dual_clip is None
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"kl": "k2", "weight_clip": [0.5, 1.5], "steps": 3}))
+    cfg.write_text(json.dumps({"algo": "erpo", "kl": "k2", "weight_clip": [0.5, 1.5], "steps": 3}))
     args, algo = train.parse_args(["--config", str(cfg), "--algo", "erpo"])   # defaults: fine
     assert args.steps == 3 and algo.kl == "k2" and algo.beta == 0
     cfg.write_text('{"steps": 3,}')
     with pytest.raises(SystemExit):
         train.parse_args(["--config", str(cfg)])
     assert "c.json:1: not valid JSON" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- a config's loss knobs
+# They apply only to the algorithm the config names ("algo"); run with another, those that would
+# change its loss are refused in one line that names them and the fixes (each of which parses).
+
+CONFIGS = sorted(os.path.join(ROOT, "configs", f) for f in os.listdir(os.path.join(ROOT, "configs"))
+                 if f.endswith(".json"))
+
+
+def parse_error(capsys, argv):
+    """train.parse_args on argv that must be refused -> its one error line."""
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def suggested(line, lead) -> list[str]:
+    """The flags a refusal suggests after `lead`, e.g. "to keep them give them on the command line"."""
+    m = re.search(re.escape(lead) + r" \((--[^)]*)\)", line)
+    return m.group(1).split() if m else []
+
+
+def resolved_knobs(config_path, algo, capsys, extra=()):
+    """-> (the losses.Algo a run resolves, None) or (None, the refusal line)."""
+    try:
+        return train.parse_args(["--config", config_path, "--algo", algo, *extra])[1], None
+    except SystemExit:
+        return None, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("algo", list(losses.ALGOS))
+@pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
+def test_a_configs_loss_knobs_apply_only_to_its_own_algorithm(capsys, config, algo):
+    with open(config) as f:
+        cfg = json.load(f)
+    knobs = {k: v for k, v in cfg.items() if k in {name for name, *_ in options.algo_knobs()}}
+    resolved, line = resolved_knobs(config, algo, capsys)
+    if cfg.get("algo") == algo:                          # the config's own: every knob applies
+        assert resolved == losses.make_algo(algo, **knobs)
+        return
+    row = losses.ALGOS[algo]
+    inherited = {k for k, v in knobs.items() if not options.is_rows_own(algo, k, v)}
+    if resolved is not None:                             # nothing inherited that could act: the row's own
+        assert resolved == row
+        return
+    named = re.findall(r"(\w+) (\S+(?: \S+)?) \(" + re.escape(algo) + r": ", line)
+    assert named and {k for k, _ in named} <= inherited, line
+    for k, _ in named:
+        assert f"{k} {options.knob_text(k, knobs[k])} ({algo}: {options.knob_text(k, getattr(row, k))})" in line
+    drop = suggested(line, f"to drop them give {algo}'s")
+    keep = suggested(line, "to keep them give them on the command line")
+    assert drop and keep, line
+    assert resolved_knobs(config, algo, capsys, drop)[0] == row          # the suggested fixes parse
+    kept = resolved_knobs(config, algo, capsys, keep)[0]
+    assert kept is not None
+    assert all(getattr(kept, k) == getattr(losses.make_algo(algo, **{k: knobs[k]}), k)
+               for k, _ in named if f"--{k.replace('_', '-')}" in keep)
+
+
+def write_config(tmp_path, **values):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(values))
+    return str(path)
+
+
+def test_grpos_knobs_in_a_config_run_as_erpo_are_refused_and_each_fix_works(capsys, tmp_path):
+    """The fuzz sweep's case: a config spelling out GRPO's loss trains GRPO under the name erpo."""
+    cfg = write_config(tmp_path, kl="k3", beta=0.01, alpha=0, weights="none", steps=3)
+    line = parse_error(capsys, ["--config", cfg, "--algo", "erpo"])
+    assert (f"error: --config {cfg} sets loss knobs of another algorithm (it names no algorithm, this run is "
+            "--algo erpo): alpha 0 (erpo: 0.01), beta 0.01 (erpo: 0), kl k3 (erpo: none), weights none "
+            "(erpo: paper); ") in line, line
+    assert f'or add "algo": "erpo" to {cfg}' in line
+    _, kept = train.parse_args(["--config", cfg, "--algo", "erpo", *suggested(line, "to keep them give them "
+                                                                               "on the command line")])
+    assert kept == losses.ALGOS["grpo"]                  # what the config spells out, said on the command line
+    args, dropped = train.parse_args(["--config", cfg, "--algo", "erpo", *suggested(line, "to drop them give "
+                                                                                        "erpo's")])
+    assert dropped == losses.ALGOS["erpo"] and args.steps == 3
+    _, own = train.parse_args(["--config", write_config(tmp_path, algo="erpo", kl="k3", beta=0.01, alpha=0,
+                                                        weights="none")])
+    assert own == losses.ALGOS["grpo"]                   # "algo" in the config: its knobs are its own
+
+
+def test_config_knobs_that_cannot_act_are_dropped_and_pairs_that_can_are_refused(capsys, tmp_path):
+    # k2 cannot act on erpo (beta 0), with the config's values or the row's: the row's stands
+    args, algo = train.parse_args(["--config", write_config(tmp_path, kl="k2", steps=3), "--algo", "erpo"])
+    assert algo == losses.ALGOS["erpo"] and args.kl is None and args.steps == 3   # config.json: the row's
+    # no Policy-KL for grpo, said twice: each is inert given the other, the pair is not
+    cfg = write_config(tmp_path, kl="none", beta=0)
+    line = parse_error(capsys, ["--config", cfg, "--algo", "grpo"])
+    assert "beta 0 (grpo: 0.01), kl none (grpo: k3)" in line
+    keep = suggested(line, "to keep them give them on the command line")
+    assert len(keep) == 2                                 # one of the two is enough (both: refused as inert)
+    _, algo = train.parse_args(["--config", cfg, "--algo", "grpo", *keep])
+    assert not algo.has_policy_kl_loss
+    # an acting knob in a config without "algo", run with the default algorithm
+    line = parse_error(capsys, ["--config", write_config(tmp_path, weight_clip=[0.5, 1.5])])
+    assert "weight_clip 0.5 1.5 (erpo: 0 2)" in line and "--weight-clip 0.5 1.5" in line
+
+
+def test_a_knob_on_the_command_line_at_the_rows_own_value_is_accepted(capsys):
+    for argv in (["--algo", "grpo", "--alpha", "0"], ["--algo", "erpo", "--kl", "none"],
+                 ["--algo", "erpo", "--kl", "none", "--beta", "0"], ["--algo", "drgrpo", "--dual-clip", "0"]):
+        _, algo = train.parse_args(argv)
+        assert algo == losses.ALGOS[argv[1]], argv
+    assert "--kl cannot act on --algo erpo" in parse_error(capsys, ["--algo", "erpo", "--kl", "k3"])
+
+
+def test_qkl_ref_that_cannot_act_is_an_error(capsys):
+    line = parse_error(capsys, ["--algo", "grpo", "--qkl-ref", "live"])
+    assert "--qkl-ref live cannot act on --algo grpo as configured: alpha=0" in line
+    for argv in (["--algo", "grpo", "--qkl-ref", "cache"], ["--algo", "erpo", "--qkl-ref", "live"],
+                 ["--algo", "grpo", "--alpha", "0.01", "--qkl-ref", "live"]):
+        assert train.parse_args(argv)[0].qkl_ref == argv[-1]
 
 
 def _torchrun(nproc, out, data, *extra):
