@@ -1,18 +1,26 @@
-"""One decoding step -- one new token for each row -- over a Hugging Face Llama / Qwen2 model's
-own weights, without transformers' forward.
+"""One decoding step -- one new token for each slot of the sampler's KV cache -- over a Hugging Face
+Llama / Qwen2 model's own weights, without transformers' forward.
 
 Why: after the prompt, the sampler runs the model on ONE token per row, once per generated token.
 The arithmetic of such a step is small, and transformers' forward (attention-mask building, cache
 objects, module hooks, ~45 small tensor ops per layer) costs more than the arithmetic on a CPU or
 a small GPU batch. `LeanStep` does the same math in ~20 ops per layer: q/k/v and gate/up as one
 matmul each (CPU: the weights concatenated once per sampler call), one rotary for q and k
-together, attention as two batched matmuls against the preallocated KV cache
-(kv_cache.PreallocatedLayer), which the HF forward filled with the prompts.
+together, attention against the slots of the preallocated KV cache (kv_cache.SlotLayer), whose
+prompts the HF forward filled (kv_cache.admit). Each slot has its own length: a step writes each
+slot's K/V at its own column and masks the columns beyond it (slots.py refills finished slots).
+
+Attention scores and their softmax are float32 whatever the cache's dtype: a float32 cache (CPU)
+goes through two batched matmuls as before; a bf16/fp16 cache through scaled_dot_product_attention
+on the cache itself, whose kernels (CUDA's memory-efficient one, CPU's flash one) accumulate the
+scores and the softmax in float32 as the training forward's SDPA / flash-attn do -- the sampler's
+pi is then the trainer's pi_old up to the cache's rounding, not a bf16 softmax's, and
+no float32 copy of the cache is made.
 
 Same math, not the same rounding: its logits agree with the HF forward to ~1e-6 relative in float32
 (tests/test_rollout.py), so a sampled token can differ where two candidates tie to that precision.
 Models it does not implement (other architectures, sliding windows, dynamic RoPE, q/k norms, a
-sharded model) get `HFStep`, the HF forward per step; `stepper` picks.
+sharded model) get `HFStep`, the HF forward per step, in rollout.py's chunked loop.
 """
 
 import torch
@@ -39,13 +47,6 @@ def supports(model) -> bool:
     return not any(hasattr(layers[0].self_attn, n) for n in ("q_norm", "k_norm"))
 
 
-def stepper(model, cache, mask, cache_kw, keep):
-    """The decoding step for `model` whose cache `cache` holds the prompts (mask (B, P))."""
-    if supports(model) and all(hasattr(layer, "k_buf") for layer in cache.layers):
-        return LeanStep(model, cache, mask)
-    return HFStep(model, cache, mask, cache_kw, keep)
-
-
 class HFStep:
     """The reference: transformers' forward on one token per row, with a growing attention mask."""
 
@@ -65,9 +66,10 @@ class HFStep:
 
 
 class LeanStep:
-    """Llama/Qwen2 decoding from the model's weights (no copies, except the fused CPU matmuls)."""
+    """Llama/Qwen2 decoding from the model's weights (no copies, except the fused CPU matmuls), over
+    the slots of a kv_cache.slot_cache."""
 
-    def __init__(self, model, cache, mask):
+    def __init__(self, model, cache):
         cfg, inner, w0 = model.config, model.model, next(model.parameters())
         attn0 = inner.layers[0].self_attn
         self.cache, self.eps, self.lm = cache, cfg.rms_norm_eps, model.lm_head
@@ -83,46 +85,62 @@ class LeanStep:
         # One matmul instead of three (two) on CPU; costs a weight copy. (Fake tensors, which
         # memory_measure uses to measure a GPU's step on a CPU, stand for a GPU's: no copy.)
         fuse = w0.device.type == "cpu" and not is_fake(w0)
-        dev = w0.device.type
+        self.dev = w0.device.type
         # Under autocast the fused copies are made in its dtype: cast once, not at every token.
-        cast = torch.get_autocast_dtype(dev) if fuse and torch.is_autocast_enabled(dev) else None
+        cast = torch.get_autocast_dtype(self.dev) if fuse and torch.is_autocast_enabled(self.dev) else None
         self.layers = [_Layer(layer, fuse, cast) for layer in inner.layers]
-        # Additive attention bias over cache positions, one row per (row, kv head): -inf on prompt
-        # padding, 0 on real tokens and on every generated position (finished rows decode on,
-        # ignored). (B * Hkv, 1, capacity)
-        B, P = mask.shape
-        bias = torch.zeros(B, self.Hkv, 1, cache.layers[0].capacity, dtype=cache.layers[0].k_buf.dtype,
-                           device=w0.device)
-        bias[..., :P].masked_fill_(mask[:, None, None, :] == 0, float("-inf"))
-        self.bias, self.dev = bias, dev
 
-    def select(self, rows):
-        self.bias = self.bias[rows]
-        self.cache.batch_select_indices(rows)
+    def select(self, slots):
+        """Keep only `slots` (an index tensor), in that order."""
+        self.cache.batch_select_indices(slots)
 
-    def __call__(self, tok, pos):
-        """tok, pos: (B,) -> (B, V) float32 logits of the next token; appends K/V at the cache end."""
-        B, Hq, Hkv, D = tok.shape[0], self.Hq, self.Hkv, self.D
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]     # (B, 1, D)
-        x = self.embed(tok)                                             # (B, H)
-        L = self.cache.layers[0].length + 1                            # cache length after this token
-        bias = self.bias.view(B * Hkv, 1, -1)[..., :L]                   # (B*Hkv, 1, L)
+    def __call__(self, tok, pos, width: int):
+        """tok, pos: (S,) each slot's token and its position, which is also the cache column its K/V
+        are written to (a slot's prompt fills columns [0, P) unpadded); width: cache columns read,
+        > every pos (a host int: no device read). -> (S, V) float32 logits of each slot's next token.
+        Every slot reads `width` columns, masked beyond its own length."""
+        S, Hq, Hkv, D = tok.shape[0], self.Hq, self.Hkv, self.D
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]     # (S, 1, D)
+        x = self.embed(tok)                                             # (S, H)
+        C = self.cache.layers[0].capacity
+        # each (slot, kv head)'s row of a (S * Hkv * C, D) view of a layer's buffer: its slot's column
+        at = ((torch.arange(S, device=tok.device)[:, None] * Hkv + torch.arange(Hkv, device=tok.device)) * C
+              + pos[:, None]).view(-1)                                 # (S * Hkv,)
+        own = torch.arange(width, device=tok.device)[None, :] <= pos[:, None]   # (S, width)
+        mask = own if self.cache.layers[0].k_buf.dtype != torch.float32 else _bias(own, Hkv)
         for w, c in zip(self.layers, self.cache.layers):
-            qkv = w.qkv(_rms(x, w.n1, self.eps)).view(B, Hq + 2 * Hkv, D)
+            qkv = w.qkv(_rms(x, w.n1, self.eps)).view(S, Hq + 2 * Hkv, D)
             qk = _rotate(qkv[:, :Hq + Hkv], cos, sin)                    # q and k heads at once
-            c.k_buf[:, :, L - 1] = qk[:, Hq:]
-            c.v_buf[:, :, L - 1] = qkv[:, Hq + Hkv:]
-            c.length = L
-            K = c.k_buf[:, :, :L].reshape(B * Hkv, L, D)               # views: dims 0, 1 merge
-            V = c.v_buf[:, :, :L].reshape(B * Hkv, L, D)
-            q = qk[:, :Hq].reshape(B * Hkv, Hq // Hkv, D)               # GQA: a kv head's q heads
-            with torch.autocast(self.dev, enabled=False):  # the cache's dtype: bf16 is slower here on CPU
-                # (B*Hkv, g, L)
-                p = torch.baddbmm(bias, q.to(K.dtype), K.transpose(1, 2), alpha=self.scale).softmax(-1)
-                a = torch.bmm(p, V).view(B, Hq * D)
-            x = x + w.o(a)
+            c.k_buf.view(-1, D).index_copy_(0, at, qk[:, Hq:].reshape(-1, D).to(c.k_buf.dtype))
+            c.v_buf.view(-1, D).index_copy_(0, at, qkv[:, Hq + Hkv:].reshape(-1, D).to(c.v_buf.dtype))
+            q = qk[:, :Hq].view(S, Hkv, Hq // Hkv, D)                   # GQA: a kv head's q heads
+            with torch.autocast(self.dev, enabled=False):               # scores: see _attend
+                a = _attend(q, c.k_buf[:, :, :width], c.v_buf[:, :, :width], mask, self.scale)
+            x = x + w.o(a.reshape(S, Hq * D))
             x = x + w.mlp(_rms(x, w.n2, self.eps))
         return self.lm(_rms(x, self.norm, self.eps)).float()
+
+
+def _bias(own, Hkv):
+    """(S, width) bool -> the additive float32 bias (S * Hkv, 1, width) of _attend's float32 path."""
+    bias = torch.zeros(own.shape, dtype=torch.float32, device=own.device).masked_fill_(~own, float("-inf"))
+    return bias[:, None, None].expand(-1, Hkv, 1, -1).reshape(-1, 1, own.shape[1])
+
+
+def _attend(q, K, V, mask, scale):
+    """One query token per slot against its cache columns, scores and softmax in float32.
+    q (S, Hkv, g, D): the g query heads of each KV head as g queries; K, V (S, Hkv, width, D) views
+    of the cache. float32 cache: two batched matmuls with the additive bias `mask` (_bias), the same
+    math as the HF forward's, with fewer ops. bf16/fp16 cache: SDPA on the cache with the boolean
+    `mask` (S, width) -- its kernels keep the scores and softmax in float32 (a bf16 softmax is 4-8x
+    the attention error) and make no float32 copy of the cache. -> (S, Hkv, g, D)"""
+    S, Hkv, g, D = q.shape
+    if K.dtype == torch.float32:
+        width = K.shape[2]
+        keys = K.reshape(S * Hkv, width, D).transpose(1, 2)            # views: dims 0, 1 merge
+        p = torch.baddbmm(mask, q.reshape(S * Hkv, g, D).float(), keys, alpha=scale).softmax(-1)
+        return torch.bmm(p, V.reshape(S * Hkv, width, D)).view(S, Hkv, g, D)
+    return F.scaled_dot_product_attention(q.to(K.dtype), K, V, attn_mask=mask[:, None, None, :], scale=scale)
 
 
 class _Linear:

@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
+import decode
 import experience
 import kv_cache
 import rollout
+import slots
 import step_plan
 from plumbing import batching, distributed, memory_plan, optimizer, timer
 
@@ -292,15 +294,26 @@ def worst_case_step(a, world: int, vocab: int) -> WorstCase:
 
 
 def decode_once(policy, spec: rollout.SampleSpec, prompts: list[list[int]], max_new_tokens: int):
-    """The rollout phase's largest moment: the decoding copy (distributed.gathered), the prefill of
-    the first sampler call's rows into a cache of prompt + max_new_tokens positions, and one decode
-    step. (The rest of the loop writes into that cache: no new memory, but it needs real values.)"""
-    rows = spec.rows_per_call(max(map(len, prompts))) or len(prompts)
+    """The rollout phase's largest moment: the decoding copy (distributed.gathered), the one pass's
+    slot cache (slots.py: rows_per_call slots of the longest prompt + max_new_tokens columns) with
+    a full set of rows prefilled into it, and one decode step reading every column. (The rest of
+    the pass writes into that cache and refills fewer slots at once: no new memory, but it needs
+    real values.) Models the pass does not decode: the chunked loop's first chunk, prefilled, and
+    one step."""
+    rows = min(spec.rows_per_call(max(map(len, prompts))) or len(prompts), len(prompts))
     # (rollout.sample is no-grad)
     with torch.no_grad(), distributed.gathered(policy, spec.weights_dtype) as decoder:
-        pre = kv_cache.prefill(decoder, prompts[:rows], spec.pad_id, max_new_tokens)
-        pre.step(pre.logits.argmax(-1), pre.pos[:, -1] + 1)
-        del pre
+        if spec.sampler == "kv" and slots.supports(decoder, lockstep=False):
+            columns = max(map(len, prompts)) + max_new_tokens
+            cache = kv_cache.slot_cache(decoder, rows, columns)
+            tok = kv_cache.admit(decoder, cache, prompts[:rows], list(range(rows)), spec.pad_id).argmax(-1)
+            last = torch.full((rows,), columns - 1, dtype=torch.long, device=tok.device)
+            decode.LeanStep(decoder, cache)(tok, last, columns)   # (slots.py drops the logits first too)
+            del cache
+        else:
+            pre = kv_cache.prefill(decoder, prompts[:rows], spec.pad_id, max_new_tokens)
+            pre.step(pre.logits.argmax(-1), pre.pos[:, -1] + 1)
+            del pre
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,15 +3,18 @@
 Used by train.py (training rollouts) and evaluate.py (benchmark sampling). Works the same for the
 embedded ~1M-parameter Qwen2 model on CPU (fp32) and for Qwen2.5-Math-7B on GPUs (bf16, possibly
 wrapped in DDP or sharded with FSDP2 `fully_shard`): prompts go through the model's normal forward
-into a preallocated KV cache (kv_cache.py: `prefill`); only the sampler's one-token decode steps use
-decode.py's lean step over the same weights (for Llama/Qwen2; the normal forward otherwise). Loading
-a policy is models.py; the training forward over the sampled rows (their log-probs, Query-KL's
-prompt log-probs) is logprobs.py.
+into a preallocated KV cache (kv_cache.py); the sampler's one-token decode steps use decode.py's
+lean step over the same weights for Llama/Qwen2 -- then every row of a call is decoded in ONE pass
+over the slots of one cache, finished slots refilled with queued rows (slots.py) -- and the normal
+forward otherwise, in chunks of rows one after another (`_sample_kv`). Loading a policy is
+models.py; the training forward over the sampled rows (their log-probs, Query-KL's prompt
+log-probs) is logprobs.py.
 
-- `sample`   -> `Rollout`: our own KV-cache decoding loop ("kv", default) or HF `generate`
+- `sample`   -> `Rollout`: our own KV-cache decoding ("kv", default) or HF `generate`
                 ("hf", a reference). Returns the sampled tokens, masks, and the log-prob of each
                 sampled token under log_softmax(logits / T) -- the same quantity the training
-                forward recomputes (logprobs.score_tokens), so ratio pi_theta / pi_old = 1 on-policy.
+                forward recomputes (logprobs.score_tokens), so ratio pi_theta / pi_old = 1 on-policy
+                up to the sampler's rounding (measured every step: metrics.py).
 - `Rollout.packed()` -> the [prompt | response] layout every training forward reads.
 - `fill_groups`, `decode_responses`: DAPO's dynamic sampling, and the texts the grader reads.
 
@@ -25,10 +28,10 @@ at step t is drawn by inverting the CDF of softmax(z), z = logits / T (-inf outs
 with a counter-based integer hash (2-round 32-bit avalanche mixes, computed vectorised in int64).
 That is exact sampling from softmax(z) with ONE random number per row and step (Gumbel-max needs
 one per vocabulary entry: (B, V) hashes and logs at every step), and because u depends only on
-(seed_i, t), row i's sample depends only on seeds[i] and the model: not on the batch it shares,
-the chunking, or which rank runs it. (Caveat: on GPUs the logits themselves can differ in the last
-bits with batch shape and padding width; a near-tie can then flip a token. On CPU fp32 we observe
-bitwise-equal runs.)
+(seed_i, t), row i's sample depends only on seeds[i] and the model: not on the batch it shares, the
+chunking, the slot it is decoded in, or which rank runs it. (Caveat: on GPUs the logits themselves
+can differ in the last bits with batch shape and padding width; a near-tie can then flip a token. On
+CPU fp32 we observe bitwise-equal runs.)
 Without seeds, one 62-bit seed per row is drawn from torch's global RNG, so
 `torch.manual_seed(s)` makes a call reproducible -- but two ranks with the same global seed draw
 the same per-row seeds: pass `seeds` in distributed runs.
@@ -40,6 +43,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+import slots
 from kv_cache import kv_budget_from_memory, left_pad, prefill
 from logprobs import Packed
 from plumbing import distributed
@@ -98,9 +102,9 @@ class SampleSpec:
     eos_ids: list
     pad_id: int
     sampler: str = "kv"                # "kv" (our KV-cache loop) or "hf" (model.generate)
-    batch_size: int | None = None      # rows per sampler call, at most
+    batch_size: int | None = None      # rows decoded at once (the one pass's slots, or a chunk), at most
     weights_dtype: torch.dtype | None = None  # of the gathered decoding copy of a sharded policy
-    kv_budget: int = 0                 # KV-cache positions per call (rows x (prompt + new)); 0 = no cap
+    kv_budget: int = 0                 # KV-cache positions (rows at once x (prompt + new)); 0 = no cap
 
     @classmethod
     def make(cls, model, tokenizer, max_new_tokens, sampler, batch_size, kv_budget, bf16, opt=None):
@@ -120,7 +124,8 @@ class SampleSpec:
                    batch_size, torch.bfloat16 if bf16 else None, kv_budget)
 
     def rows_per_call(self, longest_prompt) -> int | None:
-        """Rows decoded at once: batch_size, capped so rows x (prompt + new tokens) <= kv_budget."""
+        """Rows decoded at once (slots.py's slots; chunks where the one pass does not apply):
+        batch_size, capped so rows x (prompt + new tokens) <= kv_budget."""
         if not self.kv_budget:
             return self.batch_size
         fit = max(1, self.kv_budget // (longest_prompt + self.max_new_tokens))
@@ -275,9 +280,12 @@ def _row_keys(seeds, device) -> torch.LongTensor:
     return _mix32(_mix32(lo ^ 0x243F6A88) ^ hi)
 
 
-def _uniform(keys, step: int) -> torch.DoubleTensor:
-    """(B,) float64 u in (0, 1): u_i = hash(key_i, step), a pure function of the row's key."""
-    k = _mix32(keys ^ _mix32(torch.full_like(keys, (step * 0x9E3779B9 + 0x85EBCA6B) & _M32)))
+def _uniform(keys, step) -> torch.DoubleTensor:
+    """(B,) float64 u in (0, 1): u_i = hash(key_i, step_i), a pure function of the row's key and
+    step. step: an int (every row's) or a (B,) int64 tensor (each row's own, slots.py); both give
+    the same bits (step < 2^31: step * 0x9E3779B9 < 2^63 fits int64)."""
+    step = torch.full_like(keys, step) if isinstance(step, int) else step
+    k = _mix32(keys ^ _mix32((step * 0x9E3779B9 + 0x85EBCA6B) & _M32))
     return (_mix32(k ^ 0x1B873593).to(torch.float64) + 0.5) * 2.0**-32
 
 
@@ -291,9 +299,10 @@ def _nucleus_mask(z, top_p: float) -> torch.BoolTensor:
     return torch.zeros_like(keep).scatter(-1, si, keep)
 
 
-def _choose(logits, temperature: float, top_p: float, keys, step: int):
+def _choose(logits, temperature: float, top_p: float, keys, step):
     """logits (B, V) float32 -> (tokens (B,), logprobs (B,) float32 under log_softmax(logits/T)).
-    T == 0 is greedy and reports log-probs at T = 1. Sampling inverts the CDF at u = hash(key, step)."""
+    T == 0 is greedy and reports log-probs at T = 1. Sampling inverts the CDF at u = hash(key, step);
+    step: an int, or (B,) each row's own."""
     if temperature == 0:
         tok = logits.argmax(-1)
         return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - logits.logsumexp(-1)
@@ -335,9 +344,11 @@ def _any_across_ranks(flag: bool, device) -> bool:
 
 def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature, top_p,
                lockstep, progress):
-    """Our KV-cache decoding loop for one left-padded chunk: the prompts through the HF forward
-    into a preallocated cache (prefill), then one decode.stepper step per token. Finished rows are
-    dropped from the batch (and cache) once they are a quarter of it, so long tails decode at small batch."""
+    """The chunked KV-cache loop (models slots.py's one pass does not decode): one left-padded chunk's
+    prompts through the HF forward into a preallocated cache (prefill), then one decode.HFStep per
+    token. Which rows are done is read every slots.CHECK_EVERY steps (a host sync; under lockstep a
+    collective, at the same steps on every rank); finished rows are dropped from the batch (and
+    cache) at a check once they are a quarter of it, so long tails decode at small batch."""
     dev = next(model.parameters()).device
     pre = prefill(model, prompts, pad_id, max_new_tokens)
     ids, mask, logits, step = pre.ids, pre.mask, pre.logits, pre.step
@@ -355,7 +366,6 @@ def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
         from tqdm import tqdm
 
         steps = tqdm(steps, desc="sample", leave=False)
-    width = 0
     for t in steps:
         tok, lp = _choose(logits, temperature, top_p, keys[active], t)
         alive = ~done[active]
@@ -364,10 +374,13 @@ def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
         lps[active, t] = torch.where(alive, lp, torch.zeros_like(lp))
         rmask[active, t] = alive.long()
         done[active] = done[active] | (alive & torch.isin(tok, eos))
-        width = t + 1
         if t == max_new_tokens - 1:
             break
-        n_alive = int((~done[active]).sum())  # one host sync per step
+        if (t + 1) % slots.CHECK_EVERY:
+            logits = step(tok, next_pos)
+            next_pos = next_pos + 1
+            continue
+        n_alive = len(active) - sum(slots.host_read(done[active]))
         if not (_any_across_ranks(n_alive > 0, dev) if lockstep else n_alive > 0):
             break
         if 0 < n_alive <= 0.75 * active.numel():
@@ -377,7 +390,7 @@ def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
             step.select(sel)
         logits = step(tok, next_pos)
         next_pos = next_pos + 1
-    return ids, mask, resp[:, :width], rmask[:, :width], lps[:, :width], done
+    return ids, mask, resp, rmask, lps, done
 
 
 def _sample_hf(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature, top_p,
@@ -468,10 +481,11 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
     over the nucleus -- they are log_softmax(logits / T), what the training forward recomputes.
     seeds: one int per row (see the module docstring), or None for torch's global RNG.
     sampler: "kv" (own KV-cache loop, default) or "hf" (model.generate; keeps every step's
-    logits in memory, a reference for tests and benchmarks). batch_size: decode rows in chunks
-    of this many. lockstep: keep ranks in step (auto: True for FSDP2-sharded models in a
-    multi-rank process group); then every rank must call sample() with the same batch_size.
-    Returns a Rollout on the model's device.
+    logits in memory, a reference for tests and benchmarks). batch_size: rows decoded at once --
+    "kv" on a model decode.LeanStep implements: the slots of slots.py's one pass over all rows;
+    otherwise chunks of this many rows, one after another. lockstep: keep ranks in step (auto:
+    True for FSDP2-sharded models in a multi-rank process group; chunked); then every rank must
+    call sample() with the same batch_size. Returns a Rollout on the model's device.
     """
     _check_sample_args(prompts, max_new_tokens, temperature, top_p, seeds, sampler, batch_size)
     # DDP: decode with the inner module -- DDP's forward may broadcast buffers (a collective), and
@@ -486,12 +500,36 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
                        device=dev)
     if lockstep is None:
         lockstep = _lockstep(m)
+    kw = dict(max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id, temperature=temperature, top_p=top_p)
+    if sampler == "kv" and slots.supports(m, lockstep):
+        ro = _one_pass(m, prompts, keys, batch_size, progress, **kw)
+    else:
+        ro = _chunked(m, prompts, keys, batch_size, sampler, lockstep, seeded, progress, **kw)
+    width = int(ro.response_mask.sum(1).max())  # the longest response (a pass may run past it)
+    return Rollout(ro.prompt_ids, ro.prompt_mask, *(x[:, :width] for x in (ro.response_ids, ro.response_mask,
+                                                                            ro.logprobs)), ro.finished)
+
+
+def _one_pass(model, prompts, keys, slot_count, progress, *, max_new_tokens, eos, pad_id, temperature, top_p):
+    """Every row in one decoding pass over `slot_count` KV-cache slots (slots.py)."""
+    def choose(logits, row_keys, t):
+        return _choose(logits, temperature, top_p, row_keys, t)
+
+    d = slots.decode_pass(model, prompts, keys, choose, slots=slot_count, max_new_tokens=max_new_tokens,
+                          eos=eos, pad_id=pad_id, progress=progress)
+    ids, mask = left_pad(prompts, pad_id, keys.device)
+    R = max_new_tokens  # column R is the pass's scratch column
+    return Rollout(ids, mask, d.tokens[:, :R], d.mask[:, :R], d.logprobs[:, :R], d.finished)
+
+
+def _chunked(model, prompts, keys, batch_size, sampler, lockstep, seeded, progress, **kw) -> Rollout:
+    """Rows in chunks of batch_size, one after another: "kv"'s chunked loop (_sample_kv) or "hf"."""
+    dev, pad_id = keys.device, kw["pad_id"]
     bs = batch_size or len(prompts)
     starts = list(range(0, len(prompts), bs))
     n_chunks = len(starts)
     if lockstep:  # every rank must run as many chunks (forward calls) as the busiest one
         n_chunks = int(distributed.all_max(torch.tensor([n_chunks], device=dev)).item())
-
     parts = []
     for c in range(n_chunks):
         if c < len(starts):
@@ -499,15 +537,12 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
             chunk, ck = prompts[sl], keys[sl]
         else:  # a dummy chunk that only keeps this rank's forwards in step; discarded
             chunk, ck = [[pad_id]], keys[:1]
-        kw = dict(max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id, temperature=temperature,
-                  top_p=top_p, lockstep=lockstep)
         if sampler == "kv":
-            res = _sample_kv(m, chunk, ck, progress=progress, **kw)
+            res = _sample_kv(model, chunk, ck, lockstep=lockstep, progress=progress, **kw)
         else:
-            res = _sample_hf(m, chunk, ck, seeded=seeded, **kw)
+            res = _sample_hf(model, chunk, ck, lockstep=lockstep, seeded=seeded, **kw)
         if c < len(starts):
             parts.append(res)
-
     cols = list(zip(*parts))
     return Rollout(
         prompt_ids=_cat_padded(cols[0], pad_id, left=True),
@@ -517,4 +552,3 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
         logprobs=_cat_padded(cols[4], 0.0, left=False),
         finished=torch.cat(cols[5], 0),
     )
-

@@ -4,6 +4,7 @@ the dtype is bf16 (they are exact in fp32 on CPU, see tests/test_rollout.py).
 
     python bench/bench_sampler.py                       # tiny model, CPU (~0.3M params, vocab 1000)
     python bench/bench_sampler.py --preset qwen0.5b     # Qwen2.5-0.5B shape (vocab 151936), CUDA bf16
+    python bench/bench_sampler.py --one-pass            # one pass over refilled slots vs chunks
 
 Prints tokens/s of each sampler and their ratio against the pinned baseline "hf-plain": HF
 `generate` with plain sampling (do_sample, temperature, top_k 0, top_p 1) and no per-step logits
@@ -13,6 +14,13 @@ keeps every step's logits to return log-probs, as a sampler for RL must), "kv" o
 kv-vs-hf agreement, whether seeded samples survive re-batching, and max |sampled logprob -
 token_logprobs|. EOS is disabled (eos_ids=[]) so every row decodes exactly --new tokens and all
 samplers do the same amount of work.
+
+--one-pass: the rollout schedule instead (slots.py). --rows seeded rows with long-tailed lengths
+(--eos-count tokens of the near-uniform random model end a row: geometric lengths, mean about
+vocab / eos_count, capped at --new) decoded with room for --slots rows in the KV cache, two ways,
+each through the same decode step: in chunks of --slots rows one after another, each until its
+longest row ends (the loop before issue #32), and in one pass whose finished slots are refilled. Prints
+the decode steps and wall time of each, their ratios, and whether both gave the same tokens.
 """
 
 import argparse
@@ -26,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import kv_cache
 import logprobs
 import rollout as R
+import slots
 
 PRESETS = {  # Qwen2Config kwargs
     "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
@@ -65,6 +74,49 @@ def timed(fn, device):
     return out, time.perf_counter() - t0
 
 
+def one_pass_vs_chunks(model, args, device):
+    """Decode steps and wall time: chunks of --slots rows one after another vs one refilled pass."""
+    V, S, N = model.config.vocab_size, args.slots, args.rows
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (N,), generator=g).tolist()
+    prompts = [torch.randint(args.eos_count + 2, V, (n,), generator=g).tolist() for n in lens]
+    seeds = list(range(5000, 5000 + N))
+    kw = dict(max_new_tokens=args.new, eos_ids=list(range(2, 2 + args.eos_count)), pad_id=0,
+              temperature=args.temperature, batch_size=S)
+    steps, real = [], slots.decode_pass
+
+    def counted(*a, **k):
+        d = real(*a, **k)
+        steps.append(d.steps)
+        return d
+
+    def chunks():  # each chunk's rows alone: a pass without refills is the chunked loop's schedule
+        return [R.sample(model, prompts[i:i + S], seeds=seeds[i:i + S], **kw) for i in range(0, N, S)]
+
+    slots.decode_pass = counted
+    try:
+        timed(chunks, device)  # warm-up
+        res = {}
+        for name, fn in (("chunked", chunks), ("one pass", lambda: [R.sample(model, prompts, seeds=seeds, **kw)])):
+            steps.clear()
+            ros, dt = timed(fn, device)
+            res[name] = ([t for ro in ros for t in (ro.response_ids[i, :n].tolist()
+                                                    for i, n in enumerate(ro.lengths.tolist()))],
+                         sum(steps), len(steps), dt)
+    finally:
+        slots.decode_pass = real
+    L = torch.tensor([len(t) for t in res["one pass"][0]]).float()
+    print(f"rows={N} slots={S} new={args.new} eos_count={args.eos_count}: response lengths mean {L.mean():.0f}, "
+          f"median {L.median():.0f}, max {L.max():.0f}, {int((L == args.new).sum())} at the limit; "
+          f"{int(L.sum())} tokens")
+    for name, (_, n_steps, n_calls, dt) in res.items():
+        print(f"{name:9s} {n_calls:3d} pass(es) {n_steps:6d} decode steps {dt:8.2f} s  "
+              f"(tokens / (steps x slots) = {L.sum() / (n_steps * S):.0%})")
+    (_, a, _, ta), (_, b, _, tb) = res["chunked"], res["one pass"]
+    print(f"one pass / chunked: decode steps {b / a:.2f}x, wall time {tb / ta:.2f}x; "
+          f"same tokens: {res['chunked'][0] == res['one pass'][0]}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -79,6 +131,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=2, help="timed repetitions per sampler (best kept)")
     ap.add_argument("--group", type=int, default=1,
                     help="each prompt repeated this many times, as GRPO's G responses (our sampler prefills it once)")
+    ap.add_argument("--one-pass", action="store_true", help="only the one pass vs chunks (see the docstring)")
+    ap.add_argument("--rows", type=int, default=256, help="--one-pass: rows of the rollout")
+    ap.add_argument("--slots", type=int, default=64, help="--one-pass: rows the KV cache holds at once")
+    ap.add_argument("--eos-count", type=int, default=16, help="--one-pass: tokens that end a row")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -89,6 +145,8 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     print(f"preset={args.preset} params={n_params / 1e6:.1f}M vocab={V} device={device} "
           f"dtype={dtype} threads={torch.get_num_threads()}")
+    if args.one_pass:
+        return one_pass_vs_chunks(model, args, device)
     g = torch.Generator().manual_seed(0)
 
     def make_prompts(B):  # ragged lengths so left padding is exercised

@@ -143,63 +143,6 @@ def test_sharded_rollout_gathers_once(tmp_path):
             assert res[f"sharded/{n}"]["tokens"] == one.response_ids.tolist()
 
 
-def test_preallocated_kv_cache_matches_hf_generate_with_compaction(monkeypatch):
-    """Greedy decoding through the preallocated cache (written in place, rows compacted as they
-    finish) gives HF generate's tokens on ragged left-padded prompts (float32, CPU)."""
-    model, tok = models.load_policy(WARM)
-    from data.prompts import build_prompt
-    problems = ["Mia has 23 apples.", "Mia has 23 apples. Mia gives 5 apples to Tom. Tom eats 2 apples. Mia buys "
-                "7 apples. How many apples does Mia have now?", "How many?", "Leo owns 36 buttons. Leo gives 19 "
-                "buttons to Zoe. How many buttons does Leo have now?", "Zoe has 4 boxes of 12 pens each."] * 2
-    prompts = [tok(build_prompt(tok, p, "plain"), add_special_tokens=False).input_ids for p in problems]
-    eos = rollout.eos_token_ids(model, tok)
-    writes, compactions = [], []
-    real_update, real_select = kv_cache.PreallocatedLayer.update, kv_cache.PreallocatedLayer.batch_select_indices
-
-    def update(self, k, v, *a, **kw):
-        out = real_update(self, k, v, *a, **kw)
-        writes.append((id(self), self.k_buf.data_ptr(), self.length))
-        return out
-
-    def select(self, idx):
-        compactions.append(len(idx))
-        return real_select(self, idx)
-    monkeypatch.setattr(kv_cache.PreallocatedLayer, "update", update)
-    monkeypatch.setattr(kv_cache.PreallocatedLayer, "batch_select_indices", select)
-    kv = rollout.sample(model, prompts, max_new_tokens=64, eos_ids=eos, pad_id=tok.pad_token_id, temperature=0)
-    hf = rollout.sample(model, prompts, max_new_tokens=64, eos_ids=eos, pad_id=tok.pad_token_id, temperature=0,
-                        sampler="hf")
-    assert compactions and writes                                   # rows finished at different steps
-    lens = kv.response_mask.sum(1)
-    assert len(set(lens.tolist())) > 2
-    assert torch.equal(kv.response_ids, hf.response_ids[:, :kv.response_ids.shape[1]]) and torch.equal(lens, hf.response_mask.sum(1))
-    first = {}
-    for layer, ptr, _length in writes[:4 * len(model.model.layers)]:  # before any compaction: one buffer, in place
-        first.setdefault(layer, set()).add(ptr)
-    assert all(len(p) == 1 for p in first.values())
-
-
-def test_kv_budget_caps_the_rows_decoded_at_once_and_changes_no_sample():
-    model, tok = models.load_policy(WARM)
-    prompts = [tok(f"Mia has {n} apples.", add_special_tokens=False).input_ids for n in range(10, 22)]
-    P = max(map(len, prompts))
-    spec = rollout.SampleSpec(40, rollout.eos_token_ids(model, tok), tok.pad_token_id, "kv", 256, None,
-                              kv_budget=3 * (P + 40) + 5)
-    assert spec.rows_per_call(P) == 3 and rollout.SampleSpec(40, [2], 0, batch_size=2, kv_budget=10 ** 6).rows_per_call(P) == 2
-    calls = []
-    real = rollout._sample_kv
-    try:
-        rollout._sample_kv = lambda m, chunk, *a, **k: calls.append(len(chunk)) or real(m, chunk, *a, **k)
-        a = rollout.sample_with(model, prompts, spec, temperature=1.0, seeds=list(range(12)))
-    finally:
-        rollout._sample_kv = real
-    b = rollout.sample(model, prompts, max_new_tokens=40, eos_ids=spec.eos_ids, pad_id=tok.pad_token_id,
-                       seeds=list(range(12)))
-    assert calls == [3, 3, 3, 3]
-    W = min(a.response_ids.shape[1], b.response_ids.shape[1])
-    assert torch.equal(a.response_ids[:, :W], b.response_ids[:, :W]) and torch.equal(a.response_mask.sum(1), b.response_mask.sum(1))
-
-
 def test_activation_checkpointing_gives_the_same_gradients():
     """--grad-ckpt recomputes each decoder layer in backward: same loss and gradients (float32,
     1e-6), same KV-cache sampling, and a checkpoint saved from it loads as a plain model."""
