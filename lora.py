@@ -1,0 +1,88 @@
+"""LoRA for the policy (--lora-rank r; peft): rank-r adapters on its linear layers train, the rest
+of the weights stay frozen. What changes in the RL step:
+
+- the reference model is the frozen base itself, the adapters switched off (`Base`): no second copy
+  of the weights, where GRPO's Policy-KL (or its measurement) needs one;
+- rollouts decode a merged copy (`merged`: W + (alpha / r) B A in every adapted layer, a fresh
+  model, so the sampler's lean decode step and its one pass apply); a copy of the weights per RL
+  step, as FSDP2's gathered decoding copy is;
+- checkpoints hold the adapters and their optimizer state only (peft's save_pretrained), a resumed
+  run loads the base from --model and the adapters from the checkpoint (`load_adapters`);
+- the exported model (--export, and <out>/hf at the final save) is merged: a plain Hugging Face
+  folder evaluate.py loads.
+Works in one process and under DDP; FSDP2 with LoRA is refused (sharding frozen and trainable
+weights in one unit is not wired here). The query cache and paper weights are unchanged: at step 0
+the adapters add nothing (B = 0), so the policy is the base.
+"""
+
+import copy
+import os
+
+import torch
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def wrap(model, rank: int, alpha: float, dropout: float = 0.0, targets: str = "all-linear"):
+    """The model with rank-`rank` LoRA adapters on `targets` (peft's "all-linear": every linear
+    layer but the output head), only they trainable; adapters initialised so that B A = 0."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
+                        target_modules=targets if targets == "all-linear" else targets.split(","))
+    return get_peft_model(model, config)
+
+
+def peft_model(model):
+    """The peft model inside `model` (unwrapped from DDP), or None for a model without adapters."""
+    inner = getattr(model, "module", model)
+    return inner if hasattr(inner, "disable_adapter") and hasattr(inner, "get_base_model") else None
+
+
+def is_lora(model) -> bool:
+    return peft_model(model) is not None
+
+
+def trainable(model) -> tuple[int, int]:
+    """(trainable parameters, all parameters)."""
+    ps = list(model.parameters())
+    return sum(p.numel() for p in ps if p.requires_grad), sum(p.numel() for p in ps)
+
+
+class Base(torch.nn.Module):
+    """The frozen base of a LoRA policy as a model of its own: every forward runs with the adapters
+    switched off, so it is the initial policy. The reference model of a LoRA run."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self._policy = [policy]                   # (a list: not a submodule of this one)
+
+    @property
+    def peft(self):
+        return peft_model(self._policy[0])
+
+    @property
+    def config(self):
+        return self.peft.get_base_model().config
+
+    def forward(self, *args, **kwargs):
+        with torch.no_grad(), self.peft.disable_adapter():
+            return self.peft.get_base_model()(*args, **kwargs)
+
+
+def merged(policy, dtype=None):
+    """A fresh plain model with the adapters merged into its weights, in `dtype` (None: as they
+    are), for decoding and export; the policy itself is untouched (merging in place and back would
+    round the frozen float32 weights a little at every step)."""
+    model = copy.deepcopy(peft_model(policy)).merge_and_unload()
+    model.requires_grad_(False)
+    return model if dtype is None else model.to(dtype)
+
+
+def load_adapters(policy, folder):
+    """The adapters (and only they) of a checkpoint folder saved by peft's save_pretrained."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    device = str(next(policy.parameters()).device)
+    set_peft_model_state_dict(peft_model(policy), load_file(os.path.join(folder, ADAPTER_FILE), device=device))
