@@ -17,8 +17,11 @@ the adapters add nothing (B = 0), so the policy is the base.
 
 import copy
 import os
+from contextlib import contextmanager
 
 import torch
+
+from plumbing import distributed
 
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -79,10 +82,25 @@ def merged(policy, dtype=None):
     return model if dtype is None else model.to(dtype)
 
 
+@contextmanager
+def decoding_copy(policy, dtype=None):
+    """train.rollouts' model to decode with, freed on exit (before scoring needs the memory): a LoRA
+    policy's `merged` copy (the sampler's lean step then applies), else distributed.gathered's."""
+    if not is_lora(policy):
+        with distributed.gathered(policy, dtype) as model:
+            yield model
+        return
+    model = merged(policy, dtype)
+    try:
+        yield model
+    finally:
+        del model
+
+
 def load_adapters(policy, folder):
     """The adapters (and only they) of a checkpoint folder saved by peft's save_pretrained."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    device = str(next(policy.parameters()).device)
-    set_peft_model_state_dict(peft_model(policy), load_file(os.path.join(folder, ADAPTER_FILE), device=device))
+    weights = load_file(os.path.join(folder, ADAPTER_FILE), device=str(next(policy.parameters()).device))
+    set_peft_model_state_dict(peft_model(policy), weights)

@@ -13,28 +13,26 @@ algorithms is a row of `losses.ALGOS`; every loss term is in `losses.py` (equati
 import os
 import random
 import time
-from dataclasses import dataclass
 
 try:                                       # Ctrl-C during these imports: one line, no traceback
     import torch
     from tqdm import tqdm
     import experience
     import logprobs
+    import lora
     import losses
     import memory_measure
     import metrics
     import models
-    import query_cache
     import query_reference
-    import rollout
     import sft
     import step_plan
     import tasks
-    from data.prompts import PromptSet
     from heldout import check_fits, heldout_at_temperatures
     from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan,
-                          optimizer, options, run_dir, time_model, timer)
+                          optimizer, options, run_dir, time_model)
     from plumbing.distributed import all_sum, print0
+    from rl_run import Run, needs_reference_model, old_rows, setup_rl
 except KeyboardInterrupt:
     os.write(2, b"interrupted (SIGINT): stopped while starting, nothing written\n")
     raise SystemExit(130) from None
@@ -88,6 +86,13 @@ OPTIONS = [
     ("micro_tokens",      0,                                   "also at most this many padded tokens per micro-batch (0 = no cap)", ">=0"),
     ("dtype",             "auto",                              "bf16-mixed: fp32 weights + bf16 autocast (2x faster matmuls on CPUs with AVX512-BF16/AMX); auto: that on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16", "bf16-mixed"]),
     ("fsdp",              False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
+    ("lora_rank",         0,                                   "LoRA: train rank-r adapters on the policy's linear layers, "
+                                                               "the rest frozen and the reference model (lora.py; 0 = "
+                                                               "full fine-tuning)", ">=0"),
+    ("lora_alpha",        16.0,                                "LoRA: the adapters' update is (alpha / r) B A", ">0"),
+    ("lora_dropout",      0.0,                                 "LoRA: dropout on the adapters' input", "[0,1)"),
+    ("lora_targets",      "all-linear",                        "LoRA: peft's target_modules, 'all-linear' or names "
+                                                               "joined by commas (q_proj,v_proj)"),
     ("grad_ckpt",         False,                               "activation checkpointing of every decoder layer (long sequences)"),
     ("share_prompts",     True,                                "training forwards run each prompt once for its G responses (not with --fsdp/--grad-ckpt)"),
     ("dry_run",           False,                               "print the per-GPU memory plan (plumbing/memory_plan.py) and exit; no weights loaded"),
@@ -141,28 +146,6 @@ RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_
 NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu"}   # how this command runs, not what
 
 
-@dataclass
-class Run:
-    """Everything an RL step works with, built once by `setup_rl`."""
-    args: object                        # the parsed options
-    algo: losses.Algo
-    dist: distributed.Dist
-    policy: torch.nn.Module             # wrapped in DDP / FSDP2 under torchrun
-    ref: torch.nn.Module | None         # only where a Policy-KL is in the loss, reward or measured
-    tokenizer: object
-    opt: torch.optim.Optimizer
-    sched: object
-    data: PromptSet                     # the training problems (each row's "task" scores it)
-    qref: query_reference.QueryReference  # the Query-KL reference (--qkl-ref)
-    cache: query_cache.QueryCache | None  # the initial policy's prompt log-probs, where needed:
-                                        # --qkl-ref cache, the paper's weights, the monitor
-    spec: rollout.SampleSpec
-    timer: timer.Phases                 # seconds per phase of a step (time_gen, time_update, ...)
-    task_names: tuple = ()              # the tasks of the training rows (train_acc per task if > 1)
-    bad_streak: int = 0                 # optimizer steps skipped in a row (non-finite loss or gradient)
-    ckpt_checked: bool = True           # the latest checkpoint's weights have given a finite loss
-
-
 # ----------------------------------------------------------------------------------------------
 # RL, part 1: the step. Rollouts and rewards come from experience.py, the host-side plan of the
 # forwards from step_plan.py; the loss terms are losses.py's (equations: docs/method.md).
@@ -199,9 +182,10 @@ def rl_step(run, step):
 
 
 def rollouts(run, step) -> experience.Collected:
-    """The step's rollouts, sampled from a decoding copy (FSDP2: the gathered weights) that is
-    freed before scoring and the update need the memory; groups dealt to the ranks by length."""
-    with distributed.gathered(run.policy, run.spec.weights_dtype) as decoder:
+    """The step's rollouts, sampled from a decoding copy (FSDP2: the gathered weights; LoRA: the
+    adapters merged) that is freed before scoring and the update need the memory; groups dealt to
+    the ranks by length."""
+    with lora.decoding_copy(run.policy, run.spec.weights_dtype) as decoder:
         collected = experience.collect(run, decoder, step)
     return experience.deal_by_length(run, collected)                   # the ranks' work evened out
 
@@ -360,58 +344,6 @@ def measure_memory(args, algo, world=1, fake=True, max_micro_batches=3) -> memor
 # Set-up and the loop
 
 
-def old_rows(args, algo) -> float:
-    """The fraction of rows pi_old's own forward scores: all but the first update's (on_policy_rows)."""
-    return 1.0 if algo.needs_pi_old_first else 1.0 - args.update_batch / args.rollout_batch
-
-
-def needs_reference_model(args, algo) -> bool:
-    """A Policy-KL in the loss or the reward, measured, or the live Query-KL reference's forward."""
-    live = query_reference.REFERENCES[args.qkl_ref].needs_model
-    return algo.kl is not None or args.measure_policy_kl or live
-
-
-def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
-    """The reference model (needs_reference_model), the wrapped policy, the Query-KL reference and
-    the cache it or the query weights need, the optimizer."""
-    print0(batching.describe(args, dist.world, len(data)))
-    # ERPO with --measure-policy-kl false keeps no reference model: Query-KL reads the cache.
-    bf16 = distributed.uses_bf16(args.dtype, dist.device)
-    dtype, amp = distributed.precision(args.dtype, dist.device)
-    ref = None
-    if needs_reference_model(args, algo):                                # sharded like the policy under FSDP2
-        shard = distributed.sharder(args.fsdp, dist.device, bf16, trainable=False)
-        ref_dtype = torch.bfloat16 if bf16 else dtype                    # bf16-mixed: a bf16 copy suffices
-        ref = models.load_for_training(args.model, dist.device, ref_dtype, shard, bf16)[0]
-        ref.eval().requires_grad_(False)
-    policy = distributed.wrap_model(model, dist.device, args.fsdp, bf16=bf16, grad_ckpt=args.grad_ckpt)
-
-    def cache() -> query_cache.QueryCache:                               # the initial policy's, before RL
-        with amp():                                                      # the training forward's numerics
-            return query_cache.for_run(args, dist, policy, data.ids, tokenizer.pad_token_id,
-                                       resuming=state is not None)
-
-    def score_prompts() -> list[torch.Tensor]:                          # the current policy's (a moving
-        with amp(), phases("qkl_ref"):                                   # Query-KL reference's forward)
-            return query_cache.build(distributed.unwrap(policy), data.ids, tokenizer.pad_token_id,
-                                     args.temperature, dist.device, args.micro_batch)
-    phases = timer.Phases(dist.device)
-    qref, cached = query_reference.for_run(args.qkl_ref, cache, algo.weights, ref is not None, state, args,
-                                           score_prompts)
-    opt = optimizer.adamw(policy, args.lr, args.weight_decay)
-    per_rl_step = args.rollout_batch // args.update_batch * args.ppo_epochs      # optimizer steps
-    sched = optimizer.schedule(opt, args.lr_schedule, args.warmup, args.lr_decay_steps * per_rl_step,
-                               args.lr_floor)
-    checkpoints.restore(state, policy, opt, sched, args.out)             # on --resume (else state is None)
-    if state is not None:                                                # the new --lr, not the saved one
-        optimizer.set_hyperparameters(opt, sched, args.lr, args.weight_decay)
-    spec = rollout.SampleSpec.make(model, tokenizer, args.max_new_tokens, args.sampler, args.gen_batch,
-                                   args.kv_budget, bf16, opt)
-    return Run(args, algo, dist, policy, ref, tokenizer, opt, sched, data, qref, cached, spec,
-               phases, task_names=tuple(tasks.task_names_in(data.rows)),
-               ckpt_checked=state is None or checkpoints.is_checked(args.out))
-
-
 def heldout_metrics(run, evalsets) -> dict:
     """eval_acc and eval_acc/<set>[/L<level>] at each --eval-temperatures (heldout_at_temperatures),
     each set graded by its task."""
@@ -461,11 +393,19 @@ NO_SIGNAL = ("no signal: an update batch whose groups all have equal rewards (ev
              "steps on the KL terms alone")
 
 
+def exportable(run):
+    """What --export writes: the policy, or a LoRA policy with its adapters merged (a plain model)."""
+    return lora.merged(run.policy) if lora.is_lora(run.policy) else run.policy
+
+
 def save(run, step, final):
     a, bf16 = run.args, distributed.uses_bf16(run.args.dtype, run.dist.device)
     extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta}
     checkpoints.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
                                 export_dtype=a.export_dtype, bf16=bf16, extra=extra)
+    if final and lora.is_lora(run.policy):                               # checkpoints hold adapters: the
+        checkpoints.export(exportable(run), run.tokenizer, os.path.join(a.out, "hf"), a.export_dtype,  # model
+                           bf16=bf16)                                    # evaluate.py loads is <out>/hf
     run.ckpt_checked = False                                             # until the next finite loss
 
 
@@ -486,6 +426,9 @@ def parse_args(argv=None):
         options.fill(parsed, run_dir.read_config(args.out) or {}, skip=NOT_THE_RUN)
     if args.resume and args.overwrite:
         parsed.error("--resume continues the run in --out, --overwrite replaces it: choose one")
+    if args.lora_rank and (args.fsdp or args.algo == "sft"):
+        parsed.error(f"--lora-rank with {'--fsdp' if args.fsdp else '--algo sft'}: LoRA trains the RL policy "
+                     "in one process or under DDP (lora.py); drop --lora-rank, or train without --fsdp")
     if args.resume and args.algo == "sft":
         parsed.error("--resume: the SFT warm start does not resume (it saves HF folders, sft-<step>/, not "
                      "training state); start it again (--overwrite)")
@@ -551,7 +494,8 @@ def train_in_folder(args, algo, dist, lock):
     (dtype, amp), bf16 = distributed.precision(args.dtype, dist.device), distributed.uses_bf16(args.dtype,
                                                                                                dist.device)
     shard = distributed.sharder(args.fsdp, dist.device, bf16, args.grad_ckpt)
-    source = checkpoints.model_source(args.out, state is not None, args.model)  # --resume: the checkpoint's
+    # --resume: the checkpoint's weights (LoRA: the base, --model; its adapters come with setup_rl)
+    source = checkpoints.model_source(args.out, state is not None and not args.lora_rank, args.model)
     model, tokenizer = models.load_for_training(source, dist.device, dtype, shard, bf16)
     print0(f"model {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {dist.device}")
     evalsets, data = load_data(args, tokenizer)                      # bad data: one line, nothing written
@@ -569,7 +513,7 @@ def train_in_folder(args, algo, dist, lock):
             sft.run(args, dist, model, tokenizer, data, evalsets, log, amp)
         else:
             train_rl(run, evalsets, log, state.step if state else 0, amp)
-            checkpoints.export(run.policy, tokenizer, args.export, args.export_dtype, bf16=bf16)
+            checkpoints.export(exportable(run), tokenizer, args.export, args.export_dtype, bf16=bf16)
     finally:
         log.close()
     return evalsets

@@ -14,11 +14,12 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 
 def adamw(model, lr, weight_decay, betas=(0.9, 0.999), foreach=None):
-    """foreach None: torch's choice (the multi-tensor kernels on CUDA, whose temporaries are as
-    large as the optimizer state; a loop over parameters on CPU). memory_measure passes True to
-    measure on a CPU what a GPU allocates."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas,
-                             foreach=foreach)
+    """AdamW over the trainable parameters (all of them, or a LoRA run's adapters). foreach None:
+    torch's choice (the multi-tensor kernels on CUDA, whose temporaries are as large as the optimizer
+    state; a loop over parameters on CPU). memory_measure passes True to measure on a CPU what a GPU
+    allocates."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, foreach=foreach)
 
 
 def warmup_then_constant(opt, warmup_steps):

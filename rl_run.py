@@ -1,0 +1,110 @@
+"""Setting up an RL run: the `Run` record every part of a step works with, built once from the
+options by `setup_rl`: the policy (wrapped for DDP / FSDP2; --lora-rank: with adapters), the
+reference model where one is needed, the Query-KL reference and its cache, the optimizer and its
+schedule, the sampler's spec. train.py's story (rl_step and the loop) starts from a Run.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+import losses
+import lora
+import models
+import query_cache
+import query_reference
+import rollout
+import tasks
+from data.prompts import PromptSet
+from plumbing import batching, checkpoints, distributed, optimizer, timer
+from plumbing.distributed import print0
+
+
+@dataclass
+class Run:
+    """Everything an RL step works with, built once by `setup_rl`."""
+    args: object                        # the parsed options
+    algo: losses.Algo
+    dist: distributed.Dist
+    policy: torch.nn.Module             # wrapped in DDP / FSDP2 under torchrun
+    ref: torch.nn.Module | None         # only where a Policy-KL is in the loss, reward or measured
+    tokenizer: object
+    opt: torch.optim.Optimizer
+    sched: object
+    data: PromptSet                     # the training problems (each row's "task" scores it)
+    qref: query_reference.QueryReference  # the Query-KL reference (--qkl-ref)
+    cache: query_cache.QueryCache | None  # the initial policy's prompt log-probs, where needed:
+                                        # --qkl-ref cache, the paper's weights, the monitor
+    spec: rollout.SampleSpec
+    timer: timer.Phases                 # seconds per phase of a step (time_gen, time_update, ...)
+    task_names: tuple = ()              # the tasks of the training rows (train_acc per task if > 1)
+    bad_streak: int = 0                 # optimizer steps skipped in a row (non-finite loss or gradient)
+    ckpt_checked: bool = True           # the latest checkpoint's weights have given a finite loss
+
+
+
+
+def old_rows(args, algo) -> float:
+    """The fraction of rows pi_old's own forward scores: all but the first update's (on_policy_rows)."""
+    return 1.0 if algo.needs_pi_old_first else 1.0 - args.update_batch / args.rollout_batch
+
+
+def needs_reference_model(args, algo) -> bool:
+    """A Policy-KL in the loss or the reward, measured, or the live Query-KL reference's forward."""
+    live = query_reference.REFERENCES[args.qkl_ref].needs_model
+    return algo.kl is not None or args.measure_policy_kl or live
+
+
+def policy_and_reference(args, algo, dist, model, state):
+    """The wrapped policy (--lora-rank: with adapters, restored on --resume) and the reference model
+    where one is needed: a bf16 copy sharded like the policy, or a LoRA policy's frozen base. (ERPO
+    with --measure-policy-kl false keeps none: its Query-KL reads the cache.)"""
+    bf16 = distributed.uses_bf16(args.dtype, dist.device)
+    if args.lora_rank:                                                   # only the adapters train
+        model = lora.wrap(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_targets)
+        if state is not None:
+            lora.load_adapters(model, checkpoints.checkpoint_dir(args.out))
+        print0("LoRA rank {}: {:,} of {:,} parameters train".format(args.lora_rank, *lora.trainable(model)))
+    policy = distributed.wrap_model(model, dist.device, args.fsdp, bf16=bf16, grad_ckpt=args.grad_ckpt)
+    if not needs_reference_model(args, algo):
+        return policy, None
+    if args.lora_rank:
+        return policy, lora.Base(policy)
+    shard = distributed.sharder(args.fsdp, dist.device, bf16, trainable=False)  # sharded like the policy
+    ref_dtype = torch.bfloat16 if bf16 else distributed.precision(args.dtype, dist.device)[0]  # a bf16 copy
+    ref = models.load_for_training(args.model, dist.device, ref_dtype, shard, bf16)[0]         # suffices
+    return policy, ref.eval().requires_grad_(False)
+
+
+def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
+    """The reference model (needs_reference_model), the wrapped policy, the Query-KL reference and
+    the cache it or the query weights need, the optimizer."""
+    print0(batching.describe(args, dist.world, len(data)))
+    bf16 = distributed.uses_bf16(args.dtype, dist.device)
+    dtype, amp = distributed.precision(args.dtype, dist.device)
+    policy, ref = policy_and_reference(args, algo, dist, model, state)
+
+    def cache() -> query_cache.QueryCache:                               # the initial policy's, before RL
+        with amp():                                                      # the training forward's numerics
+            return query_cache.for_run(args, dist, policy, data.ids, tokenizer.pad_token_id,
+                                       resuming=state is not None)
+
+    def score_prompts() -> list[torch.Tensor]:                          # the current policy's (a moving
+        with amp(), phases("qkl_ref"):                                   # Query-KL reference's forward)
+            return query_cache.build(distributed.unwrap(policy), data.ids, tokenizer.pad_token_id,
+                                     args.temperature, dist.device, args.micro_batch)
+    phases = timer.Phases(dist.device)
+    qref, cached = query_reference.for_run(args.qkl_ref, cache, algo.weights, ref is not None, state, args,
+                                           score_prompts)
+    opt = optimizer.adamw(policy, args.lr, args.weight_decay)
+    per_rl_step = args.rollout_batch // args.update_batch * args.ppo_epochs      # optimizer steps
+    sched = optimizer.schedule(opt, args.lr_schedule, args.warmup, args.lr_decay_steps * per_rl_step,
+                               args.lr_floor)
+    checkpoints.restore(state, policy, opt, sched, args.out)             # on --resume (else state is None)
+    if state is not None:                                                # the new --lr, not the saved one
+        optimizer.set_hyperparameters(opt, sched, args.lr, args.weight_decay)
+    spec = rollout.SampleSpec.make(model, tokenizer, args.max_new_tokens, args.sampler, args.gen_batch,
+                                   args.kv_budget, bf16, opt)
+    return Run(args, algo, dist, policy, ref, tokenizer, opt, sched, data, qref, cached, spec,
+               phases, task_names=tuple(tasks.task_names_in(data.rows)),
+               ckpt_checked=state is None or checkpoints.is_checked(args.out))

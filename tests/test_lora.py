@@ -1,0 +1,74 @@
+"""LoRA (--lora-rank, lora.py): only the adapters train, the frozen base is GRPO's reference model,
+a resumed run continues exactly, and the merged export is a plain folder evaluate.py loads."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import evaluate
+import lora
+import models
+import train
+from tests.rounding import is_timing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
+
+
+def run(out, data, *extra, steps=3):
+    train.main(["--algo", "grpo", "--lora-rank", "4", "--model", WARM, "--train-data", data, "--out", str(out),
+                "--steps", str(steps), "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4",
+                "--max-new-tokens", "24", "--eval-every", "0", "--save-every", "2", "--lr", "3e-3",
+                "--no-signal", "step", "--query-cache-dir", "", *extra])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_only_the_adapters_train_and_the_base_is_the_reference():
+    model, _ = models.load_policy(WARM)
+    wrapped = lora.wrap(model, 4, 16.0)
+    n_train, n_all = lora.trainable(wrapped)
+    names = [n for n, p in wrapped.named_parameters() if p.requires_grad]
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    # 7 adapted linear layers per decoder layer (q, k, v, o, gate, up, down), each r x (in + out)
+    cfg = model.config
+    h, kv, inter = cfg.hidden_size, cfg.num_key_value_heads * (h_d := cfg.hidden_size // cfg.num_attention_heads), \
+        cfg.intermediate_size
+    per_layer = 4 * ((h + h) + (h + kv) * 2 + (h + h) + 2 * (h + inter) + (inter + h))
+    assert n_train == cfg.num_hidden_layers * per_layer and n_all > n_train and h_d > 0
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    torch.nn.init.normal_(wrapped.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight)
+    base = models.load_policy(WARM)[0]
+    assert torch.equal(lora.Base(wrapped)(input_ids=x).logits, base(input_ids=x).logits)  # adapters off
+    merged = lora.merged(wrapped)
+    assert torch.allclose(merged(input_ids=x).logits, wrapped(input_ids=x).logits, atol=1e-5)
+    assert not torch.allclose(merged(input_ids=x).logits, base(input_ids=x).logits, atol=1e-3)
+
+
+def test_three_steps_train_adapters_resume_exactly_and_export_a_merged_model(tmp_path, small_data):
+    whole = run(tmp_path / "whole", small_data)
+    run(tmp_path / "cut", small_data, steps=2)
+    resumed = run(tmp_path / "cut", small_data, "--resume")
+    strip = [{k: v for k, v in m.items() if not is_timing(k)} for m in whole]
+    assert strip == [{k: v for k, v in m.items() if not is_timing(k)} for m in resumed]
+    assert whole[0]["policy_kl"] == 0 and whole[-1]["policy_kl"] > 0        # the reference is the base
+    ckpt = tmp_path / "whole" / "ckpt"
+    adapters = load_file(str(ckpt / lora.ADAPTER_FILE))
+    assert adapters and all("lora_" in k for k in adapters) and not (ckpt / "model.safetensors").exists()
+    # the final save's merged model: the base's frozen weights + (alpha / r) B A, a plain HF folder
+    hf, warm = load_file(str(tmp_path / "whole" / "hf" / "model.safetensors")), load_file(os.path.join(WARM, "model.safetensors"))
+    assert set(hf) == set(warm)
+    moved = [k for k in warm if not torch.equal(hf[k], warm[k])]
+    assert moved and all(k.endswith("proj.weight") for k in moved)         # only adapted layers differ
+    evaluate.main(["--model", str(tmp_path / "whole" / "hf"), "--benchmarks", "tiny-test", "--limit", "2", "--n",
+                   "1", "--max-new-tokens", "8", "--temperatures", "1.0", "--no-progress",
+                   "--out", str(tmp_path / "eval")])
+    assert (tmp_path / "eval" / "summary.json").exists()
+
+
+def test_lora_with_fsdp_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--lora-rank", "4", "--fsdp", "--out", str(tmp_path / "x")])
