@@ -29,7 +29,10 @@ ADAPTER_FILE = "adapter_model.safetensors"
 def wrap(model, rank: int, alpha: float, dropout: float = 0.0, targets: str = "all-linear"):
     """The model with rank-`rank` LoRA adapters on `targets` (peft's "all-linear": every linear
     layer but the output head), only they trainable; adapters initialised so that B A = 0."""
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise SystemExit("error: --lora-rank needs peft (pip install peft; requirements-dev.txt has it)") from None
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
                         target_modules=targets if targets == "all-linear" else targets.split(","))

@@ -59,7 +59,8 @@ def test_three_steps_train_adapters_resume_exactly_and_export_a_merged_model(tmp
     adapters = load_file(str(ckpt / lora.ADAPTER_FILE))
     assert adapters and all("lora_" in k for k in adapters) and not (ckpt / "model.safetensors").exists()
     # the final save's merged model: the base's frozen weights + (alpha / r) B A, a plain HF folder
-    hf, warm = load_file(str(tmp_path / "whole" / "hf" / "model.safetensors")), load_file(os.path.join(WARM, "model.safetensors"))
+    hf = load_file(str(tmp_path / "whole" / "hf" / "model.safetensors"))
+    warm = load_file(os.path.join(WARM, "model.safetensors"))
     assert set(hf) == set(warm)
     moved = [k for k in warm if not torch.equal(hf[k], warm[k])]
     assert moved and all(k.endswith("proj.weight") for k in moved)         # only adapted layers differ
