@@ -32,7 +32,7 @@ def wrap(model, rank: int, alpha: float, dropout: float = 0.0, targets: str = "a
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise SystemExit("error: --lora-rank needs peft (pip install peft; requirements-dev.txt has it)") from None
+        raise SystemExit("error: --lora-rank needs peft (pip install peft)") from None
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
                         target_modules=targets if targets == "all-linear" else targets.split(","))
