@@ -180,7 +180,7 @@ def proposition_1(run, batch, plan) -> dict:
         s = train.logprobs.score_tokens(run.policy, rows, args.temperature)             # group 1: full rows
         qkl = losses.query_kl(s.prompt, qref, pmask, algo.qkl_estimator, algo.kl_clamp)
         mask = rows.attention_mask[:, rows.P:].float()
-        pg = losses.aggregate(losses.ppo_surrogate(s.response, s.response.detach(), adv, mask, algo).loss,
+        pg = losses.aggregate(surrogates.ppo_surrogate(s.response, s.response.detach(), adv, mask, algo).loss,
                               mask, algo.agg, num_tokens=mask.sum(), num_seqs=len(mask))
         q = algo.alpha * losses.aggregate(qkl, None, "seq-mean", num_seqs=update.num_seqs)
         out[name] = {"query_kl": flat_grad(q, params), "pg": flat_grad(pg, params)}

@@ -26,7 +26,7 @@ SECTIONS = {                           # what the document cites -> the heading 
     "§5": "§5 The paper's training setup",
     "§8.1": "8.1 KL estimators (`losses.policy_kl`, `losses.kl_penalized_rewards`)",
     "§8.2": "8.2 Advantages (`losses.group_advantages`)",
-    "§8.3": "8.3 PPO clipped surrogate (`losses.ppo_loss`)",
+    "§8.3": "8.3 Policy-gradient surrogates (`surrogates.py`)",
     "§8.5": "8.5 Loss aggregation (`losses.aggregate`)",
 }
 
