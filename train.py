@@ -468,6 +468,7 @@ def train(args, algo):
         has_ref = bool(algo) and needs_reference_model(args, algo)
         if algo:                                                         # the step's time, modelled
             print(time_model.report(args, args.plan_gpus, has_ref, args.plan_gpu, old_rows(args, algo)))
+            print(time_model.disk_report(args, args.plan_gpus))
         return print(memory_plan.report(args, args.plan_gpus, has_ref, measured))
     why = run_dir.refusal(args.out, resume=args.resume, overwrite=args.overwrite, export=args.export,
                           log=args.log)                   # before minutes of loading, and before claim

@@ -112,14 +112,16 @@ def save_checkpoint(out, model, tokenizer, opt, sched, step, final=False, export
     `export`); otherwise a HF folder (save_pretrained) of the float32 master weights with the
     optimizer state. Both with the scheduler/step/RNG state, written to ckpt.tmp and renamed into
     place; the checkpoint it replaces becomes ckpt.prev/ if it was checked (see `mark_checked`).
-    Two checkpoints on disk: at 7B without FSDP2, ~90 GB each (float32 weights + Adam state).
-    extra: {name: state} of other parts of the run (rank 0's), given back as TrainState.extra.
+    At most two checkpoints on disk at any moment, a kill mid-save included (`make_room`): at 7B
+    ~91.5 GB each (float32 weights + Adam state). extra: {name: state} of other parts of the run
+    (rank 0's), given back as TrainState.extra.
     A write that fails (a full disk, `ulimit -f`) ends the run with one line on every rank: the
     checkpoint before it is untouched (the new one goes to ckpt.tmp, removed again)."""
     tmp = os.path.join(out, "ckpt.tmp")
     if distributed.is_main():
         for leftover in (tmp, checkpoint_dir(out) + ".drop"):  # from a run killed mid-save
             shutil.rmtree(leftover, ignore_errors=True)
+        make_room(out)
     distributed.barrier()
     if final and distributed.is_fsdp(model):
         try:
@@ -148,8 +150,29 @@ def save_checkpoint(out, model, tokenizer, opt, sched, step, final=False, export
         raise SystemExit(failed)
 
 
+def make_room(out):
+    """Before a save writes ckpt.tmp, the checkpoint it will replace goes, so that no more than two
+    copies are ever on disk (three of 91.5 GB at 7B would need 275 GB). A checked ckpt/ will become
+    the fallback, so the ckpt.prev/ before it goes; an unchecked ckpt/ (no optimizer step was applied
+    since it was saved: it holds the weights this save writes) goes itself, and ckpt.prev/ stays the
+    fallback. A kill while ckpt.tmp is written leaves one trusted checkpoint either way."""
+    final, prev = checkpoint_dir(out), checkpoint_dir(out) + ".prev"
+    if not os.path.exists(final):
+        return
+    if is_checked(out):
+        shutil.rmtree(prev, ignore_errors=True)
+    else:
+        os.replace(final, final + ".drop")
+        shutil.rmtree(final + ".drop", ignore_errors=True)
+
+
 def kept_note(out) -> str:
-    before, ckpt = saved_step(checkpoint_dir(out)), checkpoint_dir(out)
+    """What a failed save leaves: ckpt/, or (make_room removed an unchecked one) ckpt.prev/, which
+    --resume puts back (recover_checkpoint)."""
+    ckpt = checkpoint_dir(out)
+    if not has_checkpoint(out) and saved_step(ckpt + ".prev") is not None:
+        ckpt += ".prev"
+    before = saved_step(ckpt)
     if before is None:
         return "there is no checkpoint before it: run again once the disk takes one"
     return (f"the checkpoint of step {before} ({ckpt}/) is intact: --resume continues from it once the disk "
@@ -180,20 +203,15 @@ def _write_checkpoint(out, model, model_sd, opt_sd, tokenizer, sched, step, extr
     tmp, final, prev = os.path.join(out, "ckpt.tmp"), checkpoint_dir(out), checkpoint_dir(out) + ".prev"
     if model_sd is not None:
         distributed.unwrap(model).save_pretrained(tmp, state_dict=model_sd)
+    faults.point("ckpt-write")
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, "opt": opt_sd, "sched": sched.state_dict(),
                 "rng": torch.get_rng_state(), "py_rng": random.getstate(), "extra": extra},
                os.path.join(tmp, "state.pt"))
-    if os.path.exists(final):
-        if is_checked(out):         # it has given a finite loss: it becomes the fallback
-            shutil.rmtree(prev, ignore_errors=True)
-            os.replace(final, prev)
-        else:                       # never checked: the fallback stays the (checked) one before it
-            shutil.rmtree(final + ".drop", ignore_errors=True)
-            os.replace(final, final + ".drop")
+    if os.path.exists(final):       # checked (make_room removed an unchecked one): the fallback
+        os.replace(final, prev)
         faults.point("ckpt-rename")  # the window recover_checkpoint() closes
     os.replace(tmp, final)
-    shutil.rmtree(final + ".drop", ignore_errors=True)
 
 
 # A checkpoint is trusted once the weights it holds have given a finite loss: the first finite

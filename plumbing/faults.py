@@ -4,8 +4,9 @@
     ERPO_FAULT=mid-step:3 python train.py ...       # ... the 3rd time a step reaches its update
 
 Points: query-cache (inside the Query-KL cache build), mid-step (after a backward, before the
-optimizer step), ckpt-rename (between moving the old checkpoint aside and the new one in),
-metrics-write (half of a metrics line written). Unset, which is always the case outside the
+optimizer step), ckpt-write (the new checkpoint's weights written to ckpt.tmp, the rest not yet),
+ckpt-rename (between moving the old checkpoint aside and the new one in), metrics-write (half of
+a metrics line written). Unset, which is always the case outside the
 tests, `point` is one environment lookup. SIGKILL, not an exception: nothing gets to clean up,
 as with the OOM killer or a pre-empted node.
 """

@@ -104,3 +104,25 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
     lines.append(f"  {'step':8s} {total[0]:8.1f} s / {total[1]:7.1f} s   x {a.steps} steps: "
                  f"{hours[0]:.1f} h / {hours[1]:.1f} h (evaluations and checkpoints not counted)")
     return "\n".join(lines)
+
+
+def disk_report(a, gpus: int) -> str:
+    """What a run writes to --out: two checkpoints at most at any moment (checkpoints.make_room),
+    each the float32 master weights and Adam's two moments (12 bytes per parameter; LoRA: the
+    adapters'), and the final export in bf16 (<out>/hf under FSDP2 or LoRA, and --export)."""
+    arch = memory_plan.arch_for(a.model)
+    n = arch.params()
+    ckpt = 12 * n if not getattr(a, "lora_rank", 0) else 12 * lora_params(arch, a.lora_rank)
+    export = 2 * n
+    nodes = math.ceil(gpus / 8)
+    shared = (f"; {nodes} nodes: --out must be on a file system every node sees (every rank writes its "
+              "shards into it, rank 0 renames)") if nodes > 1 and a.fsdp else ""
+    return (f"disk: a checkpoint is {ckpt / 1e9:.1f} GB (float32 weights + Adam), at most 2 on disk at once: "
+            f"{2 * ckpt / 1e9:.1f} GB, + {export / 1e9:.1f} GB for the final bf16 export{shared}")
+
+
+def lora_params(arch, rank: int) -> int:
+    """Adapter parameters of peft's "all-linear" LoRA on a Qwen2/Llama layer stack: rank x (in + out)
+    for q, k, v, o, gate, up and down."""
+    h, q, kv, i = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim, arch.inter
+    return arch.layers * rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))

@@ -195,11 +195,12 @@ TRAIN = os.path.join(ROOT, "data", "tinymath", "train.jsonl")
 
 
 def tiny(out, train_data, *extra):
-    """train.py's argv of a 4-step single-process run, a checkpoint every 2 steps."""
+    """train.py's argv of a 4-step single-process run, a checkpoint every 2 steps (--no-signal step:
+    every optimizer step is taken, so each checkpoint is checked by the step after it)."""
     return ["--model", WARM, "--train-data", str(train_data), "--out", str(out), "--steps", "4",
             "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--micro-batch", "8",
             "--max-new-tokens", "24", "--eval-data", "tiny-test", "--eval-limit", "4", "--eval-every", "2",
-            "--save-every", "2", *extra]
+            "--save-every", "2", "--no-signal", "step", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +252,7 @@ def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_checkpoint(tiny_run, tm
                    f"checkpoint of step 4 ({out}/ckpt/) is intact: --resume continues from it once the disk "
                    "takes one")
     assert files(out / "ckpt") == ckpt and not (out / "ckpt.tmp").exists()
+    assert not (out / "ckpt.prev").exists()         # make_room: two copies at most, the checked one kept
     monkeypatch.setattr(checkpoints.torch, "save", real_save)
     import train as T
     T.main(tiny(out, tiny_run[1], "--resume", "--steps", "6"))                  # the advice, followed
@@ -351,3 +353,22 @@ def test_an_export_that_cannot_be_written_is_one_line(tmp_path):
     with pytest.raises(SystemExit) as e:
         checkpoints.export(model, tok, str(tmp_path / "afile" / "hf"))
     assert str(e.value.code).startswith(f"error: cannot write the export {tmp_path / 'afile' / 'hf'} (")
+
+
+def test_make_room_keeps_two_copies_and_a_trusted_one(tmp_path):
+    """Before ckpt.tmp is written: a checked ckpt/ stays (it becomes the fallback) and ckpt.prev/ goes;
+    an unchecked ckpt/ goes and the checked ckpt.prev/ stays. Either way one trusted checkpoint is
+    left if the write then fails, and two are on disk while it runs."""
+    def make(checked):
+        out = tmp_path / f"run{checked}"
+        for d in ("ckpt", "ckpt.prev"):
+            (out / d).mkdir(parents=True)
+            torch.save({"step": 4 if d == "ckpt" else 2}, out / d / "state.pt")
+        (out / "ckpt.prev" / checkpoints.CHECKED).touch()
+        if checked:
+            (out / "ckpt" / checkpoints.CHECKED).touch()
+        checkpoints.make_room(str(out))
+        return sorted(p.name for p in out.iterdir())
+    assert make(True) == ["ckpt"]
+    assert make(False) == ["ckpt.prev"]
+    assert "step 2" in checkpoints.kept_note(str(tmp_path / "runFalse"))   # what --resume falls back to

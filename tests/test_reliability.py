@@ -210,6 +210,7 @@ def uninterrupted(uninterrupted_run):
     ("query-cache", None),          # inside the Query-KL cache build of a fresh run: no checkpoint yet
     ("mid-step:10", "ckpt"),        # step 3, after a backward, before its optimizer step
     ("ckpt-rename:1", "ckpt.prev"), # the save at step 4, between moving ckpt aside and ckpt.tmp in
+    ("ckpt-write:2", "ckpt"),       # the save at step 4, its weights half-written to ckpt.tmp
     ("metrics-write:4", "ckpt"),    # half of step 3's metrics line on disk
 ])
 def test_a_kill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, data, uninterrupted, fault, leftover):
@@ -219,6 +220,8 @@ def test_a_kill_anywhere_then_resume_gives_the_uninterrupted_metrics(tmp_path, d
     assert r.returncode == -9, (fault, r.returncode, r.stderr[-2000:])
     if leftover:
         assert (out / leftover / "state.pt").exists()
+    copies = [d for d in ("ckpt", "ckpt.prev", "ckpt.tmp", "ckpt.drop") if (out / d).exists()]
+    assert len(copies) <= 2, copies                  # never three checkpoints on disk (make_room)
     if fault == "ckpt-rename:1":
         assert not (out / "ckpt").exists()            # the window the recovery closes
     r = run_proc(argv + ["--resume"])

@@ -52,3 +52,14 @@ def test_the_report_names_its_assumptions_and_sums_its_terms():
     assert set(secs) == {"decode", "prefill", "score", "update", "step"}
     assert secs["step"] == pytest.approx(sum(v for k, v in secs.items() if k != "step"), abs=0.3)
     assert "4.8 TB/s" in text and "40% MFU" in text and "x 10 steps" in text
+
+
+def test_the_disk_a_run_needs():
+    """Two checkpoints of 12 bytes per parameter at most (checkpoints.make_room), the bf16 export,
+    and for a run over several nodes the shared --out it needs."""
+    a, _ = paper()
+    n = memory_plan.arch_for(a.model).params()
+    line = time_model.disk_report(a, 8)
+    assert f"a checkpoint is {12 * n / 1e9:.1f} GB" in line and f"{24 * n / 1e9:.1f} GB" in line
+    assert f"{2 * n / 1e9:.1f} GB for the final bf16 export" in line and "node" not in line
+    assert "file system every node sees" in time_model.disk_report(a, 16)
