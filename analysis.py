@@ -23,7 +23,7 @@ from tqdm import tqdm
 import heldout
 import logprobs
 import rollout
-from plumbing import interrupts, plots, run_dir
+from plumbing import errors, interrupts, plots, run_dir
 
 # ----------------------------------------------------------------------------- training runs
 
@@ -136,7 +136,7 @@ def analyze_nll(args):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = errors.OneLineParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("runs", help="KL and train vs held-out accuracy plots of training runs")

@@ -48,7 +48,7 @@ from tqdm import tqdm
 import heldout
 import reward
 from data.prompts import PromptSet, encode_prompts
-from plumbing import distributed, eval_folder, interrupts, plots, run_dir
+from plumbing import distributed, errors, eval_folder, interrupts, plots, run_dir
 from plumbing.errors import DataError
 
 # The paper's temperature grid (method.md §6): 0.1 ... 1.0 and 1.2 ... 1.5, 14 points.
@@ -424,7 +424,7 @@ def fail(msg):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = errors.OneLineParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     heldout.add_sampling_args(p, benchmarks=["tiny"], out="results/eval",
                               out_help="output folder (resumes if it exists)",

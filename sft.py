@@ -91,21 +91,28 @@ def train_sft(model, tokenizer, seqs, *, steps, batch, micro_batch, lr, warmup, 
 
 
 def run(a, d, model, tokenizer, seqs, evalsets, log, amp):
-    """--algo sft: the warm start, with held-out accuracy and an HF folder at each --save-every."""
+    """--algo sft: the warm start, with an HF folder at each --save-every and held-out accuracy there
+    and at the end (none with --eval-every 0)."""
     bf16 = distributed.uses_bf16(a.dtype, d.device)
     spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget,
                                    bf16)
     model = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16)
 
+    def heldout():
+        if not a.eval_every:
+            return {}
+        return heldout_at_temperatures(model, tokenizer, evalsets, spec, a.eval_temperatures, a.seed)
+
     def on_checkpoint(step):
         checkpoints.export(model, tokenizer, os.path.join(a.out, f"sft-{step:05d}"), a.export_dtype,
                            bf16=bf16)
-        return heldout_at_temperatures(model, tokenizer, evalsets, spec, a.eval_temperatures, a.seed)
+        return heldout()
     with amp():
         train_sft(model, tokenizer, seqs, steps=a.sft_steps, batch=a.sft_batch, micro_batch=a.micro_batch,
                   lr=a.sft_lr, warmup=a.sft_warmup, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
                   seed=a.seed, device=d.device, log=log, save_every=a.save_every, on_checkpoint=on_checkpoint)
-        acc = heldout_at_temperatures(model, tokenizer, evalsets, spec, a.eval_temperatures, a.seed)
-    log({"step": a.sft_steps, **acc})
-    distributed.print0(json.dumps(acc, indent=1))
+        acc = heldout()
+    if acc:
+        log({"step": a.sft_steps, **acc})
+        distributed.print0(json.dumps(acc, indent=1))
     checkpoints.export(model, tokenizer, a.export, a.export_dtype, bf16=bf16)

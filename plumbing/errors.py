@@ -2,12 +2,24 @@
 fix it>)` and a non-zero exit. DataError carries such a message; `one_line` turns the errors a
 block may raise on bad input into that exit; `check_heldout` is one such check."""
 
+import argparse
 import os
+import sys
 from contextlib import contextmanager
 
 
 class DataError(ValueError):
     pass
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, whose errors are one line, `<prog>: error: <what>`,
+    and exit status 2, not the usage block first (~50 lines for train.py, which under torchrun every
+    rank would print)."""
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
 
 
 @contextmanager

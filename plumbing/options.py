@@ -16,6 +16,7 @@ import re
 from dataclasses import MISSING, dataclass, field, fields, replace
 
 import losses
+from plumbing import errors
 
 
 def parse_bool(s):
@@ -116,7 +117,7 @@ def algo_knobs():
 
 
 def build_parser(table, description):
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = errors.OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config",
                    help="JSON file of defaults (keys as the flags, with _), e.g. configs/paper_qwen7b.json")
     for row in table:

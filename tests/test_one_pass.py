@@ -12,7 +12,6 @@ compaction against HF generate, and the host reads of the loop counted.
 
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -195,7 +194,14 @@ def record():
     print(f"wrote {GOLDEN}:", {s: len(v["tokens"]) for s, v in out.items()}, "rows")
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] != ["record"]:
-        sys.exit("usage: python -m tests.test_one_pass record")
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Record the sampler's golden tokens (tests/golden/sampler_tokens.json).")
+    ap.add_argument("what", choices=["record"], help="rewrite the golden from the current sampler (on purpose only)")
+    ap.parse_args(argv)
     record()
+
+
+if __name__ == "__main__":
+    main()

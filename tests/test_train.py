@@ -451,3 +451,24 @@ def test_microbatch_plan_by_rows_tokens_and_count():
     grouped = batching.microbatch_plan(lens, size=4, group=2)
     assert grouped == [[0, 1, 2, 3], [4, 5, 6, 7]]                        # groups of longest 40, 40, then 30, 22
     assert batching.microbatch_plan(lens, size=8, max_tokens=100, group=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_sft_with_eval_every_0_evaluates_nothing(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(train.sft, "heldout_at_temperatures", lambda *a, **k: calls.append(1) or {})
+    with open(os.path.join(ROOT, "data", "tinymath", "test.jsonl")) as f:
+        (tmp_path / "sft.jsonl").write_text("".join(next(f) for _ in range(8)))
+    train.main(["--algo", "sft", "--model", WARM, "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-batch", "4",
+                "--sft-steps", "2", "--save-every", "1", "--eval-every", "0", "--out", str(tmp_path / "o")])
+    assert not calls and (tmp_path / "o" / "sft-00002").is_dir()
+
+
+@pytest.mark.parametrize("script", ["train.py", "evaluate.py", "analysis.py"])
+def test_a_bad_flag_is_one_line(script):
+    """Not the ~50-line usage block first: one line naming the flag (under torchrun every rank would
+    print it, before torchrun's own report of the failed worker)."""
+    needed = {"evaluate.py": ["--model", "m"], "analysis.py": ["runs", "r"]}.get(script, [])
+    r = subprocess.run([sys.executable, script, *needed, "--bogus"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"{script}: error: unrecognized arguments: --bogus"], r.stderr
