@@ -9,14 +9,12 @@ import torch
 from losses import (AGG_MODES, ALGOS, Algo, aggregate, group_advantages, kl_penalized_rewards, make_algo,
                     nonconstant_groups, overlong_penalty, policy_kl, query_kl, query_weights, rl_loss)
 from surrogates import SURROGATES, clip_masks, ppo_loss
+from tests.loss_cases import (ADVANTAGE_CASES, CONSTANT_GROUPS, K3_CASES, KL_PQ, KL_QP, P, PPO_CASES, Q,
+                              QUERY_KL_HAND, QUERY_WEIGHT_CASES, query_kl_case)
 
 # -----------------------------------------------------------------------------
 # KL estimators on a 5-category toy where both KL directions are exact and clearly different
-
-P = torch.tensor([0.70, 0.10, 0.10, 0.05, 0.05], dtype=torch.float64)    # pi_theta
-Q = torch.tensor([0.05, 0.20, 0.25, 0.25, 0.25], dtype=torch.float64)    # pi_ref
-KL_PQ = float((P * (P / Q).log()).sum())                                  # KL(pi_theta || pi_ref) ~ 1.53
-KL_QP = float((Q * (Q / P).log()).sum())                                  # KL(pi_ref || pi_theta) ~ 1.04
+# (P = pi_theta, Q = pi_ref: tests/loss_cases.py, which labs/grade.py shares)
 
 
 def test_toy_kl_directions_differ():
@@ -36,6 +34,11 @@ def test_kl_estimators_values_match_exact_kl():
     exact_k2 = float((P * 0.5 * (Q / P).log() ** 2).sum())
     assert k2.mean().item() == pytest.approx(exact_k2, abs=0.02)
     assert abs(exact_k2 - KL_PQ) > 0.1                                    # k2 is biased
+
+
+def test_k3_hand_values():
+    for logp, ref, k3 in K3_CASES:
+        assert policy_kl(torch.tensor(logp), torch.tensor(ref), "k3").item() == pytest.approx(k3, abs=1e-6)
 
 
 def test_kl_clamp():
@@ -114,15 +117,13 @@ def test_k3_monte_carlo_gradient_is_forward_kl_gradient():
 # Group advantages
 
 def test_group_advantages_hand_values():
-    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)                                   # unbiased std of [1,0,0,1]
-    torch.testing.assert_close(group_advantages(r, 4, "grpo"), torch.tensor([a, -a, -a, a]))
-    torch.testing.assert_close(group_advantages(r, 4, "drgrpo"), torch.tensor([0.5, -0.5, -0.5, 0.5]))
-    torch.testing.assert_close(group_advantages(r, 4, "rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    for kind, cases in ADVANTAGE_CASES.items():               # [1,0,0,1]: unbiased std (GRPO), R - mean, RLOO
+        for rewards, G, want in cases:
+            torch.testing.assert_close(group_advantages(torch.tensor(rewards), G, kind), torch.tensor(want))
     for kind in ("grpo", "drgrpo", "rloo"):
-        assert (group_advantages(torch.ones(4), 4, kind) == 0).all()
-        # float rewards like 0.1 (format-only) must also give exactly zero
-        assert (group_advantages(torch.full((8,), 0.1), 8, kind) == 0).all()
+        # all-equal groups, float rewards like 0.1 (format-only) too, give exactly zero
+        for rewards, G, zero_rows in CONSTANT_GROUPS:
+            assert (group_advantages(torch.tensor(rewards), G, kind)[:zero_rows] == 0).all()
 
 
 def test_group_advantages_errors():
@@ -196,10 +197,7 @@ def test_kl_penalized_rewards():
 # Query-KL and Proposition 1
 
 def test_query_kl_mask_and_zero():
-    g = torch.Generator().manual_seed(0)
-    logp = -torch.rand(3, 6, generator=g) * 3
-    ref = -torch.rand(3, 6, generator=g) * 3
-    mask = torch.tensor([[0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [0, 1, 0, 0, 0, 0]])
+    logp, ref, mask = query_kl_case()
     assert (query_kl(logp, logp.clone(), mask) == 0).all()
     base = query_kl(logp, ref, mask)
     assert (base > 0).all()
@@ -213,6 +211,8 @@ def test_query_kl_mask_and_zero():
     # per-sequence token mean of the k3 values
     k3 = torch.exp(ref - logp) - (ref - logp) - 1
     torch.testing.assert_close(base[1], k3[1, 1:].mean())
+    logp, ref, mask, want = QUERY_KL_HAND
+    torch.testing.assert_close(query_kl(logp, ref, mask), torch.tensor(want))
 
 
 def _tiny_lm():
@@ -268,9 +268,9 @@ def test_proposition1_query_kl_gradient_ignores_responses():
 # Query weights
 
 def test_query_weights():
-    torch.testing.assert_close(query_weights(torch.tensor([3.0, 6.0])), torch.tensor([1.5, 0.75]))
-    w = query_weights(torch.tensor([0.1, 1.0, 4.0, 1000.0]), mean_nll=1.0, clip=(0.0, 2.0))
-    torch.testing.assert_close(w, torch.tensor([2.0, 1.0, 0.25, 0.001]))
+    for nll, mean_nll, clip, want in QUERY_WEIGHT_CASES:     # [3, 6] -> [1.5, 0.75]; the paper's clip [0, 2]
+        torch.testing.assert_close(query_weights(torch.tensor(nll), mean_nll=mean_nll, clip=clip),
+                                   torch.tensor(want))
     nll = torch.tensor([2.0, 4.0], requires_grad=True)
     assert not query_weights(nll).requires_grad
     with pytest.raises(ValueError, match="log-likelihood"):
@@ -288,21 +288,13 @@ def _ppo(ratio, A, **kw):
 
 
 def test_ppo_loss_cases():
-    assert _ppo(1.0, 2.0) == (pytest.approx(-2.0), False, pytest.approx(-2.0))
-    assert _ppo(1.0, -2.0)[:2] == (pytest.approx(2.0), False)
-    # A > 0: upper clip at 1 + eps_high
-    assert _ppo(1.25, 1.0)[:2] == (pytest.approx(-1.25), False)
-    assert _ppo(1.25, 1.0, eps_high=0.2)[:2] == (pytest.approx(-1.2), True)
-    assert _ppo(1.5, 1.0) == (pytest.approx(-1.3), True, 0.0)
-    assert _ppo(0.5, 1.0)[:2] == (pytest.approx(-0.5), False)         # A > 0 never clipped from below
-    # A < 0: lower clip at 1 - eps_low
-    assert _ppo(0.5, -1.0) == (pytest.approx(0.8), True, 0.0)
-    assert _ppo(0.7, -1.0, eps_low=0.4)[:2] == (pytest.approx(0.7), False)
-    # A < 0: dual clip bounds the loss at c * |A|
-    assert _ppo(2.0, -1.5)[:2] == (pytest.approx(3.0), False)
-    assert _ppo(100.0, -1.5) == (pytest.approx(4.5), True, 0.0)
-    assert _ppo(100.0, -1.5, dual_clip=None)[:2] == (pytest.approx(150.0), False)
-    assert _ppo(100.0, 1.5)[:2] == (pytest.approx(-1.95), True)        # dual clip is for A < 0 only
+    # A > 0: upper clip at 1 + eps_high; A < 0: lower clip at 1 - eps_low, and dual clip bounds the
+    # loss at c * |A|; a clipped token's gradient is exactly 0
+    for ratio, A, kw, loss, clipped, grad in PPO_CASES:
+        got = _ppo(ratio, A, **kw)
+        assert got[:2] == (pytest.approx(loss), clipped), (ratio, A, kw)
+        if grad is not None:
+            assert got[2] == (0.0 if grad == 0 else pytest.approx(grad)), (ratio, A, kw)
 
 
 def test_clip_masks_mark_the_ratio_outside_the_range_whatever_the_advantage():
