@@ -2,7 +2,8 @@
 intervals, and a multi-epoch regime like the paper's.
 
     python -m study.miniature              # every run that is missing (resumable), then the report
-    python -m study.miniature --report     # only the report, from the runs there are
+    python -m study.miniature --report     # only the report: from the runs there are, else from the
+                                           # committed study/results/study.json (a fresh clone)
     python -m study.miniature --smoke      # the same pipeline at toy sizes, in a temporary folder
 
 PROTOCOL (written before the study was run; the numbers below are what the command does)
@@ -293,15 +294,24 @@ def figures(study, out_dir):
 
 
 def report(out, size, results):
-    study = aggregate(out, size)
+    """study.json, tables.md and the figures in `results`: aggregated from the runs in `out` when they
+    are all there; else (a fresh clone: runs/ is not committed) rebuilt from `results`/study.json."""
     os.makedirs(results, exist_ok=True)
-    with open(os.path.join(results, "study.json"), "w") as f:
-        json.dump(study, f, indent=1)
+    have = all(os.path.exists(os.path.join(out, f"{a}-s{s}", "final", "summary.json"))
+               for a, seeds in size["seeds"].items() for s in seeds)
+    if have:
+        study = aggregate(out, size)
+        with open(os.path.join(results, "study.json"), "w") as f:
+            json.dump(study, f, indent=1)
+    else:
+        print(f"the runs are not in {out}: the tables and figures from {results}/study.json")
+        with open(os.path.join(results, "study.json")) as f:
+            study = json.load(f)
     with open(os.path.join(results, "tables.md"), "w") as f:
         f.write(tables(study))
     paths = figures(study, results)
     print(tables(study))
-    print(f"wrote {results}/study.json, tables.md, " + ", ".join(os.path.basename(p) for p in paths))
+    print(f"wrote {results}/{'study.json, ' if have else ''}tables.md, " + ", ".join(map(os.path.basename, paths)))
     return study
 
 
