@@ -1,11 +1,11 @@
 """One real RL step of the tiny warm start, traced tensor by tensor: docs/walkthrough.md.
 
-    python -m study.walkthrough                  # rewrites docs/walkthrough.md and docs/img/walkthrough_*.png
-    python -m study.walkthrough --out DIR        # the same into DIR/ (what tests/test_walkthrough.py does)
+    python -m study.walkthrough                  # writes runs/walkthrough/walkthrough.md and img/
+    python -m study.walkthrough --out docs       # rewrites docs/walkthrough.md and docs/img/walkthrough_*.png
     python -m study.walkthrough --tolerances     # re-measures tests/golden/walkthrough_tolerances.json
 
 Nothing here re-implements the step. `trace` runs train.py's own code on `argv()`: `train.parse_args`,
-`train.load_data`, `train.setup_rl`, then `train.rl_step` for steps 1..TRACED + 1, with two of
+`train.load_data`, `rl_run.setup_rl`, then `train.rl_step` for steps 1..TRACED + 1, with two of
 train.py's functions wrapped to keep what they are given in the traced step: `train.rollouts` (the
 graded experience) and `train.ppo_update` (the UpdateBatch and the plan of the update). The wrapped
 update runs the real one (ERPO's optimizer step, what train.py logs), then, from the weights before
@@ -316,7 +316,10 @@ def measure_tolerances():
 
 def main(argv_=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=DOCS, help="folder of walkthrough.md and img/ (default: docs/)")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "walkthrough"),
+                   help="folder of walkthrough.md and img/ (default runs/walkthrough; --out docs rewrites the "
+                        "committed page, whose numbers another CPU's kernels round a little differently: "
+                        "tests/test_walkthrough.py compares within their tolerances)")
     p.add_argument("--record", help="also write the skeleton, numbers and traced metrics to this JSON file")
     p.add_argument("--tolerances", action="store_true",
                    help="re-measure " + os.path.relpath(TOLERANCES, ROOT))

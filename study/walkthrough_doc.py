@@ -138,7 +138,7 @@ def intro(d, v, setup):
     d("# How ERPO works, on one real RL step",
       "",
       "Every number below comes from one run of the training code. `python -m study.walkthrough` "
-      f"runs `train.py`'s own functions (`train.setup_rl`, then `train.rl_step` for steps 1-"
+      f"runs the training code's own functions (`rl_run.setup_rl`, then `train.rl_step` for steps 1-"
       f"{setup['traced'] + 1}) and traces RL step {setup['traced']}: what went into each tensor, and "
       "what came out. Nothing "
       "is typed by hand, and `tests/test_walkthrough.py` regenerates this page and checks it against "
@@ -495,7 +495,8 @@ def metrics_section(d, v, setup):
       f"    head -{setup['subset']} data/tinymath/train.jsonl > /tmp/subset.jsonl",
       "    " + setup["command"],
       "",
-      "Regenerate this page (about 10 s on 2 CPU cores) with `python -m study.walkthrough`.")
+      "Regenerate this page (about 10 s on 2 CPU cores) with `python -m study.walkthrough --out docs` "
+      "(without `--out`, into runs/walkthrough/).")
 
 
 # ----------------------------------------------------------------------------------------------
