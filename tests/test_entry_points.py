@@ -24,6 +24,7 @@ COMMANDS = {
     "study/miniature.py": [["--help"]],
     "study/walkthrough.py": [["--help"]],
     "study/long_run.py": [["--help"]],
+    "study/headline.py": [["--help"]],
     "bench/bench_rl.py": [["--help"]],
     "bench/bench_sampler.py": [["--help"]],
     "bench/bench_grader_pool.py": [["--help"]],
