@@ -66,7 +66,8 @@ def empty_rows(masks) -> int:
 
 
 def forwards_that_run_sdpa(model, ids, mask):
-    """The training forward (and its shared-prompt pass), the query cache, the sampler's prefill."""
+    """The training forward (and its shared-prompt pass), the query cache, the sampler's prefills
+    (the chunked loop's and the one pass's admission into slots)."""
     G = 2
     packed = logprobs.Packed(ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0),
                              mask[:, 1:].repeat_interleave(G, 0), ids.shape[1] - 3)
@@ -76,6 +77,8 @@ def forwards_that_run_sdpa(model, ids, mask):
         prompts = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
         yield "query cache", lambda: query_cache.build(model, prompts, 0, 1.0, "cpu")
         yield "prefill", lambda: kv_cache.prefill(model, prompts, 0, 4)
+        slots = list(range(len(prompts)))
+        yield "admit", lambda: kv_cache.admit(model, kv_cache.slot_cache(model, len(slots), 16), prompts, slots, 0)
 
 
 @pytest.mark.parametrize("bf16", [False, True])
