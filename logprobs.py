@@ -3,8 +3,10 @@
 Every forward of a training step (the rollout policy's pi_old, the reference, the update's
 gradient pass) and the Query-KL cache go through `score_tokens`: one forward over the `Packed`
 layout [left-padded prompt | right-padded response] gives the response log-probs (policy loss) and
-the prompt log-probs (Query-KL, method.md §3), on logits / T in float32 (`token_logprobs`, chunked
-along the sequence so a 152k vocabulary never needs several (B, L, V) float32 copies).
+the prompt log-probs (Query-KL, method.md §3), on logits / T in float32 (`token_logprobs`). The
+model's forward stops at its final hidden states; lm_head's logits are made in float32 block by
+block, fused with the log-softmax and recomputed in backward (`_TokenLogprob`): no (B, L, V) tensor,
+and no bf16 rounding of logits (~0.03-0.06 nat at |z| ~ 16-32) under the 1e-3-scale KL monitors.
 
 GRPO repeats each prompt for its G responses: `score_tokens(group=G)` runs a repeated prompt
 through the model once and gives its G rows copies of its KV cache; causal attention makes that the
@@ -13,6 +15,7 @@ rows into forwards without all-padding columns, decided on the host (step_plan.p
 """
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -83,16 +86,18 @@ class TokenScores:
 
 
 def score_tokens(model, packed: Packed, temperature, with_entropy=False, group=1,
-                 checked=False) -> TokenScores:
-    """One forward over [prompt | response] -> response and prompt log-probs (and entropy).
+                 checked=False, entropy_grad=False) -> TokenScores:
+    """One forward over [prompt | response] -> response and prompt log-probs (and entropy, with
+    its gradient when entropy_grad: an entropy bonus in the loss).
     group = G > 1: the rows come in consecutive groups of G that repeat one prompt (GRPO's G
     responses), and each prompt runs once (shared_prompt_scores), unless a group's prompts differ or
     the model has sliding-window layers (whose cache keeps only a window of the prompt). checked:
     the caller has verified shares_prompts already (a host read; train.py does it once per step)."""
     if (group > 1 and full_attention(distributed.unwrap(model).config)
             and (checked or shares_prompts(packed, group))):
-        return shared_prompt_scores(model, packed, temperature, with_entropy, group)
-    logp, ent = token_logprobs(model, packed.input_ids, packed.attention_mask, temperature, with_entropy)
+        return shared_prompt_scores(model, packed, temperature, with_entropy, group, entropy_grad)
+    logp, ent = token_logprobs(model, packed.input_ids, packed.attention_mask, temperature, with_entropy,
+                               entropy_grad=entropy_grad)
     P = packed.P
     return TokenScores(logp[:, P - 1:], logp[:, :P - 1], None if ent is None else ent[:, P - 1:])
 
@@ -106,7 +111,8 @@ def shares_prompts(packed: Packed, G) -> bool:
     return bool((ids == ids[:, :1]).all())
 
 
-def shared_prompt_scores(model, packed: Packed, temperature, with_entropy, G) -> TokenScores:
+def shared_prompt_scores(model, packed: Packed, temperature, with_entropy, G,
+                         entropy_grad=False) -> TokenScores:
     """score_tokens for groups of G rows with one prompt each: the U = B / G prompts run through the
     model once, filling a KV cache; copied G times, it serves the responses' forward. Causal
     attention makes this the same math as B full rows (a prompt's states never see its response),
@@ -121,17 +127,19 @@ def shared_prompt_scores(model, packed: Packed, temperature, with_entropy, G) ->
     inner = distributed.unwrap(model)
     cache_kw, _ = forward_kwargs(inner)
     cache = DynamicCache(config=inner.config)
-    plogits = inner(input_ids=ids[first, :P], attention_mask=mask[first, :P], position_ids=pos[first, :P],
-                    use_cache=True, **{cache_kw: cache}).logits        # (U, P, V)
-    cache.batch_repeat_interleave(G)                                    # (B, Hkv, P, D) per layer
-    rlogits = model(input_ids=ids[:, P:], attention_mask=mask, position_ids=pos[:, P:],
-                    use_cache=True, **{cache_kw: cache}).logits        # (B, R, V)
-    chunk = _logprob_chunk(B, rlogits.shape[-1])
+    head = plain_head(inner)
+    with hidden_states_out(head):  # hidden states (., ., D), or the model's logits (., ., V)
+        px = inner(input_ids=ids[first, :P], attention_mask=mask[first, :P], position_ids=pos[first, :P],
+                   use_cache=True, **{cache_kw: cache}).logits          # (U, P, .)
+        cache.batch_repeat_interleave(G)                                # (B, Hkv, P, D) per layer
+        rx = model(input_ids=ids[:, P:], attention_mask=mask, position_ids=pos[:, P:],
+                   use_cache=True, **{cache_kw: cache}).logits          # (B, R, .)
+    w, T, elems = None if head is None else head.weight, float(temperature), 2**26
     # (unsliced: see _TokenLogprob)
-    prompt, _ = _TokenLogprob.apply(plogits, ids[first, 1:P], float(temperature), chunk, False)
+    prompt, _ = _TokenLogprob.apply(px, w, ids[first, 1:P], T, elems, False, False)
     # Response token 0 is scored by the prompt's last position, tokens 1.. by the responses' own.
-    logits = torch.cat([plogits[:, -1:].repeat_interleave(G, 0), rlogits[:, :-1]], 1)  # (B, R, V)
-    response, ent = _TokenLogprob.apply(logits, ids[:, P:], float(temperature), chunk, bool(with_entropy))
+    x = torch.cat([px[:, -1:].repeat_interleave(G, 0), rx[:, :-1]], 1)  # (B, R, .)
+    response, ent = _TokenLogprob.apply(x, w, ids[:, P:], T, elems, bool(with_entropy), bool(entropy_grad))
     return TokenScores(response, prompt.repeat_interleave(G, 0), ent)
 
 
@@ -160,69 +168,225 @@ def full_attention(config) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# Scoring: per-token log-probs (and entropy) of given sequences
+# Scoring: per-token log-probs (and entropy) from the final hidden states
+
+# Model types whose logits are lm_head(final hidden states) and nothing more (no soft-capping, no
+# scale, no bias): their log-probs come from the hidden states and lm_head's weight (_TokenLogprob).
+PLAIN_HEAD = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def plain_head(model) -> torch.nn.Linear | None:
+    """The lm_head the fused log-softmax multiplies by, or None: the model's own logits are used."""
+    inner = distributed.unwrap(model)
+    head = inner.get_output_embeddings()
+    if (getattr(inner.config, "model_type", None) in PLAIN_HEAD and type(head) is torch.nn.Linear
+            and head.bias is None):
+        return head
+    return None
+
+
+@contextmanager
+def hidden_states_out(head):
+    """While inside, the model's forward returns its final hidden states (B, L, D) as `.logits`:
+    lm_head runs as the identity. The forward itself stays the wrapped model's (DDP's, FSDP2's
+    hooks: the root's parameters, lm_head's included, are gathered by it and stay gathered until
+    backward), which calling the body (model.model) would skip. head None: nothing changes."""
+    if head is None:
+        yield
+        return
+    head.forward = _identity
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _identity(x):
+    return x.clone()  # (not the view of the body's output FSDP2 warns about; (B, L, D), no (B, L, V))
+
+
+def _on_tensor_cores(t) -> bool:
+    """torch.mm(..., out_dtype=float32) exists for bf16/fp16 operands here: CUDA (and fake tensors,
+    which stand for a GPU's in memory_measure)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.is_cuda or isinstance(t, FakeTensor)
+
+
+@dataclass
+class _Gemm:
+    """lm_head's product in float32. On CUDA the operands take the run's compute dtype (bf16 under
+    autocast or FSDP2's bf16 parameters, as lm_head's own matmul would) and one tensor-core GEMM
+    returns its float32 accumulator, never rounded to bf16 (at |z| ~ 16-32 bf16 rounds by up to
+    0.06: a noise floor under the 1e-3-scale KL monitors); elsewhere the operands are upcast."""
+    dtype: torch.dtype                 # the operands' dtype
+
+    @classmethod
+    def of(cls, x, weight) -> "_Gemm":
+        dev = x.device.type
+        if not _on_tensor_cores(x):
+            return cls(torch.float32)
+        return cls(torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype)
+
+    def operand(self, t):
+        return t.to(self.dtype)
+
+    def mm(self, a, b):                # (n, k) @ (k, m) -> (n, m) float32
+        if self.dtype in (torch.bfloat16, torch.float16):
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b)
+
+    def mm_into(self, a, b, out):      # out = a @ b in out's dtype: no float32 copy of a bf16 weight
+        if out.dtype == self.dtype:
+            torch.mm(a, b, out=out)
+        else:
+            out.copy_(self.mm(a, b))
 
 
 class _TokenLogprob(torch.autograd.Function):
-    """logp[b, l] = log_softmax(logits[b, l] / T)[targets[b, l]] in float32, plus the entropy of
-    that distribution (no grad). Chunked along l in forward AND backward, saving only the
-    (model-dtype) logits and the (B, L) log-normalisers, so no (B, L, V) float32 copy is ever
-    held: backward recomputes softmax per chunk (d logp / d logits = (onehot - softmax) / T).
-    targets (B, L) may be shorter than logits (B, L', V): positions >= L are not scored. That lets
-    a caller pass the model's logits unsliced: the backward of a slice logits[:, :-1] would
-    allocate a second zero-filled (B, L', V) gradient next to this one."""
+    """logp[b, l] = log_softmax(z[b, l])[targets[b, l]] with z = logits / T in float32, and the
+    entropy H[b, l] of softmax(z[b, l]); gradients flow through logp, and through H when
+    entropy_grad (dH/dz_k = -p_k (log p_k + H)).
+    x: the final hidden states (B, L', D) with weight, lm_head's (V, D): logits = x W^T are made
+    in float32 (_Gemm) block by block and never held whole; or x: the model's logits (B, L', V)
+    with weight None. No (B, L', V) float32 tensor is ever held: forward works in blocks of
+    positions (B, c, V), saving only x, weight and the (B, L) log-normalisers (and H); backward
+    recomputes the logits, in blocks of positions from logits, and from hidden states in slices of
+    the vocabulary over all positions (N, v): each slice's lm_head gradient is then one GEMM over
+    every position, written once in the weight's dtype (no float32 (V, D) accumulator), the
+    hidden states' gradient accumulating in float32 (N, D). `elems` bounds a block's elements.
+    targets (B, L) may be shorter than x (B, L', .): positions >= L are not scored, which lets a
+    caller pass x unsliced: the backward of a slice x[:, :-1] would allocate a second zero-filled
+    (B, L', .) gradient next to this one."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk, with_entropy):
-        B, L = targets.shape
-        logp = torch.empty((B, L), dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(logp)
-        ent = torch.empty_like(logp) if with_entropy else None
-        for s in range(0, L, chunk):
-            e = min(L, s + chunk)
-            z = logits[:, s:e].float() / temperature  # (B, c, V) float32
-            lse_c = torch.logsumexp(z, -1)
-            lse[:, s:e] = lse_c
-            logp[:, s:e] = z.gather(-1, targets[:, s:e, None]).squeeze(-1) - lse_c
-            if with_entropy:  # H = lse - sum_j p_j z_j
-                ent[:, s:e] = lse_c - (torch.exp(z - lse_c[..., None]) * z).sum(-1)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        if with_entropy:
+    def forward(ctx, x, weight, targets, temperature, elems, with_entropy, entropy_grad):
+        gemm = None if weight is None else _Gemm.of(x, weight)          # (reads autocast: before it is off)
+        with torch.autocast(x.device.type, enabled=False):              # float32 as written, not bf16 matmuls
+            logp, lse, ent = _scores(x, weight, gemm, targets, temperature, elems, with_entropy)
+        entropy_grad = bool(with_entropy and entropy_grad)
+        ctx.save_for_backward(x, weight, targets, lse, ent if entropy_grad else None)
+        ctx.temperature, ctx.elems, ctx.gemm = temperature, elems, gemm
+        if with_entropy and not entropy_grad:
             ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        logits, targets, lse = ctx.saved_tensors
-        T, chunk, L = ctx.temperature, ctx.chunk, targets.shape[1]
-        grad = torch.empty_like(logits)
-        grad[:, L:].zero_()                     # unscored positions
-        for s in range(0, L, chunk):
-            e = min(L, s + chunk)
-            z = logits[:, s:e].float() / T
-            g = g_logp[:, s:e, None]  # (B, c, 1)
-            gl = -torch.exp(z - lse[:, s:e, None]) * g
-            gl.scatter_add_(-1, targets[:, s:e, None], g)
-            grad[:, s:e] = (gl / T).to(grad.dtype)
-        return grad, None, None, None, None
+        x, weight, targets, lse, ent = ctx.saved_tensors
+        g_ent = g_ent if ent is not None else None
+        none = (None,) * 5
+        if g_logp is None and g_ent is None:
+            return None, None, *none
+        with torch.autocast(x.device.type, enabled=False):              # (train.py runs backward under it)
+            if weight is None:
+                gx = _logits_grad(x, targets, lse, ent, g_logp, g_ent, ctx.temperature, ctx.elems)
+                return gx, None, *none
+            return *_hidden_grads(x, weight, ctx.gemm, targets, lse, ent, g_logp, g_ent, ctx.temperature,
+                                  ctx.elems, ctx.needs_input_grad[:2]), *none
+
+
+def _scores(x, weight, gemm, targets, T, elems, with_entropy):
+    """_TokenLogprob's forward: (log p of the targets, log-normalisers, entropies or None), (B, L)."""
+    B, L = targets.shape
+    w = None if weight is None else gemm.operand(weight).t()            # (D, V)
+    logp = torch.empty((B, L), dtype=torch.float32, device=x.device)
+    lse = torch.empty_like(logp)
+    ent = torch.empty_like(logp) if with_entropy else None
+    V = x.shape[-1] if weight is None else weight.shape[0]
+    chunk = _logprob_chunk(B, V, elems)
+    for s in range(0, L, chunk):
+        e = min(L, s + chunk)
+        if weight is None:
+            z = x[:, s:e].float() / T                                   # (B, c, V)
+        else:
+            h = gemm.operand(x[:, s:e]).reshape(-1, x.shape[-1])
+            z = gemm.mm(h, w).div_(T).view(B, e - s, V)
+        lse_c = torch.logsumexp(z, -1)
+        lse[:, s:e] = lse_c
+        logp[:, s:e] = z.gather(-1, targets[:, s:e, None]).squeeze(-1) - lse_c
+        if with_entropy:  # H = lse - sum_j p_j z_j
+            ent[:, s:e] = lse_c - (z - lse_c[..., None]).exp_().mul_(z).sum(-1)
+    return logp, lse, ent
+
+
+def _z_grad(z, lse, ent, targets, v0, g_logp, g_ent):
+    """d(sum g_logp logp + g_ent H) / dz over a block z (n, v) of z = logits / T, vocabulary
+    columns v0..v0+v: d logp_t / dz_k = [k = t] - p_k, dH / dz_k = -p_k (log p_k + H). z is
+    overwritten; two (n, v) blocks at most. lse, ent, targets, g_logp, g_ent: (n,)."""
+    lp = z.sub_(lse[:, None])                                           # log p
+    p = lp.exp()
+    by_ent = None if g_ent is None else lp.add_(ent[:, None]).mul_(p).mul_(g_ent[:, None])
+    if g_logp is None:
+        return by_ent.neg_()
+    g = p.mul_(-g_logp[:, None])
+    hit = (targets >= v0) & (targets < v0 + z.shape[1])
+    g.scatter_add_(1, (targets - v0).clamp(0, z.shape[1] - 1)[:, None], (g_logp * hit)[:, None])
+    return g if by_ent is None else g.sub_(by_ent)
+
+
+def _logits_grad(logits, targets, lse, ent, g_logp, g_ent, T, elems):
+    """The logits' gradient (B, L', V), in blocks of positions."""
+    B, L = targets.shape
+    V = logits.shape[-1]
+    chunk = _logprob_chunk(B, V, elems)
+    grad = torch.empty_like(logits)
+    grad[:, L:].zero_()                                                 # unscored positions
+    for s in range(0, L, chunk):
+        e = min(L, s + chunk)
+        g = _z_grad(logits[:, s:e].float().reshape(-1, V) / T, lse[:, s:e].reshape(-1), _flat(ent, s, e),
+                    targets[:, s:e].reshape(-1), 0, _flat(g_logp, s, e), _flat(g_ent, s, e))
+        grad[:, s:e] = g.div_(T).view(B, e - s, V).to(grad.dtype)
+    return grad
+
+
+def _hidden_grads(x, weight, gemm, targets, lse, ent, g_logp, g_ent, T, elems, needs):
+    """The gradients of the hidden states (B, L', D) and of lm_head's weight (V, D), in slices of
+    the vocabulary over all N = B L scored positions."""
+    B, L = targets.shape
+    V, D = weight.shape
+    h = gemm.operand(x[:, :L]).reshape(-1, D)                           # (N, D)
+    gx = torch.zeros(h.shape, dtype=torch.float32, device=x.device) if needs[0] else None
+    gw = torch.empty_like(weight) if needs[1] else None
+    lse, ent, targets, g_logp, g_ent = (None if t is None else t.reshape(-1)
+                                        for t in (lse, ent, targets, g_logp, g_ent))
+    vs = _logprob_chunk(h.shape[0], 1, elems)
+    for v0 in range(0, V, vs):
+        w = gemm.operand(weight[v0:v0 + vs])                            # (v, D)
+        g = _z_grad(gemm.mm(h, w.t()).div_(T), lse, ent, targets, v0, g_logp, g_ent)   # (N, v) float32
+        g = gemm.operand(g.div_(T))
+        if gx is not None:
+            gx += gemm.mm(g, w)
+        if gw is not None:
+            gemm.mm_into(g.t(), h, gw[v0:v0 + vs])
+    if gx is not None:
+        full = x.new_zeros(x.shape)                                     # unscored positions: 0
+        full[:, :L] = gx.view(B, L, D)
+        gx = full
+    return gx, gw
+
+
+def _flat(t, s, e):
+    return None if t is None else t[:, s:e].reshape(-1)
 
 
 def _logprob_chunk(B, V, elems=2**26) -> int:
-    """Positions per log-softmax chunk so that a (B, chunk, V) float32 block has <= elems elements."""
+    """Positions per log-softmax chunk so that a (B, chunk, V) float32 block has <= elems elements
+    (with B = N positions and V = 1: vocabulary columns per slice of the hidden-state backward)."""
     return max(1, elems // max(1, B * V))
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entropy=False,
-                   chunk_elems=2**26):
+                   chunk_elems=2**26, entropy_grad=False):
     """One forward over prompt+response (left padding allowed).
 
     input_ids, attention_mask: (B, L). Returns (logp, entropy), each (B, L-1) float32, with
     logp[:, j] = log p(input_ids[:, j+1] | input_ids[:, :j+1]) under softmax(logits / T), and
-    entropy[:, j] the entropy of that distribution (None unless with_entropy; never has grad).
-    Positions whose target is padding carry garbage: mask them with attention_mask[:, 1:].
-    Gradients flow through logp (wrap in torch.no_grad() when not needed). chunk_elems bounds the
-    float32 working set (B * chunk * V elements) of the log-softmax.
+    entropy[:, j] the entropy of that distribution (None unless with_entropy; with gradients only
+    when entropy_grad). Positions whose target is padding carry garbage: mask them with
+    attention_mask[:, 1:]. Gradients flow through logp (wrap in torch.no_grad() when not needed).
+    chunk_elems bounds the float32 working set (B * chunk * V elements) of the log-softmax.
     """
     if temperature <= 0:
         raise ValueError(f"token_logprobs needs temperature > 0, got {temperature}")
@@ -234,8 +398,9 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, with_entro
     if input_ids.shape[1] < 2:
         raise ValueError("need sequences of length >= 2 to score any token")
     pos = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                   use_cache=False).logits  # (B, L, V) in the model dtype; the last scores nothing
-    chunk = _logprob_chunk(logits.shape[0], logits.shape[2], chunk_elems)
-    return _TokenLogprob.apply(logits, input_ids[:, 1:], float(temperature), chunk,
-                               bool(with_entropy))
+    head = plain_head(model)
+    with hidden_states_out(head):  # (B, L, D) hidden states (or (B, L, V) logits); the last scores nothing
+        x = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
+                  use_cache=False).logits
+    return _TokenLogprob.apply(x, None if head is None else head.weight, input_ids[:, 1:], float(temperature),
+                               chunk_elems, bool(with_entropy), bool(entropy_grad))

@@ -34,6 +34,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import decode
 import experience
 import kv_cache
+import models
 import rollout
 import slots
 import step_plan
@@ -179,7 +180,7 @@ def model_config(model: str, layers: int = 0, **overrides):
     return AutoConfig.for_model(c.pop("model_type", "qwen2"), **c)
 
 
-def random_model(config, dtype=torch.float32, attn="sdpa"):
+def random_model(config, dtype=torch.float32, attn=models.SDPA):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
@@ -200,7 +201,8 @@ def step_models(a, needs_ref: bool, device, bf16: bool, fake: bool, mesh=None) -
     `mesh`, --grad-ckpt), the reference in bf16 under bf16 compute, and AdamW (foreach: torch's
     choice on CUDA) holding its state already, as after a run's first step."""
     cfg = model_config(a.model)
-    attn = "sdpa_float32" if bf16 and not fake else "sdpa"            # as models.load_for_training on a CPU
+    # models.attention_for's SDPA choices (fake tensors cannot run flash-attn, whose memory is SDPA's)
+    attn = models.SDPA_FLOAT32 if bf16 and not fake else models.SDPA
     # DDP on fake ranks: a replica, unwrapped. DDP's construction and its gradient hooks need real
     # values (a parameter check across ranks, futures of reductions); what a rank holds is the same,
     # its gradients being views into the reduction buckets (distributed.wrap_model).

@@ -2,35 +2,99 @@
 sharded across ranks (FSDP2) so that no rank ever holds the whole model.
 
 Used by train.py (the policy and its reference), evaluate.py and analysis.py. The tokenizer is
-loaded first and checked (transformers-5's tokenizer pitfall, method.md §9); attention is
-flash-attn when the GPU extra is installed, else SDPA (on CPU under bf16 autocast: SDPA computed
-in float32, `_sdpa_float32`).
+loaded first and checked (transformers-5's tokenizer pitfall, method.md §9); attention follows the
+run's compute dtype (`attention_for`): flash-attn for bf16 on CUDA when the GPU extra is installed,
+else SDPA on a mask where padding rows attend to themselves (on CPU under bf16 autocast, SDPA
+computed in float32, `_sdpa_float32`).
 """
 
+import functools
+import inspect
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
 from plumbing import errors
 
 # ----------------------------------------------------------------------------------------------
-# Attention implementations
+# Attention implementations: chosen by the run's compute dtype, the same for policy and reference
+
+SDPA = "sdpa_padsafe"          # torch's SDPA on a mask where every query row has a key (_padsafe_sdpa_mask)
+SDPA_FLOAT32 = "sdpa_float32"  # the same computed in float32 (CPU under bf16 autocast: _sdpa_float32)
+FLASH = "flash_attention_2"    # flash-attn (the optional GPU extra, requirements-gpu.txt)
 
 
-def _default_attn_implementation(dtype) -> str:
-    # flash-attn is an optional GPU extra (requirements-gpu.txt); it does not build on CPU boxes,
-    # and it computes only in bf16/fp16: float32 weights (--dtype float32) get SDPA. (Float32 master
-    # weights under bf16 autocast are fine: autocast hands flash-attn bf16 q/k/v.)
-    mixed = dtype == torch.float32 and torch.is_autocast_enabled("cuda")
-    if torch.cuda.is_available() and (dtype in (torch.bfloat16, torch.float16) or mixed):
-        try:
-            import flash_attn  # noqa: F401
+@dataclass(frozen=True)
+class Attention:
+    implementation: str        # from_pretrained's attn_implementation
+    description: str           # one line for the start of a run
 
-            return "flash_attention_2"
-        except Exception:
-            pass
-    return "sdpa"
+
+def attention_for(device, dtype, bf16=False) -> Attention:
+    """The attention of a run computing in bf16 (`bf16`: float32 weights under bf16 autocast, or
+    FSDP2's bf16 parameters) or in the weights' `dtype`, on `device`. train.py passes the same
+    arguments for the policy and for its bf16 reference, so both get the same kernel: a policy
+    on SDPA beside a reference on flash-attn would put a kernel mismatch under Policy-KL at step 0.
+    flash-attn computes only in bf16/fp16 and does not build on CPU boxes."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    compute = str(torch.bfloat16 if bf16 else dtype).removeprefix("torch.")
+    if device.type == "cpu":
+        if bf16:
+            return Attention(SDPA_FLOAT32, f"{ATTENTION} SDPA computed in float32 under bf16 autocast "
+                                           f"(faster on a CPU), {PAD_ROWS}")
+        return Attention(SDPA, f"{ATTENTION} SDPA, {PAD_ROWS}")
+    if compute not in ("bfloat16", "float16"):
+        return Attention(SDPA, f"{ATTENTION} SDPA, {PAD_ROWS} ({compute} compute: flash-attn is bf16/fp16)")
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:              # not installed, or built against another torch/CUDA
+        return Attention(SDPA, f"{ATTENTION} SDPA, {PAD_ROWS} (flash_attn not installed: {REQUIREMENTS_GPU})")
+    return Attention(FLASH, f"{ATTENTION} flash-attn 2, {compute} compute on {device.type}")
+
+
+ATTENTION = "attention (policy and reference):"
+PAD_ROWS = "padding rows attend to themselves"
+REQUIREMENTS_GPU = "pip install -r requirements-gpu.txt --no-build-isolation"
+
+
+def no_empty_rows(mask, q_pos, kv_pos):
+    """(B, 1, Q, K) boolean mask -> the same, where a query row with no key to attend to (a left
+    pad: causal attention lets it see only pads) attends to the key at its own position. SDPA's
+    softmax over an empty row is 0/0: some GPU kernels return NaN there (transformers 5.x no longer
+    patches it), the pad's state goes NaN, and the next layer's values multiply NaN by a 0 weight
+    in every real row. Its own key is always written and finite; real rows are left as they were.
+    q_pos (Q,), kv_pos (K,): the positions of the queries and keys."""
+    alone = ~mask.any(-1, keepdim=True)                                 # (B, 1, Q, 1)
+    own = q_pos.to(mask.device)[:, None] == kv_pos.to(mask.device)[None, :]   # (Q, K)
+    return mask | (alone & own)
+
+
+@functools.cache
+def _signature(fn):
+    return inspect.signature(fn)
+
+
+def _padsafe_sdpa_mask(*args, **kwargs):
+    """transformers' sdpa_mask, then no_empty_rows. None (SDPA's is_causal: no padding) passes."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(*args, **kwargs)
+    if not (torch.is_tensor(mask) and mask.dtype == torch.bool):
+        return mask
+    bound = _signature(sdpa_mask).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    dev = mask.device
+    if a.get("cache_position") is not None:                           # (older transformers' signature)
+        q_pos = a["cache_position"]
+    else:
+        q_pos = torch.arange(a["q_length"], device=dev) + a.get("q_offset", 0)
+    kv_pos = torch.arange(a["kv_length"], device=dev) + a.get("kv_offset", 0)
+    return no_empty_rows(mask, q_pos, kv_pos)
 
 
 def _sdpa_float32(module, query, key, value, attention_mask, **kw):
@@ -48,11 +112,17 @@ def _sdpa_float32(module, query, key, value, attention_mask, **kw):
 
 
 def _register_attention():
+    """Both SDPA names get the pad-safe mask: every forward through a model this module loads (the
+    training forwards, the reference, the query cache, the sampler's prefill) hands SDPA a mask
+    with a key in every row."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register("sdpa_float32", _sdpa_float32)
-    AttentionMaskInterface.register("sdpa_float32", sdpa_mask)  # else padding would not be masked
+    AttentionInterface.register(SDPA, sdpa_attention_forward)
+    AttentionInterface.register(SDPA_FLOAT32, _sdpa_float32)
+    for name in (SDPA, SDPA_FLOAT32):
+        AttentionMaskInterface.register(name, _padsafe_sdpa_mask)   # (unregistered: no padding mask at all)
 
 
 _register_attention()
@@ -105,10 +175,10 @@ def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None, sha
 
     device: a torch device, or "auto" (CUDA when available).
     dtype: bfloat16 on CUDA devices, float32 otherwise, unless given ("auto" = not given).
-    attn_implementation: "flash_attention_2" when CUDA is available and flash_attn imports, else
-    "sdpa", unless given. The tokenizer (load_tokenizer) gets a pad token (eos if missing) and
-    left padding, which is what batched decoding needs; it is loaded first, so a folder without
-    one fails in a second, not after the weights are read.
+    attn_implementation: attention_for(device, dtype) (flash-attn for bf16/fp16 weights on CUDA when
+    flash_attn imports, else pad-safe SDPA), unless given. The tokenizer (load_tokenizer) gets a
+    pad token (eos if missing) and left padding, which is what batched decoding needs; it is
+    loaded first, so a folder without one fails in a second, not after the weights are read.
     shard: a function that shards a model in place (FSDP2's fully_shard, distributed.wrap_model);
     then the model is built on the meta device, sharded, and each rank reads only its shard of each
     tensor from the safetensors files: no rank ever holds the whole model.
@@ -126,7 +196,7 @@ def load_policy(path, *, device="cpu", dtype=None, attn_implementation=None, sha
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if attn_implementation is None:
-        attn_implementation = _default_attn_implementation(dtype) if device.type == "cuda" else "sdpa"
+        attn_implementation = attention_for(device, dtype).implementation
     tokenizer = load_tokenizer(path)
     if shard is not None:
         model = _load_sharded(path, device, dtype, attn_implementation, shard)
@@ -181,16 +251,17 @@ def _load_sharded(path, device, dtype, attn_implementation, shard):
 TINY_WORLD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
 
 
-def load_for_training(path, device, dtype, shard=None, bf16=False):
+def load_for_training(path, device, dtype, shard=None, bf16=False, attention: Attention | None = None):
     """load_policy for train.py: a missing local folder or one that does not load (a truncated
-    model.safetensors too) is one line (`error: ...`, exit), not a traceback; under bf16 autocast
-    on a CPU attention is SDPA in float32 (why: _sdpa_float32)."""
+    model.safetensors too) is one line (`error: ...`, exit), not a traceback. Attention:
+    `attention`, else attention_for(device, dtype, bf16): the run's compute dtype, not autocast's
+    state at load time (train.py loads outside autocast)."""
     if (os.path.isabs(path) or path.startswith(".")) and not os.path.exists(path):   # not a hub id either
         hint = " (the tiny world's: python -m data.tinymath.prepare)" if path.startswith(TINY_WORLD) else ""
         raise SystemExit(f"error: model folder {path} not found{hint}")
     from safetensors import SafetensorError
 
-    attn = "sdpa_float32" if bf16 and torch.device(device).type == "cpu" else None
+    attn = (attention or attention_for(device, dtype, bf16)).implementation
     # no folder, no usable config, a truncated weights file (as evaluate.py's heldout.load_model says)
     with errors.one_line((OSError, ValueError, SafetensorError), f"cannot load model {path!r}"):
         return load_policy(path, device=device, dtype=dtype, shard=shard, attn_implementation=attn)

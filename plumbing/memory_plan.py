@@ -8,9 +8,9 @@ config and options; no constant is fitted to a configuration. A step's phases pe
 
     rollout    weights, Adam state, reference + the decoding copy (FSDP2), one sampler call's
                KV cache, the prefill's working set
-    score      the same, less the rollout's + one no-grad micro-batch's logits (FSDP2: the
+    score      the same, less the rollout's + one no-grad micro-batch's forward (FSDP2: the
                gathered root and two layers)
-    update     + the gradients, the micro-batch's saved activations, its logits and their gradient
+    update     + the gradients, the micro-batch's saved activations, lm_head's backward in blocks
     optimizer  weights, Adam state, reference, gradients + foreach AdamW's temporaries
 
 memory_measure.py measures the same phases by running the step's code (real tensors on a CPU, or
@@ -119,7 +119,7 @@ def terms(arch: Arch, a, gpus: int, needs_ref: bool, device="cuda") -> list[Term
     CPU's choices (LeanStep's fused weight copies, a float32 KV cache under autocast)."""
     p = Precision.of(a, device)
     return (weight_terms(arch, a, gpus, needs_ref, p) + rollout_terms(arch, a, gpus, p, device)
-            + forward_terms(arch, a, p))
+            + forward_terms(arch, a, p, device, needs_ref))
 
 
 def weight_terms(arch: Arch, a, gpus, needs_ref, p: Precision) -> list[Term]:
@@ -171,44 +171,59 @@ def rollout_terms(arch: Arch, a, gpus, p: Precision, device) -> list[Term]:
     return out
 
 
-def forward_terms(arch: Arch, a, p: Precision) -> list[Term]:
-    """One micro-batch of scoring (no grad) and of the update. logprobs._TokenLogprob works in
-    float32 blocks: its forward holds z = logits / T (with bf16 logits, also their float32 copy),
-    its backward about three blocks (and with bf16 logits, the block cast back)."""
+def forward_terms(arch: Arch, a, p: Precision, device="cuda", needs_ref=True) -> list[Term]:
+    """One micro-batch of scoring (no grad) and of the update. The log-probs come from the final
+    hidden states (logprobs._TokenLogprob): lm_head's logits only ever exist as float32 blocks of
+    positions -- one, and a second for the entropies of pi_old's forward (run when an update does
+    not cover the whole rollout) -- and, in backward, vocabulary slices over all positions: two
+    blocks (log p, p), beside the hidden states' float32 gradient and lm_head's weight gradient,
+    one per log-softmax call. Under FSDP2 that gradient is unsharded and stays until the end of
+    the backward (the root's reduce-scatter), through every decoder layer's backward. On a CPU the
+    GEMM operands are float32: a bf16 lm_head (the reference's, FSDP2's) is upcast whole."""
     h, V, L, I = arch.hidden, arch.vocab, arch.layers, arch.inter
     f = forward_shape(a, V)
-    block, bf16 = 4 * f.block, p.compute == 2
-    logits, grad = f.logit_tokens * V * p.compute, f.grad_tokens * V * p.compute
+    block, gpu = 4 * f.block, device != "cpu"
+    hidden = f.logit_tokens * h * p.compute
+    head_grad = V * h * (p.compute if a.fsdp else p.master)            # lm_head's weight gradient
+    upcast = V * h * 4 if not gpu and a.fsdp and p.compute == 2 else 0
+    score_upcast = V * h * 4 if not gpu and p.compute == 2 and (a.fsdp or needs_ref) else 0
+    score_blocks = 2 if getattr(a, "update_batch", a.rollout_batch) < a.rollout_batch else 1
     per_layer = arch.activation_bytes_per_token_layer(p.compute)
-    saved = f.act_tokens * (L * h * p.compute if a.grad_ckpt else L * per_layer)
+    saved = f.act_tokens * (L * h * p.compute if a.grad_ckpt else L * per_layer) + hidden
     layer_working_set = f.act_tokens * (3 * I + 4 * h) * p.compute
-    recomputed = f.act_tokens * per_layer * 2 if a.grad_ckpt else 0     # a layer and its gradients
+    head_backward = (f.grad_tokens * h * ((p.compute if gpu else 4) + 4) + f.calls * head_grad + upcast
+                     + 2 * block)
+    layer_backward = (f.act_tokens * per_layer * (2 if a.grad_ckpt else 1)    # (recomputed and) its gradients
+                      + (head_grad if a.fsdp else 0))
     return [
-        Term("scoring forward", max(logits + block * (2 if bf16 else 1), layer_working_set), ("score",),
-             f"{f.logit_tokens} tokens of logits + float32 log-softmax blocks (or a layer's working set)"),
+        Term("scoring forward", max(hidden + score_blocks * block + score_upcast, layer_working_set),
+             ("score",),
+             f"{f.logit_tokens} tokens' hidden states + float32 logit blocks (or a layer's working set)"),
         Term("saved activations", saved, ("update",),
              ("checkpointed layer inputs" if a.grad_ckpt else "every layer's saved tensors")
-             + f" of {f.act_tokens} tokens"),
-        Term("update working set", max(logits + grad + block * (3.5 if bf16 else 3), recomputed), ("update",),
-             "logits + their gradient + float32 blocks"
-             + (" (or a recomputed layer and its gradients)" if a.grad_ckpt else "")),
+             + f" of {f.act_tokens} tokens, and the final hidden states"),
+        Term("update working set", max(head_backward, layer_backward), ("update",),
+             "lm_head's backward: float32 logit blocks, the hidden states' and weight's gradients (or a "
+             + ("recomputed " if a.grad_ckpt else "") + "layer's backward"
+             + (" beside lm_head's unsharded gradient)" if a.fsdp else ")")),
     ]
 
 
 @dataclass(frozen=True)
 class ForwardShape:
-    """Tokens of one training forward: what it keeps logits for, their gradient, its activations."""
+    """Tokens of one training forward: its final hidden states, their gradient, its activations."""
     logit_tokens: int
     grad_tokens: int
     act_tokens: int
-    block: int            # elements of one float32 log-softmax block (logprobs._logprob_chunk)
+    block: int            # elements of one float32 logit block (logprobs._logprob_chunk)
+    calls: int = 1        # log-softmax calls, each with its lm_head gradient (shared prompts: 2)
 
 
 def forward_shape(a, vocab) -> ForwardShape:
     """One micro-batch's forward. With shared prompts (batching.prompt_group > 1) it is U = rows / G
-    prompts once and the B = rows responses (logprobs.shared_prompt_scores): the prompts' logits,
-    the responses' twice (their own and the copy that lines them up), and the prompts' gradient
-    twice (the slice feeding the first response token zero-fills a second one)."""
+    prompts once and the B = rows responses (logprobs.shared_prompt_scores): the prompts' hidden
+    states, the responses' twice (their own and the copy that lines them up), and the prompts'
+    gradient twice (the slice feeding the first response token zero-fills a second one)."""
     G, Pl, R = a.group_size, a.max_prompt_len, a.max_new_tokens
     shared = G > 1 and getattr(a, "share_prompts", True) and not (a.fsdp or a.grad_ckpt)
     if not shared:
@@ -217,7 +232,7 @@ def forward_shape(a, vocab) -> ForwardShape:
     cap = getattr(a, "micro_tokens", 0)
     groups = max(1, min(a.micro_batch // G, (cap // G) // (Pl + R) if cap else a.micro_batch))
     return ForwardShape(groups * (Pl + 2 * G * R), groups * (2 * Pl + G * R), groups * (Pl + G * R),
-                        min(2 ** 26, max(groups * Pl, groups * G * R) * vocab))
+                        min(2 ** 26, max(groups * Pl, groups * G * R) * vocab), calls=2)
 
 
 def phases(arch: Arch, a, gpus: int, needs_ref: bool, device="cuda") -> dict[str, float]:

@@ -155,8 +155,9 @@ def test_micro_batches_hold_at_most_micro_tokens_padded_tokens():
 def test_float32_never_picks_flash_attn(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "flash_attn", object())
-    assert models._default_attn_implementation(torch.float32) == "sdpa"
-    assert models._default_attn_implementation(torch.bfloat16) == "flash_attention_2"
+    assert models.attention_for("cuda", torch.float32).implementation == models.SDPA
+    assert models.attention_for("cuda", torch.bfloat16).implementation == "flash_attention_2"
+    assert models.attention_for("cuda", torch.float32, bf16=True).implementation == "flash_attention_2"
 
 
 def test_the_kv_cache_takes_the_compute_dtype():
