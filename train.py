@@ -497,7 +497,9 @@ def train_in_folder(args, algo, dist, lock):
     shard = distributed.sharder(args.fsdp, dist.device, bf16, args.grad_ckpt)
     # --resume: the checkpoint's weights (LoRA: the base, --model; its adapters come with setup_rl)
     source = checkpoints.model_source(args.out, state is not None and not args.lora_rank, args.model)
-    model, tokenizer = models.load_for_training(source, dist.device, dtype, shard, bf16)
+    attention = models.attention_for(dist.device, dtype, bf16)        # the reference gets the same
+    model, tokenizer = models.load_for_training(source, dist.device, dtype, shard, bf16, attention)
+    print0(attention.description)
     print0(f"model {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {dist.device}")
     evalsets, data = load_data(args, tokenizer)                      # bad data: one line, nothing written
     with errors.one_line():                                          # prompts + responses fit the positions
