@@ -72,7 +72,7 @@ def policy_and_reference(args, algo, dist, model, state):
         return policy, lora.Base(policy)
     shard = distributed.sharder(args.fsdp, dist.device, bf16, trainable=False)  # sharded like the policy
     ref_dtype = torch.bfloat16 if bf16 else distributed.precision(args.dtype, dist.device)[0]  # a bf16 copy
-    attention = models.attention_for(dist.device, ref_dtype, bf16)                # suffices; the policy's kernel
+    attention = models.attention_for(dist.device, ref_dtype, bf16)     # suffices; the policy's kernel
     ref = models.load_for_training(args.model, dist.device, ref_dtype, shard, bf16, attention)[0]
     return policy, ref.eval().requires_grad_(False)
 
