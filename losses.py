@@ -309,6 +309,10 @@ class Algo:
     overlong: bool = _knob(False, "DAPO soft overlong punishment added to the reward")
     overlong_cache: float = _knob(0.2, "L_cache of the overlong punishment: tokens, or a fraction of "
                                   "L_max = --max-new-tokens if < 1 (DAPO: 4,096 of 20,480 = 0.2)")
+    entropy_coef: float = _knob(0.0, "entropy bonus: loss - c * the policy's token entropy over "
+                                "response tokens (verl's entropy_coeff; 0 = off)")
+    top_entropy_quantile: float = _knob(1.0, "the policy gradient on the top q of each micro-batch's "
+                                        "response tokens by entropy (TRL's top_entropy_quantile; 1 = all)")
     mask_truncated: bool = _knob(False, "responses cut at --max-new-tokens (no EOS) carry no loss (TRL's "
                                  "mask_truncated_completions); their rewards still enter the group baseline")
     doc: str = field(default="", compare=False)  # one line: what it changes relative to GRPO
@@ -316,6 +320,11 @@ class Algo:
     @property
     def has_policy_kl_loss(self):
         return self.kl is not None and self.kl_in == "loss" and self.beta > 0
+
+    @property
+    def uses_entropy(self):
+        """The loss reads the policy's token entropy (an entropy bonus or top-entropy tokens)."""
+        return self.entropy_coef > 0 or self.top_entropy_quantile < 1
 
     @property
     def needs_pi_old_first(self):
@@ -373,6 +382,9 @@ def validate_algo(algo):
     if algo.kl_clamp <= 0 or algo.adv_eps < 0 or algo.overlong_cache <= 0 or algo.tis_cap < 0:
         raise ValueError(f"need kl_clamp > 0, adv_eps >= 0, overlong_cache > 0, tis_cap >= 0, got "
                          f"{algo.kl_clamp}, {algo.adv_eps}, {algo.overlong_cache}, {algo.tis_cap}")
+    if algo.entropy_coef < 0 or not 0 < algo.top_entropy_quantile <= 1:
+        raise ValueError(f"need entropy_coef >= 0 and 0 < top_entropy_quantile <= 1, got "
+                         f"{algo.entropy_coef}, {algo.top_entropy_quantile}")
     if algo.sapo_tau_pos <= 0 or algo.sapo_tau_neg <= 0:
         raise ValueError(f"SAPO's temperatures must be > 0, got {algo.sapo_tau_pos}, {algo.sapo_tau_neg}")
     return algo
@@ -425,12 +437,13 @@ def unused_fields(algo):
 # The full per-micro-batch loss
 
 def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights, prompt_logp,
-            prompt_ref_logp, prompt_mask, num_tokens, num_seqs, max_len, sampler_logp=None):
+            prompt_ref_logp, prompt_mask, num_tokens, num_seqs, max_len, sampler_logp=None, entropy=None):
     """loss = PG(A * w) [+ beta * PolicyKL] [+ alpha * QueryKL] for one micro-batch.
 
     Response side (B, T_r): logp (with grad), old_logp (rollout policy), ref_logp (reference policy;
       may be None when no Policy-KL term is in the loss), resp_mask; sampler_logp: the sampler's own
-      log-probs of the tokens (needed when algo.tis_cap > 0: truncated_is_weights).
+      log-probs of the tokens (needed when algo.tis_cap > 0: truncated_is_weights); entropy: the
+      policy's token entropy (needed when algo.uses_entropy; with grad for an entropy bonus).
     advantages (B,) or (B, T_r); weights (B,) query weights of each response's prompt, or None when
       algo.weights == "none" (method.md §4: they scale the PG term only, never the Query-KL term).
     Prompt side (B, T_p): prompt_logp (with grad, from the same forward pass), prompt_ref_logp
@@ -448,7 +461,11 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights, p
            else advantages * (weights if advantages.dim() == 1 else weights[:, None]))
 
     sur = surrogates.surrogate_loss(algo, logp, old_logp, adv, resp_mask, sampler_logp)  # PPO-clip, GSPO, ...
-    pg = aggregate(sur.loss, resp_mask, algo.agg, **denom)                         # PG(A * w)
+    if algo.uses_entropy and entropy is None:
+        raise ValueError("entropy_coef / top_entropy_quantile: the policy's token entropy is required")
+    kept = 1.0 if algo.top_entropy_quantile >= 1 else high_entropy_tokens(entropy, resp_mask,
+                                                                          algo.top_entropy_quantile)
+    pg = aggregate(sur.loss * kept, resp_mask, algo.agg, **denom)                  # PG(A * w)
     loss = pg
     stats = {"pg_loss": pg.detach(), **{k: aggregate(v.float(), resp_mask, "token-mean", num_tokens).detach()
                                         for k, v in sur.stats.items()}}      # the surrogate's, as token means
@@ -472,5 +489,21 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights, p
         raise ValueError("this algorithm has a Query-KL term: "
                          "prompt_logp, prompt_ref_logp, prompt_mask are required")
 
+    if algo.entropy_coef > 0:
+        ent = aggregate(entropy, resp_mask, algo.agg, **denom)
+        loss = loss - algo.entropy_coef * ent                                      # - c * H (a bonus)
+        stats["entropy_bonus"] = ent.detach()
+
     stats["loss"] = loss.detach()
     return loss, stats
+
+
+def high_entropy_tokens(entropy, mask, q):
+    """(B, T) 0/1: the tokens among `mask` whose entropy is in the top fraction q (the policy gradient
+    acts on those alone: "Beyond the 80/20 rule", TRL's top_entropy_quantile). The threshold is the
+    (1 - q) quantile of this micro-batch's masked entropies, as TRL takes it per batch."""
+    ent = entropy.detach().float()
+    values = ent[mask.bool()]
+    if values.numel() == 0:
+        return torch.zeros_like(ent)
+    return (ent >= torch.quantile(values, 1.0 - q)).to(entropy.dtype)

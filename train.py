@@ -182,9 +182,8 @@ def rl_step(run, step):
 
 
 def rollouts(run, step) -> experience.Collected:
-    """The step's rollouts, sampled from a decoding copy (FSDP2: the gathered weights; LoRA: the
-    adapters merged) that is freed before scoring and the update need the memory; groups dealt to
-    the ranks by length."""
+    """The step's rollouts from a decoding copy (lora.decoding_copy: freed before scoring needs the
+    memory), their groups dealt to the ranks by length."""
     with lora.decoding_copy(run.policy, run.spec.weights_dtype) as decoder:
         collected = experience.collect(run, decoder, step)
     return experience.deal_by_length(run, collected)                   # the ranks' work evened out
@@ -299,7 +298,8 @@ def accumulate_gradient(run, batch: experience.UpdateBatch, update: step_plan.Up
         part, pcols, rcols = batch.packed.trimmed(mb)                    # rows mb.rows, fewer columns
         rows = mb.rows
         with distributed.grad_sync(run.policy, k == len(update.micro_batches) - 1):
-            now = logprobs.score_tokens(run.policy, part, args.temperature, is_pi_old, group, checked=True)
+            now = logprobs.score_tokens(run.policy, part, args.temperature, is_pi_old or algo.uses_entropy,
+                                        group, checked=True, entropy_grad=algo.entropy_coef > 0)
             if is_pi_old:
                 old.record(rows, pcols, rcols, now)
             loss, st = losses.rl_loss(                           # PG(A*w) [+ b*PolicyKL] [+ a*QueryKL]
@@ -310,7 +310,7 @@ def accumulate_gradient(run, batch: experience.UpdateBatch, update: step_plan.Up
                 prompt_logp=now.prompt, prompt_ref_logp=batch.qref[rows, pcols],
                 prompt_mask=batch.prompt_mask[rows, pcols],
                 num_tokens=update.num_tokens, num_seqs=update.num_seqs, max_len=args.max_new_tokens,
-                sampler_logp=batch.sampler[rows, rcols])
+                sampler_logp=batch.sampler[rows, rcols], entropy=now.entropy)
             (loss * run.dist.world).backward()
         faults.point("mid-step")
         for key, v in st.items():

@@ -113,6 +113,34 @@ def test_truncated_rows_carry_no_loss_but_keep_their_baseline():
     assert trained_rows(valid, ro, algo_with()).tolist() == [1.0, 1.0, 1.0, 0.0]
 
 
+def test_the_entropy_bonus_and_the_top_entropy_tokens_by_hand():
+    """loss = PG - c * H (H aggregated like PG); with top_entropy_quantile q the PG acts on the tokens
+    whose entropy is in the top q of the micro-batch only."""
+    B, T = 2, 4
+    logp = torch.full((B, T), -1.0, dtype=torch.float64, requires_grad=True)
+    ent = torch.tensor([[0.1, 0.9, 0.5, 0.3], [0.8, 0.2, 0.7, 0.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    kw = dict(old_logp=logp.detach(), ref_logp=None, resp_mask=mask, advantages=adv, weights=None,
+              prompt_logp=None, prompt_ref_logp=None, prompt_mask=None, num_tokens=7.0, num_seqs=2, max_len=T)
+    base = algo_with(kl="none", beta=0.0)
+    pg, _ = losses.rl_loss(base, logp=logp, **kw)
+    loss, st = losses.rl_loss(algo_with(kl="none", beta=0.0, entropy_coef=0.1), logp=logp, entropy=ent, **kw)
+    H = (ent * mask).sum() / 7
+    assert loss.item() == pytest.approx(pg.item() - 0.1 * H.item()) and st["entropy_bonus"] == pytest.approx(H.item())
+    g, = torch.autograd.grad(loss, ent)
+    torch.testing.assert_close(g, -0.1 * mask / 7)                       # the bonus raises entropy
+    kept = losses.high_entropy_tokens(ent, mask, 0.5)                      # 7 tokens: the 4 above the median
+    assert kept.tolist() == [[0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0]]
+    top, _ = losses.rl_loss(algo_with(kl="none", beta=0.0, top_entropy_quantile=0.5), logp=logp, entropy=ent, **kw)
+    per_token = -adv[:, None] * torch.ones(B, T, dtype=torch.float64)     # on-policy PPO: -A r, r = 1
+    assert top.item() == pytest.approx(((per_token * kept * mask).sum() / 7).item())
+    with pytest.raises(ValueError, match="entropy"):
+        losses.rl_loss(algo_with(entropy_coef=0.1, kl="none", beta=0.0), logp=logp, **kw)
+    with pytest.raises(ValueError):
+        algo_with(top_entropy_quantile=0.0)
+
+
 # Each new loss term / option of issue #33, run for 2 RL steps (2 optimizer steps each) in-process.
 MENU = {
     "cispo": ["--surrogate", "cispo", "--eps-low", "0.99", "--eps-high", "1.0"],
@@ -123,6 +151,8 @@ MENU = {
     "tis": ["--tis-cap", "2"],
     "lr-linear": ["--lr-schedule", "linear", "--lr-floor", "0.1"],
     "lr-cosine": ["--lr-schedule", "cosine"],
+    "entropy-bonus": ["--entropy-coef", "0.01"],
+    "top-entropy": ["--top-entropy-quantile", "0.2"],
 }
 
 
@@ -139,6 +169,8 @@ def test_each_option_trains_two_steps(name, tmp_path, small_data):
         assert 0 < ms[1]["sapo_grad_weight"] <= 1 and "clip_frac" not in ms[1]
     if name == "mask-truncated":
         assert all(m["truncated_frac"] > 0 for m in ms)                   # there were some to mask
+    if name == "entropy-bonus":
+        assert all(m["entropy_bonus"] > 0 for m in ms)
     if name.startswith("lr-"):                                            # 4 optimizer steps, decay over 4
         assert ms[0]["lr"] < 2e-4 and ms[1]["lr"] == pytest.approx(2e-4 * (0.1 if name == "lr-linear" else 0.0))
 
