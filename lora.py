@@ -71,6 +71,9 @@ class Base(torch.nn.Module):
     def config(self):
         return self.peft.get_base_model().config
 
+    def get_output_embeddings(self):                   # (logprobs' fused float32 lm_head reads it)
+        return self.peft.get_base_model().get_output_embeddings()
+
     def forward(self, *args, **kwargs):
         with torch.no_grad(), self.peft.disable_adapter():
             return self.peft.get_base_model()(*args, **kwargs)
