@@ -41,6 +41,23 @@ class Run:
     bad_streak: int = 0                 # optimizer steps skipped in a row (non-finite loss or gradient)
     ckpt_checked: bool = True           # the latest checkpoint's weights have given a finite loss
 
+    def finite_step(self):
+        """An optimizer step's loss and gradient were finite on every rank: the streak of skipped
+        steps ends, and the latest checkpoint, whose weights gave this loss, is trusted."""
+        self.bad_streak = 0
+        if not self.ckpt_checked:
+            checkpoints.mark_checked(self.args.out)
+            self.ckpt_checked = True
+
+    def bad_step(self):
+        """An optimizer step whose loss or gradient is not finite is not applied; --max-bad-steps of
+        them in a row end the run (checkpoints.diverged sets the checkpoint of the diverged weights
+        aside)."""
+        self.opt.zero_grad(set_to_none=True)                             # the weights stay as they were
+        self.bad_streak += 1
+        if self.bad_streak >= self.args.max_bad_steps:
+            raise SystemExit(checkpoints.diverged(self.args.out, self.bad_streak, checked=self.ckpt_checked))
+
 
 
 

@@ -210,6 +210,7 @@ def score_old(run, packed: logprobs.Packed, scores: experience.OldScores, mbs: l
         s = logprobs.score_tokens(distributed.unwrap(run.policy), part, run.args.temperature, True, group,
                                   checked=True)
         scores.record(mb.rows, prompt_cols, resp_cols, s)
+    distributed.reshard(run.policy)  # FSDP2 keeps the root gathered after a no-grad forward
 
 
 @torch.no_grad()
@@ -276,12 +277,9 @@ def optimizer_step(run, batch: experience.UpdateBatch, update: step_plan.UpdateP
     norm = optimizer.clip_grad(run.policy, run.args.grad_clip)
     host = distributed.read_scalars({**stats, "grad_norm": norm}, finite=("loss", "grad_norm"))
     if host is None:
-        skip_bad_step(run)
+        run.bad_step()                                                   # not applied; too many: the end
         return None
-    run.bad_streak = 0
-    if not run.ckpt_checked:                                             # its weights gave this finite loss
-        checkpoints.mark_checked(run.args.out)
-        run.ckpt_checked = True
+    run.finite_step()                                                    # the latest checkpoint is trusted
     optimizer.step(run.opt, run.sched)
     return host
 
@@ -316,15 +314,6 @@ def accumulate_gradient(run, batch: experience.UpdateBatch, update: step_plan.Up
         for key, v in st.items():
             stats[key] = stats.get(key, 0.0) + v.detach().double()
     return stats
-
-
-def skip_bad_step(run):
-    """An optimizer step whose loss or gradient is not finite is not applied; --max-bad-steps of
-    them in a row end the run (checkpoints.diverged sets the checkpoint of the diverged weights aside)."""
-    run.opt.zero_grad(set_to_none=True)                                  # the weights stay as they were
-    run.bad_streak += 1
-    if run.bad_streak >= run.args.max_bad_steps:
-        raise SystemExit(checkpoints.diverged(run.args.out, run.bad_streak, checked=run.ckpt_checked))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -165,14 +165,17 @@ def table(study) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(results) -> dict:
-    folder = os.path.join(results, "summaries")
-    summaries = {}
-    for name in sorted(os.listdir(folder)):
+def load_summaries(results) -> dict:
+    folder, out = os.path.join(results, "summaries"), {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         with open(os.path.join(folder, name)) as f:
             s = json.load(f)
-        summaries[s["name"]] = s
-    study = aggregate(summaries)
+        out[s["name"]] = s
+    return out
+
+
+def report(results) -> dict:
+    study = aggregate(load_summaries(results))
     with open(os.path.join(results, "headline.json"), "w") as f:
         json.dump(study, f, indent=1)
         f.write("\n")
