@@ -75,7 +75,7 @@ def cpu() -> str:
         return platform.processor() or platform.machine()
 
 
-def summarize(run: Run, out, seconds, size) -> dict:
+def summarize(run: Run, out, seconds, size, started_at) -> dict:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
     steps = [m for m in lines if m["step"] > 0 and "reward" in m]
@@ -86,12 +86,12 @@ def summarize(run: Run, out, seconds, size) -> dict:
     return {"name": run.name, "algo": run.algo, "seed": run.seed, "kernels": run.kernels, "size": size,
             "step0": acc.get(0, {}), "final": acc.get(last, {}), "last_step": last,
             **{f"{k}_tail": sum(m[k] for m in tail) / len(tail) for k in MONITORS if all(k in m for m in tail)},
-            "seconds": round(seconds), "commit": commit(), "golden": golden_digest(),
+            "seconds": round(seconds), "commit": started_at, "golden": golden_digest(),
             "cpu": cpu(), "torch": torch.__version__}
 
 
 def run_one(run: Run, runs_dir, results, size) -> str:
-    out, t0 = os.path.join(runs_dir, run.name), time.time()
+    out, t0, started_at = os.path.join(runs_dir, run.name), time.time(), commit()   # the code it ran
     # its own Query-KL cache: a shared one, built under other kernels, would hide how these round the
     # reference's prompt log-probs (tests/test_golden.py does the same)
     argv = ["--algo", run.algo, "--seed", str(run.seed), "--out", out, "--overwrite", "--query-cache-dir", "",
@@ -101,7 +101,7 @@ def run_one(run: Run, runs_dir, results, size) -> str:
                        text=True)
     if r.returncode:
         raise RuntimeError(f"{run.name}: exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
-    summary = summarize(run, out, time.time() - t0, size)
+    summary = summarize(run, out, time.time() - t0, size, started_at)
     os.makedirs(os.path.join(results, "summaries"), exist_ok=True)
     with open(os.path.join(results, "summaries", f"{run.name}.json"), "w") as f:
         json.dump(summary, f, indent=1)
