@@ -4,53 +4,101 @@
     python bench/gpu_check.py --preset tiny --device cpu       # the same code in seconds (a test runs it)
     python bench/gpu_check.py --items train,kv                 # a subset, for a rerun in little device time
 
-For ONE 80-141 GB NVIDIA GPU, random weights, no download. Each line is `PASS <item> <figures>`,
-`FAIL <item> <why>` or `SKIP <item> <why>`; the exit status is 1 if any item failed. Every item runs
-in its own try/except, so an API difference (another transformers, no flash-attn, an OOM) costs
-that item a FAIL or SKIP line, not the run. The items, in the order they run:
+For ONE NVIDIA GPU of 141 GB (H200; on an 80 GB one update-memory SKIPs, the rest fits), random
+weights, no download. Each line is `PASS <item> <figures>`, `FAIL <item> <why>` or `SKIP <item>
+<why>`; the exit status is 1 if any item failed. Every item runs in its own try/except, so an API
+difference (another transformers, no flash-attn, an OOM) costs that item a FAIL or SKIP line, not
+the run. The items, in the order they run, with their --items name and the GPU seconds each is
+estimated to take on one H200 (from its FLOPs and bytes, not measured: no GPU has run this file
+yet), ~165 s in all, plus start-up:
 
-1. ragged-score/<attn>/<precision> and ragged-sample/<attn>/<precision>: left-padded prompts of
-   different lengths with right-padded responses through `logprobs.token_logprobs` (forward and
-   backward) and through our "kv" sampler (`rollout.sample`); attn sdpa or flash_attention_2 (SKIP
+1. ragged-score/<attn>/<precision> and ragged-sample/<attn>/<precision> (ragged, ~25 s): left-padded
+   prompts of different lengths with right-padded responses through `logprobs.token_logprobs`
+   (forward and backward) and through our sampler (`rollout.sample`: slots.py's one pass); attn
+   sdpa -- the pad-safe SDPA train.py loads (models.attention_for: models.SDPA, on a CPU under bf16
+   autocast models.SDPA_FLOAT32), never transformers' plain "sdpa" -- or flash_attention_2 (SKIP
    where flash_attn does not import, and for fp32, which flash-attn does not compute); precision
    fp32, bf16 (bf16 weights) or bf16-mixed (fp32 weights under bf16 autocast, training's default
    on CUDA; the CPU runs fp32 and bf16-mixed). Every output must be finite, pad positions included
    (SDPA with fully masked left-padding rows can give NaN on recent GPUs, and NaN * 0 is NaN in a
-   masked sum), and each row must equal that row alone without padding within TOL (bf16 is not
-   bitwise): log-probs by max |difference|, the gradient of the summed log-probs by relative L2.
-   The batch scored with its padding NOT masked must miss by more than 3x the tolerance, or the
-   tolerance could not see a masking or position bug ("blind"). The sampler's rows are compared
-   teacher-forced (each row's sampled tokens rescored alone), which rounding cannot flip; how many
-   rows sample the same tokens alone is reported, not required (in bf16 a near-tie flips a token).
-2. train/fsdp2, train/memory, train/reload: `train.main` itself, under FSDP2 on a process group
-   of one (nccl; gloo on the CPU), with a random model of Qwen2.5-Math-7B's widths and a few layers
-   (tiny: the tiny widths) in a temporary folder with the embedded tokenizer (data/tinymath/warmstart).
-   That tokenizer has 665 tokens and a random model with 152,064 embedding rows samples ids it
-   cannot decode, so the embedding and lm_head have the tokenizer's vocabulary; every other width is
-   the 7B's, and the plan is computed for this same architecture. Data: the first 256 problems of
-   data/tinymath/train.jsonl. A random model solves none, so every group would have zero advantage
-   and the update would move nothing: rewards are seeded coin flips of the response text (the
-   grader still runs). ERPO, the reference model (the Policy-KL monitor), activation checkpointing,
-   2 RL steps of 2 optimizer steps, the final save (DCP shards and the HF export <out>/hf).
+   masked sum), and every boolean mask handed to torch's SDPA (watched) must give every query row
+   a key: the batch has pad queries that see only pads (their count is printed), torch's CPU
+   kernels return finite values for an empty row where GPU kernels may not, so the mask is what a
+   CPU run can check (flash-attn unpads and takes no mask). Each row must equal that row alone
+   without padding within TOL (bf16 is not bitwise): log-probs by max |difference|, the gradient
+   of the summed log-probs by relative L2. The batch scored with its padding NOT masked must miss
+   by more than 3x the tolerance, or the tolerance could not see a masking or position bug
+   ("blind"). The sampler's rows are compared teacher-forced (each row's sampled tokens rescored
+   alone), which rounding cannot flip; how many rows sample the same tokens alone is reported,
+   not required (in bf16 a near-tie flips a token).
+2. train/fsdp2, train/memory, train/reload (train, ~60 s): `train.main` itself, under FSDP2 on a
+   process group of one (nccl; gloo on the CPU), with a random model of Qwen2.5-Math-7B's widths
+   and a few layers (tiny: the tiny widths) in a temporary folder with the embedded tokenizer
+   (data/tinymath/warmstart). That tokenizer has 665 tokens and a random model with 152,064
+   embedding rows samples ids it cannot decode, so the embedding and lm_head have the tokenizer's
+   vocabulary; every other width is the 7B's, and the plan is computed for this same
+   architecture. Data: the first 256 problems of data/tinymath/train.jsonl. A random model solves
+   none, so every group would have zero advantage and the update would move nothing: rewards are
+   seeded coin flips of the response text (the grader still runs). ERPO, the reference model (the
+   Policy-KL monitor), activation checkpointing, 2 RL steps of 2 optimizer steps, the final save
+   (DCP shards and the HF export <out>/hf).
    train/fsdp2: the policy was FSDP2-sharded; the step-1 Query-KL is finite and ~0 (<= QKL_STEP1:
    the cache comes from the same training forward); every step's loss and grad norm are finite.
    train/memory: torch.cuda.max_memory_allocated per phase (rollout, score, update, optimizer step;
    the peak is reset at the boundaries of train.py's timer phases and around optimizer.step) next to
    memory_plan.phases(), or where that does not exist the rollout/update sums of memory_plan.terms()
    (the line says which); FAIL where a phase exceeds its plan by more than 20% + 256 MiB (the plan
-   would hide an out-of-memory). SKIP on the CPU (no CUDA allocator), with the plan's figures.
+   would hide an out-of-memory), or where metrics.jsonl lacks train.py's own per-phase memory
+   (plumbing/timer.py: mem_alloc_<phase>, mem_reserved_<phase>, mem_used_<phase>; printed). SKIP on
+   the CPU (no CUDA allocator), with the plan's figures.
    train/reload: <out>/hf loads with `models.load_policy`, gives finite logits, and differs from
    the initial weights (the optimizer moved them).
-3. kv-cache: our sampler under the training precision (`rollout.SampleSpec.make`, `sample_with`):
-   the cache's buffers are in the compute dtype (bf16 under autocast on CUDA) and, with a budget of
-   2.5 rows, every sampler call holds <= budget positions and exactly rows x capacity x
-   memory_plan.Arch.kv_bytes_per_position bytes. On CUDA also the default budget (a share of free
-   memory) is reported.
-4. update-mfu: one ERPO optimizer step (bf16 autocast over fp32 master weights, activation
-   checkpointing, token micro-batches, after a small warm-up step) of the preset's widths with the
-   full vocabulary and --layers layers (at most what the plan fits in 75% of the GPU): tokens/s,
-   peak memory, MFU = 6 x parameters x tokens / seconds / the GPU's dense bf16 peak (recomputation
-   not counted). decode-speed: tokens/s of our sampler next to HF `generate`, same bf16 model and prompts.
+3. kv-cache (kv, ~5 s): our sampler under the training precision (`rollout.SampleSpec.make`,
+   `sample_with`): the cache's buffers are in the compute dtype (bf16 under autocast on CUDA) and,
+   with a budget of 2.5 rows, the rows are decoded in ONE pass (one cache, slots.py) of 2 slots
+   holding <= budget positions and exactly slots x capacity x memory_plan.Arch.kv_bytes_per_position
+   bytes. On CUDA also the default budget (a share of free memory) is reported.
+4. update-mfu (mfu, ~15 s): one ERPO optimizer step (bf16 autocast over fp32 master weights, as
+   train.py: forward and backward inside one autocast region; activation checkpointing, token
+   micro-batches, after a small warm-up step) of the preset's widths with the full vocabulary and
+   --layers layers (at most what the plan fits in 75% of the GPU): tokens/s, peak memory, MFU = 6 x
+   parameters x tokens / seconds / the GPU's dense bf16 peak (recomputation not counted).
+   update-memory (update-memory, ~15 s): the same code at FULL depth (28 layers) and vocabulary on
+   one update micro-batch of the paper config's shape (configs/paper_qwen7b.json: --micro-tokens
+   16384 = 4 rows of the longest 1,024 + 3,072 tokens; activation checkpointing, as the config):
+   torch.cuda.max_memory_allocated around its forward (logprobs.score_tokens, entropy on, as the
+   first update's pi_old forward) + ERPO loss + backward, against memory_plan's update phase for
+   that micro-batch on one GPU without FSDP2, LESS its Adam state. Why that: what an unsharded 7B
+   update holds in train.py's precision (bf16-mixed) is float32 master weights (28.4 GiB) + their
+   float32 gradients (28.4) + autocast's bf16 weight copies (13.2) + the micro-batch's saved
+   activations and lm_head's backward (9.0): 78.9 GiB planned, within an H200's 131 GiB; Adam's
+   56.7 GiB more would not fit, and a forward + backward does not touch it (bf16 weights instead
+   would test a precision train.py does not train in). FAIL if measured > plan x 1.2 + 256 MiB;
+   SKIP where the plan does not fit 90% of the GPU. On the CPU the peak is the live tensor bytes
+   torch's MemTracker sees (memory_measure.PhasePeaks) against the plan's CPU figures.
+5. decode-pass (decode-pass, ~15 s): decode throughput at the real widths and depth (all 28
+   layers, bf16 weights: the decoding copy; train.py's attention) through train.py's path
+   (`rollout.sample` under autocast -> slots.decode_pass -> decode.LeanStep), with the paper
+   config's rows per pass (memory_plan.kv_rows on 8 GPUs: 128 slots; G = 8 rows per prompt;
+   prompts of 7/8 to 1x its --max-prompt-len, 1,024 tokens): a pass of --pass-steps decode steps
+   (256) after a warm-up pass, the clock started once the prefill (kv_cache.admit, one for all
+   the slots) has returned. Reports tokens/s, ms per step, the bound of reading once per step the
+   bf16 weights (all but the input embedding, a lookup) and the slots' KV cache up to the longest
+   slot at the GPU's HBM bandwidth (HBM_TBS by name, --hbm-tbs), measured/bound, and the time
+   model's per-step figure for the same slots and widths (plumbing/time_model.decode_terms: the
+   slower of that read, counting the embedding too, and launching the step's eager kernels). PASS
+   if each call was one pass, its rows admitted at once and run to their limit, and every figure is
+   finite; no threshold on speed.
+   decode-speed (decode, ~15 s): tokens/s of our sampler next to HF `generate`, same bf16 model
+   (--layers layers) and prompts.
+6. sampler-gap (sampler-gap, ~15 s): how far the sampler is from pi_old on the full-depth model:
+   the decoding copy (bf16 weights) samples gap_prompts x G rows of the paper config's prompt
+   length under autocast, as train.rollouts does; the training forward (logprobs.score_tokens
+   under bf16 autocast over float32 master weights holding the copy's values, as after loading a
+   bf16 checkpoint; the attention models.attention_for gives train.py) rescores the same tokens;
+   metrics.sampler_vs_old's mean |log pi_sampler - log pi_old| and k3 per response token, what
+   train.py logs as sampler_logp_gap and sampler_kl. FAIL if not finite or if the k3 exceeds
+   GAP_K3_MAX (why that value: beside it). The k3 of pi_old at temperature 1.1 is printed for scale.
 """
 
 import argparse
@@ -59,6 +107,7 @@ import dataclasses
 import gc
 import inspect
 import json
+import math
 import os
 import shutil
 import sys
@@ -74,27 +123,39 @@ sys.path.insert(0, ROOT)
 import kv_cache  # noqa: E402
 import logprobs  # noqa: E402
 import losses  # noqa: E402
+import metrics  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
-from plumbing import batching, distributed, memory_plan, optimizer  # noqa: E402
+import slots  # noqa: E402
+from plumbing import batching, distributed, memory_plan, optimizer, time_model  # noqa: E402
 
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
 GIB, MIB = 2 ** 30, 2 ** 20
 FA2 = "flash_attention_2"
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "B200": 2250}  # dense bf16
+# HBM bandwidth, TB/s, by the first key in the device name (the more specific names first)
+HBM_TBS = {"H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "H200": 4.8, "A100-SXM4-40GB": 1.55, "A100": 2.0,
+           "L40S": 0.864, "B200": 8.0}
 
 TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096)
+# The run whose shapes items 4-6 take at full depth: the paper config on its 8 GPUs, or its tiny stand-in.
+PAPER = os.path.join(ROOT, "configs", "paper_qwen7b.json")
+TINY_RUN = dict(rollout_batch=2, group_size=4, gen_batch=8, kv_budget=0, max_prompt_len=32, max_new_tokens=64,
+                micro_batch=16, micro_tokens=384, grad_ckpt=True, fsdp=False)
 PRESETS = {
     # model: a configs/models/ name or a config dict. ragged_layers: item 1 and 3; train_*: item 2;
-    # layers, rows, prompt_len, new_tokens, micro_tokens: item 4's update; decode_*: its decoding.
+    # layers, rows, prompt_len, new_tokens, micro_tokens: item 4's update-mfu; decode_*: decode-speed;
+    # run, gpus: the run items 4-6 take their shapes from; pass_steps: decode-pass's timed steps;
+    # gap_prompts, gap_new: sampler-gap's prompts (x G rows) and new tokens.
     "7b": dict(model="Qwen2.5-Math-7B", ragged_layers=2, train_layers=4, train_new_tokens=512, train_prompts=8,
                train_group=8, layers=8, rows=32, prompt_len=256, new_tokens=2048, micro_tokens=16384,
-               decode_rows=64, decode_new=256),
+               decode_rows=64, decode_new=256, run=PAPER, gpus=8, pass_steps=256, gap_prompts=4, gap_new=256),
     "tiny": dict(model=TINY, ragged_layers=2, train_layers=2, train_new_tokens=32, train_prompts=4, train_group=4,
-                 layers=2, rows=8, prompt_len=16, new_tokens=32, micro_tokens=256, decode_rows=8, decode_new=64),
+                 layers=2, rows=8, prompt_len=16, new_tokens=32, micro_tokens=256, decode_rows=8,
+                 decode_new=64, run=TINY_RUN, gpus=1, pass_steps=64, gap_prompts=2, gap_new=48),
 }
-ITEMS = ("ragged", "train", "kv", "mfu", "decode")
+ITEMS = ("ragged", "train", "kv", "mfu", "update-memory", "decode-pass", "decode", "sampler-gap")
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")   # float32 weights; bf16 weights; float32 under bf16 autocast
 # A row of a padded batch vs the row alone: max |log p| difference (nats) of token_logprobs and of
 # the sampler (whose decode steps are decode.py's own math and, in bf16, a bf16 KV cache), and the
@@ -108,6 +169,13 @@ TOL = {
 QKL_STEP1 = {"fp32": 1e-6, "bf16": 1e-3}      # step-1 Query-KL (k3, token mean) by compute dtype
 PROMPT_LENS, RESPONSE_LENS = (96, 70, 33, 5), (40, 64, 1, 17)  # item 1's ragged batch (prompt, response)
 SAMPLE_NEW = 48                                 # item 1's sampled tokens per row (at most: some rows stop)
+WARM_STEPS = 8                                  # decode-pass: tokens per slot of its warm-up pass
+# sampler-gap's most k3 (nats per token). The same comparison on the CPU (random init, bf16 copy sampling
+# and float32 master scoring under bf16 autocast) gave k3 1.5e-4 (mean |gap| 0.014) at 7B widths with 2
+# layers; at Qwen2.5-0.5B's widths and the same logit spread k3 grew 3.5x from 2 to 24 layers (6.8e-5 ->
+# 2.4e-4): ~5e-4 is expected at 28, and 1e-2 is 20x that. A bug of positions, padding or precision moves
+# log-probs by ~1 nat (k3 >> 1e-2); a 10% temperature mismatch (k3 ~6e-3 here: printed) it does not see.
+GAP_K3_MAX = 1e-2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,6 +225,11 @@ def one_line(e) -> str:
     return text.splitlines()[0][:300] if text else repr(e)
 
 
+def size(nbytes) -> str:
+    """Bytes as GiB, or MiB below one GiB (the tiny preset's figures)."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.2f} MiB"
+
+
 def free_memory():
     gc.collect()
     if torch.cuda.is_available():
@@ -178,7 +251,7 @@ def model_config(preset, layers, vocab=None):
     return Qwen2Config(**{**c, "vocab_size": vocab} if vocab else c)
 
 
-def build(cfg, dev, dtype, attn="sdpa"):
+def build(cfg, dev, dtype, attn=models.SDPA):
     """A random model of config `cfg` on `dev` (seeded)."""
     from transformers import AutoModelForCausalLM
 
@@ -210,7 +283,7 @@ def update_options(a):
     """Item 4's update step as train.py options (for the plan): one GPU, bf16-mixed, checkpointing."""
     return SimpleNamespace(max_prompt_len=a.prompt_len, max_new_tokens=a.new_tokens, micro_batch=a.rows,
                            micro_tokens=a.micro_tokens, fsdp=False, grad_ckpt=True, rollout_batch=a.rows // a.group,
-                           group_size=a.group, gen_batch=a.rows, kv_budget=0, dtype="auto")
+                           group_size=a.group, gen_batch=a.rows, kv_budget=0, dtype="bf16-mixed")
 
 
 def layers_that_fit(a, total_bytes) -> int:
@@ -222,6 +295,17 @@ def layers_that_fit(a, total_bytes) -> int:
         peak = max(v for v in planned_peaks(arch, update_options(a), False, "cuda")[0].values() if v)
         best = n if peak < 0.75 * total_bytes else best
     return best
+
+
+@contextlib.contextmanager
+def patched(obj, name, value):
+    """obj.name = value while inside; yields the original."""
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield old
+    finally:
+        setattr(obj, name, old)
 
 
 class Mem:
@@ -268,6 +352,39 @@ def ragged_batch(vocab, dev):
     return ids.to(dev), mask.to(dev), [(P - p, P + r) for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
 
 
+def pad_queries(mask) -> int:
+    """Query positions before their row's first real token: causal attention lets them see only
+    pads, so their row of a plain padding mask is empty."""
+    return int((mask.cumsum(1) == 0).sum())
+
+
+@contextlib.contextmanager
+def sdpa_masks():
+    """Every attn_mask handed to torch's scaled_dot_product_attention while inside (as
+    tests/test_forward.py watches them): transformers' SDPA forward and decode.LeanStep call it."""
+    seen, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, **kw):
+        seen.append(attn_mask)
+        return real(q, k, v, attn_mask, *args, **kw)
+
+    with patched(torch.nn.functional, "scaled_dot_product_attention", spy):
+        yield seen
+
+
+def masks_ok(seen, pads, uses_sdpa) -> str:
+    """FAIL where a boolean mask SDPA received leaves a query row without a key; -> the figure."""
+    if not uses_sdpa:
+        check(not seen, f"flash-attn: {len(seen)} calls of torch's SDPA")
+        return "masks: none (flash-attn unpads)"
+    bool_masks = [m for m in seen if m is not None and m.dtype == torch.bool]
+    empty = sum(int((~m.any(-1)).sum()) for m in bool_masks)
+    check(bool_masks, f"SDPA received no boolean mask ({len(seen)} calls): is the padding masked at all?")
+    check(empty == 0, f"{empty} query rows without a key in the {len(bool_masks)} masks SDPA received "
+                      f"(pad queries: {pads}): not the pad-safe mask (models.SDPA)")
+    return f"empty_mask_rows=0/{len(bool_masks)} masks (pad queries {pads})"
+
+
 def grads(model):
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
 
@@ -278,20 +395,20 @@ def rel_l2(xs, ys) -> float:
     return (num / max(den, 1e-30)) ** 0.5
 
 
-def ragged_score(model, amp, tol):
-    """token_logprobs forward + backward of the ragged batch vs each row alone."""
+def ragged_score(model, amp, tol, uses_sdpa):
+    """token_logprobs forward + backward of the ragged batch vs each row alone; the masks SDPA got."""
     dev = next(model.parameters()).device
     ids, mask, spans = ragged_batch(model.config.vocab_size, dev)
     model.zero_grad(set_to_none=True)
-    with amp():
+    with amp(), sdpa_masks() as seen:
         logp, _ = logprobs.token_logprobs(model, ids, mask)       # (B, L-1): position j scores token j+1
+    masks = masks_ok(seen, pad_queries(mask), uses_sdpa)
     bad = int((~torch.isfinite(logp)).sum())                      # pads included: NaN * 0 is NaN
     sum(logp[i, s:e - 1].sum() for i, (s, e) in enumerate(spans)).backward()
     g_batch = grads(model)
     check(bad == 0, f"{bad} non-finite log-probs in the padded batch (pad positions included)")
     check(all(bool(torch.isfinite(x).all()) for x in g_batch), "non-finite gradient from the padded batch")
     model.zero_grad(set_to_none=True)
-    diff = 0.0
     logp = logp.detach().float()
     diff = 0.0
     for i, (s, e) in enumerate(spans):                            # each row alone, no padding
@@ -305,24 +422,28 @@ def ragged_score(model, amp, tol):
         blind, _ = logprobs.token_logprobs(model, ids, torch.ones_like(mask))
     bug = max(float((blind[i, s:e - 1].float() - logp[i, s:e - 1]).abs().max()) for i, (s, e) in enumerate(spans))
     figures = (f"max|dlogp|={diff:.2e} (tol {tol['logp']:g}) grad_rel={g_rel:.2e} (tol {tol['grad']:g}) "
-               f"unmasked_padding={bug:.2e}")
+               f"unmasked_padding={bug:.2e} {masks}")
     check(diff <= tol["logp"], f"a padded row's log-probs differ from the row alone: {figures}")
     check(g_rel <= tol["grad"], f"the padded batch's gradient differs from the rows' alone: {figures}")
     check(bug > 3 * tol["logp"], f"blind: attending to the padding moves log-probs < 3x the tolerance: {figures}")
     return figures
 
 
-def ragged_sample(model, amp, tol):
+def ragged_sample(model, amp, tol, uses_sdpa):
     """Our kv sampler on the ragged prompts vs each row alone: sampled log-probs against the row's
-    tokens rescored alone (teacher-forced), and whether the row alone samples the same tokens."""
+    tokens rescored alone (teacher-forced), and whether the row alone samples the same tokens; the
+    masks SDPA got in the pass (the prefill of the left-padded prompts, LeanStep's steps)."""
     dev, V = next(model.parameters()).device, model.config.vocab_size
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, V, (p,), generator=g).tolist() for p in PROMPT_LENS]
     eos = list(range(1, 1 + max(1, V // 25)))      # ~4% of the vocabulary stops a row: ragged responses
     seeds = [rollout.row_seed(7, i) for i in range(len(prompts))]
     kw = dict(max_new_tokens=SAMPLE_NEW, eos_ids=eos, pad_id=0, temperature=1.0)
-    with amp():
+    with amp(), sdpa_masks() as seen:
         ro = rollout.sample(model, prompts, seeds=seeds, **kw)
+    _, prompt_mask = kv_cache.left_pad(prompts, 0, "cpu")
+    masks = masks_ok([m for m in seen if m is not None and m.dim() == 4 and m.shape[2] > 1],  # prefills
+                     pad_queries(prompt_mask), uses_sdpa)
     lens = ro.response_mask.sum(1).tolist()
     check(bool(torch.isfinite(ro.logprobs).all()), "non-finite sampled log-probs")
     diff, same = 0.0, 0
@@ -336,9 +457,16 @@ def ragged_sample(model, amp, tol):
         n = int(solo.response_mask.sum())
         same += solo.response_ids[0, :n].tolist() == ro.response_ids[i, :lens[i]].tolist()
     figures = (f"response_lens={lens} max|dlogp|={diff:.2e} (tol {tol['sample']:g}) "
-               f"same_tokens_alone={same}/{len(prompts)}")
+               f"same_tokens_alone={same}/{len(prompts)} prefill {masks}")
     check(diff <= tol["sample"], f"sampled log-probs differ from the rows rescored alone: {figures}")
     return figures
+
+
+def sdpa_for(dev, dtype, bf16) -> str:
+    """The pad-safe SDPA train.py would load for this compute dtype (models.attention_for, which
+    picks flash-attn instead where it imports: that is the other attn of item 1)."""
+    impl = models.attention_for(dev, dtype, bf16).implementation
+    return models.SDPA if impl == models.FLASH else impl
 
 
 def ragged_items(rep, a, dev, attn, prec):
@@ -354,14 +482,15 @@ def ragged_items(rep, a, dev, attn, prec):
             rep.line("SKIP", n, why)
         return
     dtype, amp = precision(prec, dev)
+    impl = attn if attn == FA2 else sdpa_for(dev, dtype, prec == "bf16-mixed")
     try:
-        model = build(model_config(a.preset, a.p["ragged_layers"]), dev, dtype, attn)
+        model = build(model_config(a.preset, a.p["ragged_layers"]), dev, dtype, impl)
     except Exception as e:
         for n in names:
             rep.line("FAIL", n, f"building the model: {type(e).__name__}: {one_line(e)}")
         return
-    rep.item(names[0], ragged_score, model, amp, TOL[prec])
-    rep.item(names[1], ragged_sample, model, amp, TOL[prec])
+    rep.item(names[0], ragged_score, model, amp, TOL[prec], impl != FA2)
+    rep.item(names[1], ragged_sample, model, amp, TOL[prec], impl != FA2)
     del model
 
 
@@ -393,16 +522,6 @@ class PhasePeaks:
         finally:
             self._cut()
             self.stack.pop()
-
-
-@contextlib.contextmanager
-def patched(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield old
-    finally:
-        setattr(obj, name, old)
 
 
 @contextlib.contextmanager
@@ -514,6 +633,8 @@ def train_run(a, dev, tmp, out):
     out["seconds"] = time.perf_counter() - t0
     rows = [json.loads(line) for line in open(os.path.join(tmp, "run", "metrics.jsonl"))]
     steps = [r for r in rows if "query_kl" in r]
+    logged = {k for r in steps for k in r if k.startswith("mem_")}       # train.py's own (GiB; CUDA only)
+    out["logged"] = {k: max(r.get(k, 0.0) for r in steps) for k in logged}
     check(sharded and all(sharded), f"the policy was not FSDP2-sharded (wrap_model gave {sharded})")
     check(len(steps) == 2, f"{len(steps)} RL steps logged, expected 2 (log: {log})")
     q1 = steps[0]["query_kl"]
@@ -542,13 +663,20 @@ def train_memory(dev, out):
         over += [ph] if want is not None and got > 1.2 * want + 256 * MIB else []
         missing += [ph] if not got else []
     other = out["peaks"].get("other", 0)
+    logged = out.get("logged", {})                 # train.py's own record (plumbing/timer.py), GiB
+    lost = [f"mem_{kind}_{ph}" for kind in ("alloc", "reserved", "used") for ph in ("gen", "score", "update")
+            if f"mem_{kind}_{ph}" not in logged]
     figures = (f"GiB measured/plan: {', '.join(cells)}; outside these phases {other / GIB:.2f} "
-               f"(plan: {source}; allocated before the run {out['baseline'] / GIB:.2f})")
+               f"(plan: {source}; allocated before the run {out['baseline'] / GIB:.2f}); metrics.jsonl GiB "
+               + ", ".join(f"{k.removeprefix('mem_')} {v:.2f}" for k, v in sorted(logged.items())
+                           if k.endswith(("_gen", "_score", "_update"))))
     if dev.type != "cuda":
+        check(not logged, f"metrics.jsonl has GPU memory fields on {dev.type}: {sorted(logged)}")
         raise Skip(f"no CUDA allocator on {dev.type}; plan GiB: " + ", ".join(
             f"{ph} {'-' if plan.get(ph) is None else f'{plan[ph] / GIB:.3f}'}" for ph in names) + f" ({source})")
     check("seconds" in out, f"train.main did not finish; {figures}")
     check(not missing, f"no peak for {', '.join(missing)} (train.py's timer phases renamed?): {figures}")
+    check(not lost, f"metrics.jsonl lacks train.py's per-phase memory {', '.join(lost)}: {figures}")
     check(not over, f"{', '.join(over)} over the plan by > 20% + 256 MiB: {figures}")
     return figures
 
@@ -591,7 +719,7 @@ def kv_cache_check(a, dev):
     prompts = [p for p in prompts for _ in range(2)]     # G = 2: a prompt's rows get copies of its cache rows
     new = 32
     auto = rollout.SampleSpec.make(model, tok, new, "kv", None, 0, bf16)
-    budget = int(2.5 * (max(map(len, prompts)) + new))   # room for 2 rows: 4 sampler calls of 8 rows
+    budget = int(2.5 * (max(map(len, prompts)) + new))   # room for 2 rows: one pass of 2 slots over 8 rows
     spec = rollout.SampleSpec.make(model, tok, new, "kv", None, budget, bf16)
     spec = dataclasses.replace(spec, eos_ids=[])         # eos off: no row is compacted out of its cache
     made = []
@@ -603,6 +731,8 @@ def kv_cache_check(a, dev):
     with patched(kv_cache, "kv_cache", recording) as base, amp():
         ro = rollout.sample_with(model, prompts, spec, temperature=1.0, seeds=list(range(len(prompts))))
     check(made, "rollout.sample_with made no kv_cache.kv_cache")
+    check(len(made) == 1 or not slots.supports(model, lockstep=False),
+          f"{len(made)} KV caches: the rows were decoded in chunks, not in one pass (slots.py)")
     want = torch.bfloat16 if bf16 and dev.type == "cuda" else dtype   # precision("auto")'s compute dtype
     bpp = arch.kv_bytes_per_position(want.itemsize)
     per_call = []
@@ -614,12 +744,12 @@ def kv_cache_check(a, dev):
         rows, cap = bufs[0].shape[0], bufs[0].shape[2]
         nbytes = sum(t.numel() * t.element_size() for t in bufs)
         check(nbytes == rows * cap * bpp, f"cache bytes {nbytes} != {rows} rows x {cap} positions x {bpp} B")
-        check(rows * cap <= budget, f"a sampler call holds {rows} x {cap} positions > the budget {budget}")
+        check(rows * cap <= budget, f"a cache holds {rows} x {cap} positions > the budget {budget}")
         per_call.append((rows, cap, nbytes))
     check(bool(torch.isfinite(ro.logprobs).all()) and bool(ro.response_mask.all()), "non-finite or short rollout")
-    figures = (f"dtype={want} calls={len(made)} rows/call={[r for r, _, _ in per_call]} "
-               f"positions/call<={max(r * c for r, c, _ in per_call)}/{budget} "
-               f"bytes/call<={max(b for _, _, b in per_call) / MIB:.2f}/{budget * bpp / MIB:.2f} MiB")
+    figures = (f"dtype={want} passes={len(made)} slots={[r for r, _, _ in per_call]} for {len(prompts)} rows "
+               f"positions<={max(r * c for r, c, _ in per_call)}/{budget} "
+               f"bytes<={max(b for _, _, b in per_call) / MIB:.2f}/{budget * bpp / MIB:.2f} MiB")
     if dev.type == "cuda":
         check(auto.kv_budget > 0, "the default budget (0: a share of free memory) gave 0 positions")
         figures += f" default budget {auto.kv_budget} positions = {auto.kv_budget * bpp / GIB:.1f} GiB"
@@ -630,13 +760,15 @@ def kv_cache_check(a, dev):
 # Item 4: update MFU and decoding tokens/s
 
 
-def synthetic_rollout(a, vocab, dev) -> rollout.Rollout:
+def synthetic_rollout(a, vocab, dev, full=False) -> rollout.Rollout:
     """--rows rows in groups sharing a prompt of --prompt-len/2 to --prompt-len tokens (left-padded),
-    responses of --new-tokens/2 to --new-tokens (right-padded): what a rollout hands the update."""
+    responses of --new-tokens/2 to --new-tokens (right-padded): what a rollout hands the update.
+    full: every prompt and response at its longest (the rows the memory plan sizes)."""
     g = torch.Generator().manual_seed(4)
     B, P, N = a.rows, a.prompt_len, a.new_tokens
-    plen = torch.randint(P // 2, P + 1, (B // a.group,), generator=g).repeat_interleave(a.group)
-    rlen = torch.randint(max(1, N // 2), N + 1, (B,), generator=g)
+    lo_p, lo_n = (P, N) if full else (P // 2, max(1, N // 2))
+    plen = torch.randint(lo_p, P + 1, (B // a.group,), generator=g).repeat_interleave(a.group)
+    rlen = torch.randint(lo_n, N + 1, (B,), generator=g)
     cols_p, cols_r = torch.arange(P), torch.arange(N)
     pmask = (cols_p[None] >= P - plen[:, None]).long()
     rmask = (cols_r[None] < rlen[:, None]).long()
@@ -646,7 +778,10 @@ def synthetic_rollout(a, vocab, dev) -> rollout.Rollout:
 
 
 def erpo_update(model, ro, qref_logp, a, opt, amp, mem):
-    """One optimizer step of the ERPO loss over the rollout, micro-batched by tokens."""
+    """One optimizer step of the ERPO loss over the rollout, micro-batched by tokens, forward and
+    backward inside one autocast region as train.py's (its bf16 weight copies live until the region
+    ends). The first update's forward is pi_old's too: entropy on. opt None: forward + backward
+    only, no optimizer step. -> (tokens, micro-batches, peak of the micro-batches, of the step, norm)"""
     algo = losses.ALGOS["erpo"]
     packed = ro.packed()
     B = packed.input_ids.shape[0]
@@ -658,37 +793,46 @@ def erpo_update(model, ro, qref_logp, a, opt, amp, mem):
     num_tokens = resp_mask.sum().item()
     plan = batching.microbatch_plan(packed.lengths, a.rows, a.micro_tokens)   # (prompt, response) widths
     mem.reset()
-    for mb in plan:
-        r = torch.tensor(mb, device=packed.input_ids.device)
-        pk, pc, rc = packed.trimmed(r)
-        with amp():
-            s = logprobs.score_tokens(model, pk, a.temperature)
+    with amp():
+        for mb in plan:
+            r = torch.tensor(mb, device=packed.input_ids.device)
+            pk, pc, rc = packed.trimmed(r)
+            s = logprobs.score_tokens(model, pk, a.temperature, with_entropy=True)
             loss, _ = losses.rl_loss(algo, logp=s.response, old_logp=s.response.detach(), ref_logp=None,
                                      resp_mask=resp_mask[r][:, rc], advantages=adv[r], weights=w[r],
                                      prompt_logp=s.prompt, prompt_ref_logp=qref_logp[r][:, pc],
                                      prompt_mask=packed.prompt_tok_mask[r][:, pc].float(),
                                      num_tokens=num_tokens, num_seqs=B, max_len=a.new_tokens)
-        loss.backward()
+            loss.backward()
+            del s, loss
     mem.sync()
     peak_loop = mem.peak()                     # weights + gradients + one micro-batch's activations
     mem.reset()
     norm = optimizer.clip_grad(model, 1.0)
-    opt.step()                                 # Adam state appears here (and its temporaries)
-    opt.zero_grad(set_to_none=True)
+    if opt is not None:
+        opt.step()                             # Adam state appears here (and its temporaries)
+        opt.zero_grad(set_to_none=True)
     mem.sync()
     return int(packed.attention_mask.sum()), len(plan), peak_loop, mem.peak(), float(norm)
+
+
+def update_model(a, dev, layers, ro_full=False):
+    """A float32 model of --layers layers (0: all) for the update, its synthetic rollout and the
+    Query-KL cache (the prompts' log-probs under the initial weights), wrapped as train.py does on
+    one GPU (activation checkpointing) -> (model, rollout, qref, autocast factory)."""
+    model = build(model_config(a.preset, layers), dev, torch.float32)
+    _, amp = precision("bf16-mixed", dev)
+    ro = synthetic_rollout(a, model.config.vocab_size, dev, ro_full)
+    with torch.no_grad(), amp():
+        qref = logprobs.token_logprobs(model, ro.prompt_ids, ro.prompt_mask, a.temperature)[0].float()
+    return distributed.wrap_model(model.train(), dev, grad_ckpt=True), ro, qref, amp
 
 
 def update_mfu(a, dev, name):
     """One timed ERPO optimizer step over --rows responses: tokens/s, MFU, peak memory."""
     mem, cuda = Mem(dev), dev.type == "cuda"
-    model = build(model_config(a.preset, a.layers), dev, torch.float32)
+    model, ro, qref, amp = update_model(a, dev, a.layers)
     n_params = sum(p.numel() for p in model.parameters())
-    _, amp = precision("bf16-mixed", dev)
-    ro = synthetic_rollout(a, model.config.vocab_size, dev)
-    with torch.no_grad(), amp():  # the Query-KL cache: the prompts' log-probs under the initial weights
-        qref = logprobs.token_logprobs(model, ro.prompt_ids, ro.prompt_mask, a.temperature)[0].float()
-    model = distributed.wrap_model(model.train(), dev, grad_ckpt=True)
     opt = optimizer.adamw(model, 1e-6, 0.01)
     warm = argparse.Namespace(**{**vars(a), "rows": a.group})      # a first small step: kernels, Adam state
     erpo_update(model, ro.take(slice(0, a.group)), qref[:a.group], warm, opt, amp, mem)
@@ -696,12 +840,97 @@ def update_mfu(a, dev, name):
     tokens, n_mb, loop_peak, opt_peak, norm = erpo_update(model, ro, qref, a, opt, amp, mem)
     t = time.perf_counter() - t0
     check(norm == norm and norm < float("inf"), f"non-finite grad norm {norm}")
-    peak = a.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = a.peak_tflops or by_name(PEAK_TFLOPS, name)
     mfu = (f"MFU={6 * n_params * tokens / t / (peak * 1e12) * 100:.1f}% of {peak} TFLOP/s" if peak
            else "MFU: unknown peak (--peak-tflops)")
     mem_s = f" peak GiB: micro-batches {loop_peak / GIB:.1f}, optimizer step {opt_peak / GIB:.1f}" if cuda else ""
     return (f"{n_params / 1e9:.2f}B params ({model.config.num_hidden_layers} layers) {tokens} tokens in {n_mb} "
             f"micro-batches {t:.2f} s = {tokens / t:.0f} tok/s {mfu}{mem_s}")
+
+
+def by_name(table, name):
+    """The value of the first key of `table` in the device name, or None."""
+    return next((v for k, v in table.items() if k in name), None)
+
+
+def paper_run(a) -> tuple[SimpleNamespace, int]:
+    """The options (train.py's names) whose shapes items 4-6 take, and its GPU count: the paper config
+    on 8 GPUs (7b), or its tiny stand-in on one."""
+    run = a.p["run"]
+    if isinstance(run, str):
+        with open(run) as f:
+            run = json.load(f)
+    return SimpleNamespace(**run), a.p["gpus"]
+
+
+def micro_batch_options(a) -> SimpleNamespace:
+    """update-memory's micro-batch: the paper config's --micro-tokens in rows of its longest prompt +
+    response, as item 4's options (the update's) and, for the plan, train.py's."""
+    run, _ = paper_run(a)
+    seq = run.max_prompt_len + run.max_new_tokens
+    rows = max(1, memory_plan.micro_batch_tokens(run) // seq)
+    return argparse.Namespace(**{**vars(a), "rows": rows, "group": rows, "prompt_len": run.max_prompt_len,
+                                 "new_tokens": run.max_new_tokens, "micro_tokens": rows * seq})
+
+
+class LiveTensors:
+    """Mem's figures on the CPU: the peak bytes of live tensors (torch's MemTracker as
+    memory_measure.PhasePeaks runs it), what torch.cuda.max_memory_allocated gives on a GPU. Enter
+    `tracker` around the code; what existed before is counted through `external`."""
+
+    def __init__(self, *external):
+        import memory_measure
+
+        self.tracker, self.external = memory_measure.PhasePeaks(), external
+
+    def __enter__(self):
+        self.tracker.__enter__()
+        self.tracker.track_external(*self.external)
+        return self
+
+    def __exit__(self, *exc):
+        return self.tracker.__exit__(*exc)
+
+    def reset(self):
+        self.tracker.switch("update")
+
+    def sync(self):
+        self.tracker.switch(None)
+
+    def peak(self):
+        return self.tracker.peaks.get("update", 0)
+
+
+def update_memory(a, dev):
+    """One full-depth, full-vocabulary update micro-batch's peak memory against the plan (no Adam)."""
+    m = micro_batch_options(a)
+    cfg = model_config(a.preset, 0)
+    arch = memory_plan.Arch.from_config(cfg.to_dict())
+    opts = update_options(m)
+    ts = memory_plan.terms(arch, opts, 1, False, dev.type)
+    plan = sum(t.bytes for t in ts if "update" in t.phases and t.name != "Adam state")
+    adam = sum(t.bytes for t in ts if t.name == "Adam state")
+    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+    if total and plan > 0.9 * total:
+        raise Skip(f"the plan, {plan / GIB:.1f} GiB without Adam, does not fit 90% of this GPU's "
+                   f"{total / GIB:.0f} GiB (141 GB needed)")
+    model, ro, qref, amp = update_model(m, dev, 0, ro_full=True)
+    mem = Mem(dev) if dev.type == "cuda" else LiveTensors(model, qref, *(getattr(ro, k) for k in (
+        "prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "finished")))
+    with contextlib.nullcontext() if dev.type == "cuda" else mem:
+        tokens, n_mb, peak, _, norm = erpo_update(model, ro, qref, m, None, amp, mem)
+    check(norm == norm and norm < float("inf"), f"non-finite grad norm {norm}")
+    check(n_mb == 1, f"{n_mb} micro-batches, expected the one of {m.micro_tokens} tokens")
+    check(peak > 0, "no peak measured")
+    big = sorted((t for t in ts if "update" in t.phases and t.name != "Adam state" and t.bytes),
+                 key=lambda t: -t.bytes)
+    figures = (f"{cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, {m.rows} rows x "
+               f"{m.prompt_len}+{m.new_tokens} = {tokens} tokens, checkpointing, bf16-mixed: peak "
+               f"{size(peak)} measured{'' if dev.type == 'cuda' else ' (live tensors, CPU)'} / {size(plan)} "
+               f"planned = {peak / plan:.2f}x (memory_plan's update phase on 1 GPU less Adam's {size(adam)}: "
+               + ", ".join(f"{t.name} {size(t.bytes)}" for t in big) + ")")
+    check(peak <= 1.2 * plan + 256 * MIB, f"over the plan by > 20% + 256 MiB: {figures}")
+    return figures
 
 
 def decode_speed(a, dev):
@@ -738,6 +967,124 @@ def decode_speed(a, dev):
             f"HF generate {rates['hf']:.0f} tok/s, ratio {rates['ours'] / rates['hf']:.2f}x")
 
 
+def group_prompts(n, G, P, vocab, seed) -> list[list[int]]:
+    """n prompts of 7/8 P to P random tokens, each repeated for its G rows (GRPO's groups)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(P - P // 8, P + 1, (n,), generator=g).tolist()
+    return [torch.randint(1, vocab, (L,), generator=g).tolist() for L in lens for _ in range(G)]
+
+
+def decode_bytes(model, slots_, width, kv_itemsize) -> tuple[int, int]:
+    """Bytes one decode step must read: every weight it multiplies by (all but the input embedding,
+    a lookup of S rows, unless lm_head shares it) and the slots' K/V over `width` columns."""
+    emb = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if emb is not model.get_output_embeddings().weight:
+        weights -= emb.numel() * emb.element_size()
+    arch = memory_plan.Arch.from_config(model.config.to_dict())
+    return weights, slots_ * width * arch.kv_bytes_per_position(kv_itemsize)
+
+
+def decode_pass(a, dev, name):
+    """Item 5: decode steps/s of the full-depth bf16 model through rollout.sample's one pass over the
+    paper config's slots, against reading the weights and the KV cache once per step, and the time
+    model's per-step figure for the same shape."""
+    run, gpus = paper_run(a)
+    S, G = memory_plan.kv_rows(run, gpus), run.group_size
+    attn = models.attention_for(dev, torch.float32, bf16=True).implementation   # train.py's (the prefill's)
+    model = build(model_config(a.preset, 0), dev, torch.bfloat16, attn)  # every layer: the decoding copy
+    check(slots.supports(model, lockstep=False), "decode.LeanStep does not implement this model: no one pass")
+    _, amp = precision("bf16-mixed", dev)                                # train.rollouts samples under it
+    prompts = group_prompts(S // G, G, run.max_prompt_len, model.config.vocab_size, seed=6)
+    mem, passes, admitted = Mem(dev), [], []
+    base_pass, base_admit = slots.decode_pass, kv_cache.admit
+
+    def recording(*args, **kw):                     # each call's slots.Decoded: its length in tokens
+        passes.append(base_pass(*args, **kw))
+        return passes[-1]
+
+    def admit(*args, **kw):                         # the prefill: the clock of the decode steps starts after it
+        logits = base_admit(*args, **kw)
+        mem.sync()
+        admitted.append(time.perf_counter())
+        return logits
+
+    def decode_seconds(n):
+        with patched(slots, "decode_pass", recording), patched(kv_cache, "admit", admit), amp():
+            ro = rollout.sample(model, prompts, max_new_tokens=n, eos_ids=[], pad_id=0,
+                                temperature=a.temperature, seeds=list(range(S)), batch_size=S)
+        mem.sync()
+        return time.perf_counter() - admitted[-1], ro
+
+    n = a.pass_steps + 1                            # tokens per slot: the prefill's, then pass_steps steps
+    decode_seconds(WARM_STEPS)                      # warm-up: kernels, allocator, cuBLAS
+    seconds, ro = decode_seconds(n)
+    lengths = [d.steps for d in passes]
+    check(lengths == [WARM_STEPS, n] and len(admitted) == 2,
+          f"not one pass per call, every row admitted at once and run to its limit: {lengths} tokens per "
+          f"slot, {len(admitted)} admissions")
+    check(bool(torch.isfinite(ro.logprobs).all()), "non-finite sampled log-probs")
+    step_s = seconds / a.pass_steps
+    check(0 < step_s < float("inf"), f"{a.pass_steps} decode steps took {seconds} s")
+    with amp():
+        kv_item = kv_cache.kv_dtype(model).itemsize
+    longest = max(map(len, prompts))
+    L = n // 2                                      # step k reads longest + k columns: their mean
+    weights, kv = decode_bytes(model, S, longest + L, kv_item)
+    hbm = a.hbm_tbs or by_name(HBM_TBS, name)
+    gpu = time_model.GPU(name, 0.0, hbm or time_model.GPUS["h200"].hbm_tbs, 0.0)
+    bound_s = (weights + kv) / (gpu.hbm_tbs * 1e12)
+    shape = SimpleNamespace(rollout_batch=S // G, group_size=G, gen_batch=S, kv_budget=0,
+                            max_prompt_len=longest, max_new_tokens=L)      # S rows in S slots, L tokens each
+    arch = memory_plan.Arch.from_config(model.config.to_dict())
+    predicted = time_model.decode_terms(arch, shape, 1, gpu, (L, L))[0].seconds[0] / L
+    at = f"{hbm} TB/s" if hbm else f"an H200's {gpu.hbm_tbs} TB/s (no HBM figure for {name}: --hbm-tbs)"
+    ratio = f"measured/bound {step_s / bound_s:.2f}x" if hbm else "measured/bound: n/a"
+    return (f"{S} slots ({G} rows per prompt, prompts <= {longest}), {arch.layers} layers, bf16 weights, "
+            f"{kv_item * 8}-bit cache, one pass: {a.pass_steps} decode steps after the prefill in {seconds:.2f} s "
+            f"= {S * a.pass_steps / seconds:.0f} tok/s, {step_s * 1e3:.3g} ms/step; bound {bound_s * 1e3:.3g} "
+            f"ms/step (weights {weights / 1e9:.3g} GB + KV {kv / 1e9:.3g} GB at {at}), {ratio}; time model "
+            f"{predicted * 1e3:.3g} ms/step")
+
+
+def sampler_gap(a, dev):
+    """Item 6: the decoding copy's sampled log-probs against the training forward's (pi_old) on the
+    same tokens, as train.py's sampler_logp_gap / sampler_kl."""
+    run, _ = paper_run(a)
+    G, T = run.group_size, a.temperature
+    cfg = model_config(a.preset, 0)
+    _, amp = precision("bf16-mixed", dev)
+    attn = models.attention_for(dev, torch.float32, bf16=True).implementation   # train.py's, by compute dtype
+    prompts = group_prompts(a.p["gap_prompts"], G, run.max_prompt_len, cfg.vocab_size, seed=7)
+    seeds = [rollout.row_seed(11, i) for i in range(len(prompts))]
+    decoder = build(cfg, dev, torch.bfloat16, attn)
+    with amp():                                      # train.rollouts: the bf16 copy under autocast
+        ro = rollout.sample(decoder, prompts, max_new_tokens=a.p["gap_new"], eos_ids=[], pad_id=0,
+                            temperature=T, seeds=seeds)
+    master = build(cfg, dev, torch.float32, attn)
+    master.load_state_dict(decoder.state_dict())     # float32 weights holding the copy's values (a bf16
+    del decoder                                      # checkpoint loaded), the copy freed before scoring
+    free_memory()
+    mask = ro.response_mask.float()
+
+    def vs_sampler(temperature) -> dict:             # train.score_old: score_tokens under autocast
+        with torch.no_grad(), amp():
+            old = logprobs.score_tokens(master, ro.packed(), temperature).response
+        sums = metrics.sampler_vs_old(ro.logprobs, old, mask)
+        means = {k: float(v.sum() / mask.sum()) for k, v in sums.items()}
+        return {"max": float(sums["samp_gap"].max()), **means}
+
+    got, hot = vs_sampler(T), vs_sampler(1.1 * T)
+    gap, k3 = got["samp_gap"], got["samp_kl"]
+    figures = (f"{len(prompts)} rows x {int(mask.sum(1).max())} tokens, {cfg.num_hidden_layers} layers, "
+               f"attention {attn}: sampler_logp_gap={gap:.2e} sampler_kl={k3:.2e} (k3; FAIL above "
+               f"{GAP_K3_MAX:g}) max|gap|={got['max']:.2e}; for scale, pi_old at temperature {1.1 * T:g}: "
+               f"k3 {hot['samp_kl']:.2e}")
+    check(math.isfinite(gap) and math.isfinite(k3), f"not finite: {figures}")
+    check(k3 <= GAP_K3_MAX, f"the sampler is not pi_old: {figures}")
+    return figures
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -747,21 +1094,24 @@ def parse_args(argv):
     ap.add_argument("--preset", default="7b", choices=sorted(PRESETS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (if any) or cpu")
     ap.add_argument("--items", default=",".join(ITEMS), help="comma-separated subset of the items to run")
-    ap.add_argument("--layers", type=int, default=0, help="decoder layers of the update/decode model (0: the "
-                    "preset's, at most as many as the plan fits in 75%% of the GPU)")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers of update-mfu's and decode-speed's model "
+                    "(0: the preset's, at most as many as the plan fits in 75%% of the GPU; the full-depth items "
+                    "take every layer)")
     ap.add_argument("--train-layers", type=int, default=0, help="decoder layers of train.main's model (0: preset's)")
     ap.add_argument("--rows", type=int, default=None, help="responses in the update step")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--micro-tokens", type=int, default=None)
     ap.add_argument("--decode-new", type=int, default=None, help="new tokens of the ours-vs-HF decode comparison")
+    ap.add_argument("--pass-steps", type=int, default=None, help="decode-pass's timed decode steps")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the GPU (default: by name)")
+    ap.add_argument("--hbm-tbs", type=float, default=None, help="HBM bandwidth, TB/s (default: by name)")
     ap.add_argument("--tmp", default=None, help="folder for train.main's model and run, kept (default: a temporary "
                     "one, deleted at the end but for train.log where a train item failed)")
     a = ap.parse_args(argv)
     a.p = PRESETS[a.preset]
-    for k in ("rows", "prompt_len", "new_tokens", "micro_tokens", "decode_new"):
+    for k in ("rows", "prompt_len", "new_tokens", "micro_tokens", "decode_new", "pass_steps"):
         setattr(a, k, getattr(a, k) or a.p[k])
     a.layers, a.train_layers = a.layers or a.p["layers"], a.train_layers or a.p["train_layers"]
     a.group = 8 if a.rows % 8 == 0 else a.rows
@@ -794,7 +1144,7 @@ def main(argv=None):
             fit = f" (layers_that_fit failed: {type(e).__name__}: {one_line(e)})"
     print(f"gpu_check: {name}{f' ({total / GIB:.0f} GiB)' if cuda else ''}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, flash_attn {'absent' if flash_attn_missing() else 'present'}, "
-          f"preset {a.preset}, update/decode layers {a.layers}{fit}, items {','.join(a.items)}", flush=True)
+          f"preset {a.preset}, update-mfu/decode-speed layers {a.layers}{fit}, items {','.join(a.items)}", flush=True)
     rep = Report()
     if "ragged" in a.items:
         for attn in ("sdpa", FA2):
@@ -821,8 +1171,14 @@ def main(argv=None):
         rep.item("kv-cache", kv_cache_check, a, dev)
     if "mfu" in a.items:
         rep.item("update-mfu", update_mfu, a, dev, name)
+    if "update-memory" in a.items:
+        rep.item("update-memory", update_memory, a, dev)
+    if "decode-pass" in a.items:
+        rep.item("decode-pass", decode_pass, a, dev, name)
     if "decode" in a.items:
         rep.item("decode-speed", decode_speed, a, dev)
+    if "sampler-gap" in a.items:
+        rep.item("sampler-gap", sampler_gap, a, dev)
     c = rep.counts
     print(f"gpu_check: {c['PASS']} PASS, {c['FAIL']} FAIL, {c['SKIP']} SKIP in {time.perf_counter() - t_start:.0f} s "
           f"({name}, preset {a.preset})", flush=True)

@@ -294,8 +294,10 @@ def test_sharded_checkpoint_resumes_at_world_size_1_and_2(tmp_path):
 def test_gpu_check_runs_its_code_on_a_tiny_model():
     """bench/gpu_check.py (the one-shot GPU check) at toy widths on the CPU runs every item of its
     code path: one line per item, no FAIL, the CPU-runnable items PASS (the ragged batch in fp32 and
-    bf16-mixed, train.main under FSDP2 on a process group of one, its export, the KV cache, the
-    update, the decode comparison), the GPU-only ones SKIP with their reason, then the summary."""
+    bf16-mixed with its SDPA masks, train.main under FSDP2 on a process group of one, its export,
+    the KV cache's one pass, the update, the full-depth update micro-batch against the plan, the
+    one pass's decode throughput, the decode comparison, the sampler vs pi_old), the GPU-only ones
+    SKIP with their reason, then the summary."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--preset", "tiny", "--device", "cpu"],
                        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -307,7 +309,8 @@ def test_gpu_check_runs_its_code_on_a_tiny_model():
             assert item not in status, f"{item} reported twice:\n{r.stdout}"
             status[item] = word
     must_pass = ["ragged-score/sdpa/fp32", "ragged-sample/sdpa/fp32", "ragged-score/sdpa/bf16-mixed",
-                 "ragged-sample/sdpa/bf16-mixed", "train/fsdp2", "train/reload", "kv-cache", "update-mfu", "decode-speed"]
+                 "ragged-sample/sdpa/bf16-mixed", "train/fsdp2", "train/reload", "kv-cache", "update-mfu",
+                 "update-memory", "decode-pass", "decode-speed", "sampler-gap"]
     may_skip = [f"ragged-{k}/{attn}/{prec}" for k in ("score", "sample") for attn in ("sdpa", "flash_attention_2")
                 for prec in ("fp32", "bf16", "bf16-mixed")] + ["train/memory"]
     assert "FAIL" not in status.values(), r.stdout
