@@ -48,7 +48,9 @@ class Term:
 
 def decode_terms(arch, a, gpus, gpu: GPU, lengths) -> list[Term]:
     rows, slots = a.rollout_batch // gpus * a.group_size, memory_plan.kv_rows(a, gpus)
-    weights = 2 * arch.params()                                           # bf16 bytes read per step
+    # bf16 bytes read per step: every weight but the input embedding (a lookup of S rows; tied, it is
+    # lm_head's matrix, read anyway)
+    weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
     steps, step_s = [], []
     for L in lengths:
         # the slots stay full until the queue drains, then the last rows finish (at most L more)
