@@ -19,4 +19,4 @@ which tasks/math.py calls) and data/ (reading files, prompt templates).
 
 from tasks.task import (TASKS, Scored, Task, get, keep_row, load_rows, owner, prompt_set,  # noqa: F401
                         read_by, register, score_rows, source_of, task_names_in)
-from tasks import countdown, math  # noqa: F401  isort: skip -- the built-in tasks register themselves
+from tasks import countdown, math, zipf  # noqa: F401  isort: skip -- the built-in tasks register themselves

@@ -1,0 +1,150 @@
+"""The Zipf world: word problems whose topics follow a long-tailed (Zipf) law, so that some
+questions are rare under the warm start, and whose worked solutions restate the question and use
+the topic's own facts, so that a rare question induces a rare response.
+
+Each problem is a short story in one topic (a market, a school, a pirate ship, an alchemist's
+workshop, ...): an owner starts with some things, then events change the count, then a question.
+A topic has its own owners, things, verbs and its own container, whose size is a FACT of the topic
+that the question never states ("a crate holds 10 apples", "a retort holds 7 phials"). The worked
+solution restates each event with its verb and its things, writes the arithmetic one step per line
+inside <think> </think>, then the answer in \\boxed{} (the paper's format, method.md §5), e.g.
+
+    Paracelsus keeps 23 phials. Paracelsus spills 5 phials. Paracelsus fills 2 retorts of phials.
+    How many phials does Paracelsus keep now?
+    <think>
+    spills 5 phials: 23 - 5 = 18
+    2 retorts of phials: 2 * 7 = 14
+    18 + 14 = 32
+    </think>
+    The answer is \\boxed{32}.
+
+Topic k (k = 1 the most common) is drawn with probability proportional to 1 / k^ZIPF_S, in the
+warm-start corpus and in the RL and held-out sets alike: the warm start learns the common topics'
+words, verbs and container sizes well and the rare topics' poorly, so a rare topic's question has
+a high NLL, and so has its solution (its verbs' signs and its container size are what the warm
+start is unsure of). Level = number of arithmetic steps, as in the tiny world (data/tinymath).
+
+Everything here is pure: a problem is a function of a `random.Random` state.
+"""
+
+import random
+from dataclasses import dataclass
+
+ZIPF_S = 1.2  # the topic law's exponent: p(k) ~ 1 / k^s
+
+
+@dataclass(frozen=True)
+class Topic:
+    name: str
+    owners: tuple          # who has the things
+    things: tuple          # plural nouns
+    container: str         # plural noun of the topic's container ...
+    size: int              # ... and how many things one holds (never said in a question)
+    have: str              # the topic's verb for owning ("has", "keeps", ...), 3rd person
+    gain: tuple            # verbs that add things
+    lose: tuple            # verbs that take things away
+    fill: str              # the verb of getting whole containers
+
+
+# Most common first. Sizes differ between neighbouring topics so that a guess from a common topic
+# is wrong in a rare one.
+TOPICS = [
+    Topic("market", ("Mia", "Tom", "Ana", "Leo"), ("apples", "pears", "plums", "eggs"), "crates", 10,
+          "has", ("buys", "picks"), ("sells", "eats"), "buys"),
+    Topic("school", ("Sam", "Ivy", "Max", "Eva"), ("pencils", "books", "stickers", "crayons"), "boxes", 6,
+          "owns", ("finds", "gets"), ("lends", "loses"), "gets"),
+    Topic("farm", ("Joe", "Rosa", "Hank", "Lena"), ("sheep", "goats", "hens", "cows"), "pens", 5,
+          "keeps", ("breeds", "rescues"), ("sells", "trades"), "fills"),
+    Topic("bakery", ("Ben", "Lily", "Nora", "Finn"), ("muffins", "buns", "rolls", "pies"), "trays", 9,
+          "has", ("bakes", "makes"), ("sells", "drops"), "bakes"),
+    Topic("pirates", ("Flint", "Morgan", "Anne", "Kidd"), ("doubloons", "rubies", "pearls", "emeralds"),
+          "chests", 11, "hoards", ("plunders", "finds"), ("buries", "squanders"), "hauls"),
+    Topic("wizard", ("Merlin", "Morgana", "Alaric", "Elspeth"), ("potions", "scrolls", "runes", "wands"),
+          "cauldrons", 4, "guards", ("conjures", "brews"), ("vanishes", "banishes"), "summons"),
+    Topic("space", ("Zara", "Orion", "Nova", "Kepler"), ("probes", "satellites", "rovers", "beacons"),
+          "payloads", 3, "operates", ("launches", "assembles"), ("decommissions", "strands"), "receives"),
+    Topic("alchemy", ("Paracelsus", "Flamel", "Hermes", "Agrippa"), ("phials", "salts", "elixirs", "crucibles"),
+          "retorts", 7, "keeps", ("distils", "transmutes"), ("spills", "calcines"), "fills"),
+    Topic("knights", ("Gawain", "Percival", "Tristan", "Bedivere"), ("pennants", "gauntlets", "shields", "lances"),
+          "armouries", 12, "musters", ("forges", "wins"), ("surrenders", "shatters"), "requisitions"),
+    Topic("bees", ("Hilde", "Bruno", "Greta", "Anselm"), ("honeycombs", "frames", "queens", "drones"),
+          "supers", 8, "tends", ("harvests", "raises"), ("swarms", "culls"), "stacks"),
+    Topic("coins", ("Mortimer", "Cornelius", "Ptolemy", "Octavia"), ("denarii", "sestertii", "drachmas", "obols"),
+          "rouleaux", 13, "curates", ("acquires", "mints"), ("auctions", "debases"), "catalogues"),
+    Topic("maps", ("Mercator", "Ortelius", "Blaeu", "Hondius"), ("portolans", "globes", "atlases", "charts"),
+          "portfolios", 14, "archives", ("engraves", "surveys"), ("misplaces", "bequeaths"), "binds"),
+    Topic("falconry", ("Ragnhild", "Eadric", "Wulfstan", "Aethelflaed"), ("gyrfalcons", "merlins", "kestrels",
+          "goshawks"), "mews", 2, "mans", ("hatches", "traps"), ("releases", "forfeits"), "provisions"),
+    Topic("vineyard", ("Bacchus", "Dionysia", "Silenus", "Ariadne"), ("amphorae", "hogsheads", "firkins",
+          "tuns"), "cellars", 15, "stores", ("decants", "ferments"), ("quaffs", "libates"), "cellars"),
+    Topic("glass", ("Murano", "Barovier", "Seguso", "Venini"), ("goblets", "chalices", "carafes", "ewers"),
+          "kilns", 16, "displays", ("blows", "anneals"), ("cracks", "pawns"), "fires"),
+    Topic("herbarium", ("Linnaeus", "Tournefort", "Bauhin", "Cesalpino"), ("specimens", "rhizomes", "sporangia",
+          "fronds"), "vascula", 17, "catalogues", ("presses", "collects"), ("desiccates", "misfiles"), "gathers"),
+]
+
+# level -> (number of arithmetic steps, largest start count, largest count allowed at any step)
+LEVELS = {1: (1, 20, 99), 2: (2, 30, 99), 3: (3, 40, 150), 4: (4, 50, 199), 5: (5, 60, 199)}
+LEVEL_RANGE = (1, 5)
+
+
+def topic_weights(n=len(TOPICS), s=ZIPF_S) -> list[float]:
+    """p(k) ~ 1 / k^s over topics 1..n, normalised."""
+    w = [1.0 / k ** s for k in range(1, n + 1)]
+    return [x / sum(w) for x in w]
+
+
+def draw_topic(rng: random.Random, ranks=None) -> int:
+    """A topic index by the Zipf law (restricted to `ranks`, 0-based, when given)."""
+    ranks = list(range(len(TOPICS))) if ranks is None else list(ranks)
+    weights = topic_weights()
+    return rng.choices(ranks, weights=[weights[k] for k in ranks])[0]
+
+
+def _event(rng, topic: Topic, thing: str, x: int, steps_left: int, cap: int):
+    """One event that keeps the count in [1, cap] -> (sentence template, solution lines, new count).
+    The sentence template still holds {n} (the owner)."""
+    kinds = ["gain", "lose"] + (["fill"] if steps_left >= 2 else [])
+    for _ in range(100):
+        kind = rng.choice(kinds)
+        if kind == "gain" and x + 1 <= cap:
+            k, verb = rng.randint(1, min(cap - x, 30)), rng.choice(topic.gain)
+            return f"{{n}} {verb} {k} {thing}.", [f"{verb} {k} {thing}: {x} + {k} = {x + k}"], x + k
+        if kind == "lose" and x >= 2:
+            k, verb = rng.randint(1, min(x - 1, 30)), rng.choice(topic.lose)
+            return f"{{n}} {verb} {k} {thing}.", [f"{verb} {k} {thing}: {x} - {k} = {x - k}"], x - k
+        if kind == "fill":
+            a = rng.randint(2, 5)
+            m = a * topic.size
+            if x + m <= cap:
+                return (f"{{n}} {topic.fill} {a} {topic.container} of {thing}.",
+                        [f"{a} {topic.container} of {thing}: {a} * {topic.size} = {m}", f"{x} + {m} = {x + m}"],
+                        x + m)
+    raise RuntimeError("no valid event")  # unreachable for the caps above; kept loud on purpose
+
+
+def base_form(verb: str) -> str:
+    """The verb after "does": has -> have, keeps -> keep."""
+    return "have" if verb == "has" else verb.removesuffix("s")
+
+
+def make_problem(rng: random.Random, level: int, topic: int | None = None) -> dict:
+    """One problem of `level` in topic index `topic` (drawn by the Zipf law when None): a dict
+    with problem, answer, solution (the worked solution in the paper's format), level, steps and
+    the topic's name and rank (1 = the most common)."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be in {sorted(LEVELS)}, got {level}")
+    k = draw_topic(rng) if topic is None else topic
+    t = TOPICS[k]
+    n_steps, max_start, cap = LEVELS[level]
+    owner, thing = rng.choice(t.owners), rng.choice(t.things)
+    x = rng.randint(2, max_start)
+    sentences, lines = [f"{owner} {t.have} {x} {thing}."], []
+    while len(lines) < n_steps:
+        sentence, new_lines, x = _event(rng, t, thing, x, n_steps - len(lines), cap)
+        sentences.append(sentence.format(n=owner))
+        lines += new_lines
+    sentences.append(f"How many {thing} does {owner} {base_form(t.have)} now?")
+    solution = "<think>\n" + "\n".join(lines) + "\n</think>\nThe answer is \\boxed{" + f"{x}" + "}."
+    return {"problem": " ".join(sentences), "answer": str(x), "solution": solution, "level": level,
+            "steps": n_steps, "topic": t.name, "rank": k + 1}

@@ -1,0 +1,223 @@
+"""The Zipf world's premise (issue #35, phase 1): does ERPO's premise hold on its warm start?
+
+    python -m study.zipf --premise            # the premise numbers of both worlds (~3 min), written
+                                              # to study/results/zipf/premise.json
+    python -m study.zipf --pilot              # the GRPO pilot runs (3 seeds, 2 at a time), their
+                                              # summaries in study/results/zipf/pilots/
+
+PREMISE (what is measured; the goals are issue #35's)
+
+1. Coupling (App. D, method.md §4): `analysis.py nll`'s Pearson r between a prompt's mean per-token
+   NLL and the mean per-token NLL of one response sampled at T = 1 (analysis.nll_pairs, its
+   per-sample seeds), on the first R_PROBLEMS training problems and on the held-out sets. Goal:
+   r >= 0.6 on training and held-out problems.
+2. Spread of the paper weights (App. I): w_i = clip(s_bar / s_i, 0, 2), s_i the warm start's NLL
+   of the whole prompt i (query_cache.build, as train.py's --weights paper reads it), s_bar its
+   mean over the WHOLE training set (losses.query_weights). Goal: >= 30% of training prompts with
+   w outside [0.8, 1.2].
+Both from the shipped warm start, beside the same numbers of the tiny world's (data/tinymath).
+3. Degradation under GRPO (pilot runs only, never ERPO): `train.py --task zipf --algo grpo` from the
+   warm start, PILOT_STEPS steps, seeds 0, 1, 2, held-out pass@1 at T = 1.0 and 1.2 every
+   PILOT_EVAL steps (one sample per problem, the first 200 of each set). Goal: in >= 2 of 3 seeds
+   the pass@1 at T = 1.2 (mean over zipf-test and zipf-rare) ends >= 5 points below its peak, or
+   the training entropy rises above its step-1 value. The pilots judge the world, not ERPO.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RESULTS = os.path.join(ROOT, "study", "results", "zipf")
+R_PROBLEMS = 500          # problems of each set whose NLL pair enters r
+SUBSET = 100              # the first problems of each set whose numbers the test regenerates
+MAX_NEW_TOKENS = 160      # enough for every solution of both worlds (the longest Zipf one: ~110 tokens)
+WEIGHT_BAND = (0.8, 1.2)
+PILOT_STEPS, PILOT_EVAL, PILOT_SEEDS = 150, 15, (0, 1, 2)
+PILOT_ARGS = ["--task", "zipf", "--algo", "grpo", "--max-new-tokens", "128", "--eval-temperatures", "1.0", "1.2",
+              "--eval-every", str(PILOT_EVAL), "--steps", str(PILOT_STEPS), "--save-every", "0",
+              "--query-cache-dir", ""]
+ONE_THREAD = "import sys, torch; torch.set_num_threads(1); import train; train.main(sys.argv[1:])"
+WORLDS = {  # world -> (warm start, training set, held-out sets), names or paths as train.py takes them
+    "zipf": (os.path.join(ROOT, "data", "zipf", "warmstart"), "zipf-train", ("zipf-test", "zipf-rare")),
+    "tiny": (os.path.join(ROOT, "data", "tinymath", "warmstart"), "tiny-train", ("tiny-test", "tiny-ood")),
+}
+
+
+def nll_args(model_path):
+    """`analysis.py nll`'s own options (its defaults: T = 1, the plain template, seed 0)."""
+    import analysis
+
+    return analysis.parse_args(["nll", "--model", model_path, "--max-new-tokens", str(MAX_NEW_TOKENS),
+                                "--no-progress"])
+
+
+def coupling(model, tokenizer, args, sets, limit) -> dict:
+    """{set: {"r", "r_subset", "n", "accuracy", "pairs"}}: App. D's r over the first `limit` problems
+    of each set and over the first SUBSET of them."""
+    import analysis
+    import heldout
+
+    out = {}
+    for name, rows in heldout.load_sets(list(sets), limit).items():
+        pairs = analysis.nll_pairs(model, tokenizer, "warmstart", name, rows, args)
+        q, r = [p["query_nll"] for p in pairs], [p["response_nll"] for p in pairs]
+        out[name] = {"r": analysis.pearson(q, r), "r_subset": analysis.pearson(q[:SUBSET], r[:SUBSET]),
+                     "n": len(pairs), "accuracy": sum(p["correct"] for p in pairs) / len(pairs),
+                     "pairs": [[round(a, 4), round(b, 4)] for a, b in zip(q, r)]}
+    return out
+
+
+def prompt_nll(model, tokenizer, rows):
+    """(N,) the warm start's NLL of each whole prompt (the cache behind the paper weights)."""
+    import torch
+
+    import query_cache
+    from data.prompts import encode_prompts
+
+    ids = encode_prompts(tokenizer, rows, "plain")
+    logp = query_cache.build(model, ids, tokenizer.pad_token_id, 1.0, torch.device("cpu"))
+    return query_cache.QueryCache.from_logp(logp).nll
+
+
+def outside_share(nll, mean_nll) -> float:
+    import losses
+
+    w = losses.query_weights(nll, mean_nll, (0.0, 2.0))
+    return ((w < WEIGHT_BAND[0]) | (w > WEIGHT_BAND[1])).float().mean().item()
+
+
+def weight_spread(model, tokenizer, train_set) -> dict:
+    """The paper weights over the whole training set: the share outside WEIGHT_BAND, quantiles, and
+    the share over the first SUBSET prompts with the whole set's s_bar (what the test regenerates)."""
+    import torch
+
+    import heldout
+    import losses
+
+    rows = next(iter(heldout.load_sets([train_set]).values()))
+    nll = prompt_nll(model, tokenizer, rows)
+    mean = nll.mean().item()
+    w = losses.query_weights(nll, mean, (0.0, 2.0))
+    q = torch.quantile(w, torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95])).tolist()
+    return {"share_outside": outside_share(nll, mean), "n": len(rows), "nll_mean": mean,
+            "share_outside_subset": outside_share(nll[:SUBSET], mean),
+            "w_quantiles": dict(zip(("5%", "25%", "50%", "75%", "95%"), [round(x, 4) for x in q]))}
+
+
+def premise(world: str, limit=R_PROBLEMS) -> dict:
+    """Both premise measurements of one world's warm start."""
+    import torch
+
+    import heldout
+
+    torch.manual_seed(0)
+    path, train_set, held = WORLDS[world]
+    model, tokenizer = heldout.load_model(path)
+    model.eval()
+    t0 = time.time()
+    r = coupling(model, tokenizer, nll_args(path), (train_set, *held), limit)
+    w = weight_spread(model, tokenizer, train_set)
+    return {"model": os.path.relpath(path, ROOT), "train": train_set, "heldout": list(held),
+            "coupling": r, "weights": w, "seconds": round(time.time() - t0, 1)}
+
+
+def premise_table(results) -> str:
+    """The premise numbers of each world, side by side (markdown)."""
+    worlds = list(results)
+    lines = ["| measure | " + " | ".join(worlds) + " | goal |", "|---" * (len(worlds) + 2) + "|"]
+    n_sets = max(len(results[w]["coupling"]) for w in worlds)
+    for i in range(n_sets):
+        label = "training set" if i == 0 else f"held-out set {i}"
+        cells = []
+        for w in worlds:
+            sets = list(results[w]["coupling"].items())
+            cells.append(f"{sets[i][1]['r']:.3f} ({sets[i][0]})" if i < len(sets) else "—")
+        lines.append(f"| r(query NLL, response NLL), {label} | " + " | ".join(cells) + " | >= 0.6 |")
+    acc = [" / ".join(f"{100 * c['accuracy']:.0f}" for c in results[w]["coupling"].values()) for w in worlds]
+    lines.append("| warm-start pass@1 at T = 1 on those sets (%) | " + " | ".join(acc) + " | |")
+    share = [f"{100 * results[w]['weights']['share_outside']:.1f}%" for w in worlds]
+    lines.append(f"| training prompts with w outside [{WEIGHT_BAND[0]}, {WEIGHT_BAND[1]}] | "
+                 + " | ".join(share) + " | >= 30% |")
+    q = [" / ".join(f"{v:.2f}" for v in results[w]["weights"]["w_quantiles"].values()) for w in worlds]
+    lines.append("| w quantiles 5 / 25 / 50 / 75 / 95% | " + " | ".join(q) + " | |")
+    return "\n".join(lines) + "\n"
+
+
+def pilot_summary(out, seed) -> dict:
+    """One pilot's curve of held-out pass@1 at T = 1.2 and training entropy, and the goal's test."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    def both(m, t):   # the mean over the world's two held-out sets
+        return (m[f"eval_acc@T{t}/zipf-test"] + m[f"eval_acc@T{t}/zipf-rare"]) / 2
+
+    hot = {m["step"]: both(m, "1.2") for m in lines if "eval_acc@T1.2/zipf-test" in m}
+    cool = {m["step"]: both(m, "1") for m in lines if "eval_acc@T1/zipf-test" in m}
+    entropy = [(m["step"], m["entropy"]) for m in lines if "entropy" in m and m["step"] > 0]
+    peak = max(hot.values())
+    last = hot[max(hot)]
+    return {"seed": seed, "acc_T1.2": hot, "acc_T1": cool, "entropy": entropy,
+            "drop_T1.2": peak - last, "entropy_first": entropy[0][1],
+            "entropy_max_late": max(e for s, e in entropy if s > PILOT_STEPS // 2),
+            "degrades": peak - last >= 0.05 or max(e for s, e in entropy if s > PILOT_STEPS // 2) > entropy[0][1]}
+
+
+def run_pilot(seed, model, runs, results) -> dict:
+    import subprocess
+
+    out = os.path.join(runs, f"grpo-s{seed}")
+    argv = [*PILOT_ARGS, "--model", model, "--seed", str(seed), "--out", out, "--overwrite"]
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-c", ONE_THREAD, *argv], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if r.returncode:
+        raise RuntimeError(f"pilot seed {seed}: exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
+    summary = {**pilot_summary(out, seed), "seconds": round(time.time() - t0), "argv": argv}
+    os.makedirs(os.path.join(results, "pilots"), exist_ok=True)
+    with open(os.path.join(results, "pilots", f"grpo-s{seed}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def pilots(model, runs, results, jobs=2) -> list:
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        done = list(pool.map(lambda s: run_pilot(s, model, runs, results), PILOT_SEEDS))
+    for d in done:
+        print(f"seed {d['seed']}: pass@1 T=1.2 peak-last {100 * d['drop_T1.2']:.1f} points, entropy step 1 "
+              f"{d['entropy_first']:.3f}, late max {d['entropy_max_late']:.3f}, degrades: {d['degrades']}")
+    print(f"{sum(d['degrades'] for d in done)} of {len(done)} seeds meet the goal (>= 2 needed)")
+    return done
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--premise", action="store_true", help="measure the premise of both warm starts")
+    ap.add_argument("--pilot", action="store_true", help="the GRPO pilot runs of premise 3")
+    ap.add_argument("--runs", default=os.path.join(ROOT, "runs", "zipf-pilots"), help="the pilots' run folders")
+    ap.add_argument("--results", default=RESULTS, help="where premise.json is written")
+    ap.add_argument("--limit", type=int, default=R_PROBLEMS, help="problems per set in r")
+    a = ap.parse_args(argv)
+    if not (a.premise or a.pilot):
+        ap.error("nothing to do: pass --premise or --pilot")
+    if a.pilot:
+        return pilots(WORLDS["zipf"][0], a.runs, a.results)
+    import torch
+
+    torch.set_num_threads(1)          # results do not depend on the machine's core count
+    results = {w: premise(w, a.limit) for w in WORLDS}
+    os.makedirs(a.results, exist_ok=True)
+    with open(os.path.join(a.results, "premise.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(premise_table(results))
+    print(f"wrote {os.path.join(a.results, 'premise.json')}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
