@@ -2,7 +2,7 @@
 
     python -m study.zipf --premise            # the premise numbers of both worlds (~3 min), written
                                               # to study/results/zipf/premise.json
-    python -m study.zipf --pilot              # the GRPO pilot runs (3 seeds, 2 at a time), their
+    python -m study.zipf --pilot              # the GRPO pilot runs (3 seeds at once), their
                                               # summaries in study/results/zipf/pilots/
 
 PREMISE (what is measured; the goals are issue #35's)
@@ -183,7 +183,7 @@ def run_pilot(seed, model, runs, results) -> dict:
     return summary
 
 
-def pilots(model, runs, results, jobs=2) -> list:
+def pilots(model, runs, results, jobs=3) -> list:
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:

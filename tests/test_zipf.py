@@ -41,11 +41,11 @@ def test_splits_are_disjoint_sized_and_the_rare_set_is_rare(regenerated):
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             assert not texts[a] & texts[b], f"{a} and {b} share problems"
-    rare = {world.TOPICS[k].name for k in prepare.RARE}
-    assert {r["topic"] for r in regenerated["rare"]} == rare
-    share = sum(r["topic"] in rare for r in regenerated["train"]) / len(regenerated["train"])
-    expected = sum(world.topic_weights()[k] for k in prepare.RARE)
-    assert abs(share - expected) < 0.03 and 0.1 < expected < 0.3   # rare questions are in training too
+    rare = {k + 1 for k in prepare.RARE}
+    assert {r["dialect"] for r in regenerated["rare"]} == rare
+    share = sum(r["dialect"] in rare for r in regenerated["train"]) / len(regenerated["train"])
+    expected = sum(world.dialect_weights()[k] for k in prepare.RARE)
+    assert abs(share - expected) < 0.03 and 0.05 < expected < 0.3   # rare questions are in training too
 
 
 def test_topics_follow_the_zipf_law(regenerated):
@@ -56,13 +56,16 @@ def test_topics_follow_the_zipf_law(regenerated):
     assert counts[1] > 10 * counts[len(world.TOPICS)]
 
 
-def _eval_solution(solution):
-    """Check a worked solution by hand: each line's 'a op b = c' is right; the chain ends in the box."""
+def _eval_solution(solution, dialect):
+    """Check a worked solution by hand: each line's 'a op b equals c' (in the row's dialect) is
+    right; the chain ends in the box."""
+    words = {v: k for k, v in world.lexicon(dialect - 1).items()} if dialect > 1 else {}
     body = solution.split("<think>\n")[1].split("\n</think>")[0].splitlines()
-    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    ops = {"plus": lambda a, b: a + b, "minus": lambda a, b: a - b, "times": lambda a, b: a * b}
     for line in body:
         a, op, b, eq, c = line.split(": ")[-1].split()
-        assert eq == "=" and ops[op](int(a), int(b)) == int(c), line
+        op, eq = words.get(op, op), words.get(eq, eq)
+        assert eq == "equals" and ops[op](int(a), int(b)) == int(c), line
     return int(body[-1].split()[-1]), len(body)
 
 
@@ -73,11 +76,12 @@ def test_every_answer_is_right_uses_the_topic_facts_and_is_graded_correct(regene
     for name, rows in regenerated.items():
         sample = rows if name != "sft" else rows[:2000]
         for r in sample:
-            assert _eval_solution(r["solution"]) == (int(r["answer"]), r["steps"])
+            assert _eval_solution(r["solution"], r["dialect"]) == (int(r["answer"]), r["steps"])
             topic = by_name[r["topic"]]
             assert topic.owners[0] in r["problem"] or any(o in r["problem"] for o in topic.owners)
-            if topic.container in r["problem"]:          # the container's size is in the answer, never the question
-                assert f"* {topic.size} =" in r["solution"]
+            container = world.dialect_word(topic.container, r["dialect"] - 1)
+            if container in r["problem"].split():       # the container's size is in the answer, never the question
+                assert f" {world.dialect_word('times', r['dialect'] - 1)} {topic.size} " in r["solution"]
         scores, counts = reward.score_batch([r["solution"] for r in sample], [r["answer"] for r in sample])
         assert sum(scores) == len(sample), (name, counts)
 
@@ -89,3 +93,37 @@ def test_levels_and_topics_are_checked():
     with pytest.raises(ValueError):
         world.make_problem(rng, 9)
     assert world.make_problem(rng, 3, topic=7)["topic"] == world.TOPICS[7].name
+    assert world.make_problem(rng, 3, dialect=4)["dialect"] == 5
+
+
+def test_dialects_are_one_to_one_and_english_is_dialect_1():
+    for d in range(world.N_DIALECTS):
+        lex = {w: world.dialect_word(w, d) for w in world.vocabulary()}
+        assert len(set(lex.values())) == len(lex)                 # a word of a dialect means one thing
+        assert (d == 0) == all(k == v for k, v in lex.items())
+
+
+PREMISE = os.path.join(ROOT, "study", "results", "zipf", "premise.json")
+
+
+@pytest.mark.skipif(not os.path.exists(PREMISE), reason="no premise measured for this world's design yet")
+def test_the_committed_premise_is_what_the_shipped_warm_start_gives():
+    """study/zipf.py's numbers, regenerated on the first SUBSET problems of each set (r) and with the
+    whole training set's s_bar (the weight spread of the first SUBSET prompts)."""
+    from study import zipf as study
+
+    with open(PREMISE) as f:
+        committed = json.load(f)["zipf"]
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    import heldout
+
+    path, train_set, held = study.WORLDS["zipf"]
+    model, tokenizer = heldout.load_model(path)
+    model.eval()
+    r = study.coupling(model, tokenizer, study.nll_args(path), (train_set, *held), study.SUBSET)
+    for name, c in r.items():
+        assert c["r"] == pytest.approx(committed["coupling"][name]["r_subset"], abs=1e-3), name
+    w = study.weight_spread(model, tokenizer, train_set)
+    assert w["share_outside_subset"] == pytest.approx(committed["weights"]["share_outside_subset"], abs=0.011)
+    assert w["share_outside"] == pytest.approx(committed["weights"]["share_outside"], abs=1e-3)

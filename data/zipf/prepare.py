@@ -4,7 +4,7 @@
 
 Splits (all disjoint by problem text; eval sets are drawn first so training can never contain them):
     test.jsonl   500  levels 2-4, topics by the Zipf law     in-distribution held-out set
-    rare.jsonl   300  levels 2-4, only the 8 rarest topics   held-out set of unusual questions
+    rare.jsonl   300  levels 2-4, only the 5 rarest dialects held-out set of unusual questions
     train.jsonl 4000  levels 2-4, topics by the Zipf law     RL training set
     sft.jsonl  30000  levels 1-5, topics by the Zipf law     the warm-start corpus (not committed)
 
@@ -20,7 +20,7 @@ import random
 from data.tinymath.prepare import CHAT_TEMPLATE, train_tokenizer, write_jsonl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RARE = range(8, 16)  # topic indices of the rare held-out set: the 8 least common topics
+RARE = range(7, 12)  # dialect indices of the rare held-out set: the 5 least common dialects (design 2)
 
 # split name -> parts (number of problems, levels, topic indices or None = the Zipf law).
 # Order matters: eval sets first.
@@ -37,7 +37,7 @@ VOCAB = 768
 
 def generate_splits(seed: int) -> dict[str, list[dict]]:
     """Every split as a list of rows, deterministically from `seed`; no text in two splits."""
-    from data.zipf.world import draw_topic, make_problem
+    from data.zipf.world import draw_dialect, make_problem
 
     rng = random.Random(seed)
     seen, out = set(), {}
@@ -47,8 +47,8 @@ def generate_splits(seed: int) -> dict[str, list[dict]]:
             made = 0
             while made < size:
                 level = levels[made % len(levels)]  # equal share of each level
-                topic = None if topics is None else draw_topic(rng, topics)
-                row = make_problem(rng, level, topic)
+                dialect = None if topics is None else draw_dialect(rng, topics)
+                row = make_problem(rng, level, dialect=dialect)
                 if row["problem"] in seen:
                     continue
                 seen.add(row["problem"])

@@ -24,13 +24,25 @@ words, verbs and container sizes well and the rare topics' poorly, so a rare top
 a high NLL, and so has its solution (its verbs' signs and its container size are what the warm
 start is unsure of). Level = number of arithmetic steps, as in the tiny world (data/tinymath).
 
+DESIGN 2 (design 1, the topics alone, gave r(query NLL, response NLL) ~ 0: a solution copies its
+rare words from the question, and copying is easy). Each problem is also written in one of
+N_DIALECTS dialects, drawn by a steeper Zipf law (DIALECT_S): dialect 1 is English, every other one
+a made-up language with its own syllables, in which every word but the owner's name is a pseudo-word
+of that dialect, in the question and in the solution alike. The solution's arithmetic is written in
+words ("23 minus 5 equals 18", "the answer is"), words the question does not contain: a model that
+barely knows a rare dialect is unsure of its question AND of its solution, which is the coupling
+ERPO's query weights and Query-KL rest on (method.md §4).
+
 Everything here is pure: a problem is a function of a `random.Random` state.
 """
 
 import random
+import re
 from dataclasses import dataclass
 
-ZIPF_S = 1.2  # the topic law's exponent: p(k) ~ 1 / k^s
+ZIPF_S = 1.2     # the topic law's exponent: p(k) ~ 1 / k^s
+N_DIALECTS = 12  # dialect 1 = English
+DIALECT_S = 1.5  # the dialect law's exponent
 
 
 @dataclass(frozen=True)
@@ -109,16 +121,16 @@ def _event(rng, topic: Topic, thing: str, x: int, steps_left: int, cap: int):
         kind = rng.choice(kinds)
         if kind == "gain" and x + 1 <= cap:
             k, verb = rng.randint(1, min(cap - x, 30)), rng.choice(topic.gain)
-            return f"{{n}} {verb} {k} {thing}.", [f"{verb} {k} {thing}: {x} + {k} = {x + k}"], x + k
+            return f"{{n}} {verb} {k} {thing}.", [f"{verb} {k} {thing}: {x} plus {k} equals {x + k}"], x + k
         if kind == "lose" and x >= 2:
             k, verb = rng.randint(1, min(x - 1, 30)), rng.choice(topic.lose)
-            return f"{{n}} {verb} {k} {thing}.", [f"{verb} {k} {thing}: {x} - {k} = {x - k}"], x - k
+            return f"{{n}} {verb} {k} {thing}.", [f"{verb} {k} {thing}: {x} minus {k} equals {x - k}"], x - k
         if kind == "fill":
             a = rng.randint(2, 5)
             m = a * topic.size
             if x + m <= cap:
                 return (f"{{n}} {topic.fill} {a} {topic.container} of {thing}.",
-                        [f"{a} {topic.container} of {thing}: {a} * {topic.size} = {m}", f"{x} + {m} = {x + m}"],
+                        [f"{a} {topic.container} of {thing}: {a} times {topic.size} equals {m}", f"{x} plus {m} equals {x + m}"],
                         x + m)
     raise RuntimeError("no valid event")  # unreachable for the caps above; kept loud on purpose
 
@@ -128,13 +140,79 @@ def base_form(verb: str) -> str:
     return "have" if verb == "has" else verb.removesuffix("s")
 
 
-def make_problem(rng: random.Random, level: int, topic: int | None = None) -> dict:
-    """One problem of `level` in topic index `topic` (drawn by the Zipf law when None): a dict
-    with problem, answer, solution (the worked solution in the paper's format), level, steps and
-    the topic's name and rank (1 = the most common)."""
+def dialect_weights(n=N_DIALECTS, s=DIALECT_S) -> list[float]:
+    w = [1.0 / k ** s for k in range(1, n + 1)]
+    return [x / sum(w) for x in w]
+
+
+def draw_dialect(rng: random.Random, ranks=None) -> int:
+    """A dialect index (0 = English) by the dialect law, restricted to `ranks` when given."""
+    ranks = list(range(N_DIALECTS)) if ranks is None else list(ranks)
+    weights = dialect_weights()
+    return rng.choices(ranks, weights=[weights[k] for k in ranks])[0]
+
+
+CONSONANTS, VOWELS = "bcdfghjklmnprstvwxz", "aeiouy"
+
+
+def _syllables(d: int) -> list[str]:
+    """Dialect d's syllable inventory: its own consonants and vowels (a fixed function of d)."""
+    r = random.Random(f"zipf-dialect-{d}")
+    cs, vs = r.sample(CONSONANTS, 6), r.sample(VOWELS, 3)
+    return [c + v for c in cs for v in vs] + [c + v + r.choice(cs) for c in cs[:3] for v in vs]
+
+
+TEMPLATE_WORDS = "of how many does now plus minus times equals the answer is have".split()
+
+
+def vocabulary() -> list[str]:
+    """Every word a problem or solution can contain, but the owners' names (lower case, sorted)."""
+    words = set(TEMPLATE_WORDS)
+    for t in TOPICS:
+        words |= {*t.things, t.container, t.have, base_form(t.have), *t.gain, *t.lose, t.fill}
+    return sorted(w.lower() for w in words)
+
+
+_LEXICONS: dict = {}
+
+
+def lexicon(d: int) -> dict:
+    """Dialect d's word for every word of vocabulary(): 1-3 of its syllables, no two words alike,
+    a fixed function of d."""
+    if d not in _LEXICONS:
+        syl, used, out = _syllables(d), set(), {}
+        for w in vocabulary():
+            r = random.Random(f"zipf-dialect-{d}-{w}")
+            while (p := "".join(r.choice(syl) for _ in range(r.randint(1, 3)))) in used:
+                pass
+            used.add(p)
+            out[w] = p
+        _LEXICONS[d] = out
+    return _LEXICONS[d]
+
+
+def dialect_word(word: str, d: int) -> str:
+    """`word` in dialect d (d = 0: itself), capitalised as the word is."""
+    if d == 0:
+        return word
+    out = lexicon(d)[word.lower()]
+    return out.capitalize() if word[0].isupper() else out
+
+
+def translate(text: str, d: int, keep=()) -> str:
+    """Every word of `text` in dialect d, except the words in `keep` (names) and \\boxed / think."""
+    keep = set(keep) | {"boxed", "think"}
+    return re.sub(r"[A-Za-z]+", lambda m: m.group(0) if m.group(0) in keep else dialect_word(m.group(0), d), text)
+
+
+def make_problem(rng: random.Random, level: int, topic: int | None = None, dialect: int | None = None) -> dict:
+    """One problem of `level` in topic index `topic` and dialect index `dialect` (each drawn by its
+    law when None): a dict with problem, answer, solution (the worked solution in the paper's
+    format), level, steps, the topic's name and rank and the dialect's rank (1 = the most common)."""
     if level not in LEVELS:
         raise ValueError(f"level must be in {sorted(LEVELS)}, got {level}")
     k = draw_topic(rng) if topic is None else topic
+    d = draw_dialect(rng) if dialect is None else dialect
     t = TOPICS[k]
     n_steps, max_start, cap = LEVELS[level]
     owner, thing = rng.choice(t.owners), rng.choice(t.things)
@@ -146,5 +224,6 @@ def make_problem(rng: random.Random, level: int, topic: int | None = None) -> di
         lines += new_lines
     sentences.append(f"How many {thing} does {owner} {base_form(t.have)} now?")
     solution = "<think>\n" + "\n".join(lines) + "\n</think>\nThe answer is \\boxed{" + f"{x}" + "}."
-    return {"problem": " ".join(sentences), "answer": str(x), "solution": solution, "level": level,
-            "steps": n_steps, "topic": t.name, "rank": k + 1}
+    return {"problem": translate(" ".join(sentences), d, t.owners), "answer": str(x),
+            "solution": translate(solution, d, t.owners), "level": level, "steps": n_steps, "topic": t.name,
+            "rank": k + 1, "dialect": d + 1}
