@@ -20,7 +20,15 @@ Both from the shipped warm start, beside the same numbers of the tiny world's (d
    warm start, PILOT_STEPS steps, seeds 0, 1, 2, held-out pass@1 at T = 1.0 and 1.2 every
    PILOT_EVAL steps (one sample per problem, the first 200 of each set). Goal: in >= 2 of 3 seeds
    the pass@1 at T = 1.2 (mean over zipf-test and zipf-rare) ends >= 5 points below its peak, or
-   the training entropy rises above its step-1 value. The pilots judge the world, not ERPO.
+   the training entropy (at T = 1, the sampling temperature) of the last 10% of steps is above that
+   of the first 10% (one step's entropy is noisy). The pilots judge the world, not ERPO.
+
+DESIGNS TRIED (each judged by the premise only; results/zipf/design1/, results/zipf/)
+1. Zipf topics alone: r = -0.01 / -0.13 / 0.22 (train / test / rare), weights outside the band 44%.
+   Dropped: solutions copy their rare words from the question.
+2. + 12 Zipf dialects, arithmetic in words: r = 0.58 / 0.56 / 0.44, weights outside 73%; pilots
+   (150 GRPO steps, 3 seeds): no seed degrades (pass@1 at T = 1.2 rises from 9-12% to 17-20%,
+   entropy falls or holds). Premises 1 and 3 not met: the next design must change.
 """
 
 import argparse
@@ -160,10 +168,11 @@ def pilot_summary(out, seed) -> dict:
     entropy = [(m["step"], m["entropy"]) for m in lines if "entropy" in m and m["step"] > 0]
     peak = max(hot.values())
     last = hot[max(hot)]
+    tenth = max(1, len(entropy) // 10)          # a step's entropy is noisy: the first and last 10% of steps
+    first, late = (sum(e for _, e in part) / len(part) for part in (entropy[:tenth], entropy[-tenth:]))
     return {"seed": seed, "acc_T1.2": hot, "acc_T1": cool, "entropy": entropy,
-            "drop_T1.2": peak - last, "entropy_first": entropy[0][1],
-            "entropy_max_late": max(e for s, e in entropy if s > PILOT_STEPS // 2),
-            "degrades": peak - last >= 0.05 or max(e for s, e in entropy if s > PILOT_STEPS // 2) > entropy[0][1]}
+            "drop_T1.2": peak - last, "entropy_first": first, "entropy_last": late,
+            "degrades": peak - last >= 0.05 or late > first}
 
 
 def run_pilot(seed, model, runs, results) -> dict:
@@ -189,8 +198,8 @@ def pilots(model, runs, results, jobs=3) -> list:
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         done = list(pool.map(lambda s: run_pilot(s, model, runs, results), PILOT_SEEDS))
     for d in done:
-        print(f"seed {d['seed']}: pass@1 T=1.2 peak-last {100 * d['drop_T1.2']:.1f} points, entropy step 1 "
-              f"{d['entropy_first']:.3f}, late max {d['entropy_max_late']:.3f}, degrades: {d['degrades']}")
+        print(f"seed {d['seed']}: pass@1 T=1.2 peak-last {100 * d['drop_T1.2']:.1f} points, entropy first 10% "
+              f"of steps {d['entropy_first']:.3f}, last 10% {d['entropy_last']:.3f}, degrades: {d['degrades']}")
     print(f"{sum(d['degrades'] for d in done)} of {len(done)} seeds meet the goal (>= 2 needed)")
     return done
 
