@@ -244,7 +244,7 @@ def report(results, base):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--vs", choices=["trl"], help="compare our GRPO step with TRL's GRPOTrainer")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--dtype", choices=["float32", "bf16-mixed"], default="float32",

@@ -186,7 +186,7 @@ def report(results) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--report", action="store_true", help="only the report, from the committed summaries")
     ap.add_argument("--smoke", action="store_true", help="toy sizes in a temporary folder (the pipeline only)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one intra-op thread each)")

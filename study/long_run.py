@@ -607,7 +607,7 @@ def report(results) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "long_run"),
                     help="the run folders (resumable)")
     ap.add_argument("--results", default=RESULTS,

@@ -316,7 +316,7 @@ def report(out, size, results):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "study"), help="the runs (resumable)")
     ap.add_argument("--results", default=os.path.join(ROOT, "study", "results"), help="study.json, tables, figures")
     ap.add_argument("--report", action="store_true", help="only aggregate the runs there are")

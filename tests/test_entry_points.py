@@ -79,3 +79,7 @@ def test_help(rel, argv, capsys):
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and out.startswith("usage:"), out[-2000:]
     assert "--help" in out
+    blocks = out.split("\n\n")                  # usage, the description (if any), then the options
+    described = [b for b in blocks[1:] if not b.startswith(("options:", "positional arguments:", "  "))]
+    if described:                                # a description is whole sentences, not a cut first line
+        assert described[0].rstrip()[-1] in ".:)?", described[0]

@@ -126,12 +126,12 @@ def test_a_budget_too_small_starts_nothing(tmp_path, capsys):
 
 def test_the_readme_long_run_tables_are_built_from_the_committed_json():
     """Every line of the tables L.tables() makes from study/results/long_run/long_run.json is in
-    the README, tables.md next to it is that same text, and the JSON is what the committed run
+    docs/studies.md, tables.md next to it is that same text, and the JSON is what the committed run
     summaries give."""
     with open(os.path.join(L.RESULTS, "long_run.json")) as f:
         study = json.load(f)
     text = L.tables(study)
-    with open(os.path.join(L.ROOT, "README.md")) as f:
+    with open(os.path.join(L.ROOT, "docs", "studies.md")) as f:
         readme = f.read()
     missing = [line for line in text.splitlines() if line and line not in readme]
     assert not missing, missing[:5]

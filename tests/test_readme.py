@@ -55,9 +55,10 @@ def test_every_relative_link_and_anchor_resolves(page):
 def readme_commands():
     """Every command line of the README's indented code blocks that runs one of the repository's
     scripts: (script, its arguments)."""
-    out = []
+    out, fenced = [], False
     for line in text(README).splitlines():
-        if not line.startswith("    ") or line.lstrip().startswith("#"):
+        fenced ^= line.startswith("```")            # a fenced block is code to read, not to run
+        if fenced or not line.startswith("    ") or line.lstrip().startswith("#"):
             continue
         for cmd in line.strip().split("&&"):
             words = shlex.split(cmd.strip()) if cmd.strip() else []

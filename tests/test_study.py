@@ -36,7 +36,7 @@ def test_smoke_study_runs_resumably_end_to_end(tmp_path):
 
 
 def test_the_readme_study_tables_are_built_from_the_committed_json():
-    """Every line of the tables M.tables() makes from study/results/study.json is in the README, and
+    """Every line of the tables M.tables() makes from study/results/study.json is in docs/studies.md, and
     tables.md next to it is that same text."""
     import json
 
@@ -44,7 +44,7 @@ def test_the_readme_study_tables_are_built_from_the_committed_json():
     with open(os.path.join(root, "study", "results", "study.json")) as f:
         study = json.load(f)
     text = M.tables(study)
-    with open(os.path.join(root, "README.md")) as f:
+    with open(os.path.join(root, "docs", "studies.md")) as f:
         readme = f.read()
     missing = [line for line in text.splitlines() if line and line not in readme]
     assert not missing, missing[:5]
