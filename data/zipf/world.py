@@ -33,6 +33,14 @@ words ("23 minus 5 equals 18", "the answer is"), words the question does not con
 barely knows a rare dialect is unsure of its question AND of its solution, which is the coupling
 ERPO's query weights and Query-KL rest on (method.md §4).
 
+DESIGN 3 (design 2 gave r = 0.58 / 0.56 / 0.44 and no degradation under GRPO). Two changes:
+- each solution line names its operation in a word the question never contains ("spills 5 phials
+  subtract: 23 minus 5 equals 18", "add", "multiply"), so a solution holds more dialect words that
+  the model must produce, not copy, than design 2's;
+- the RL training and held-out sets draw dialects by a flatter law (RL_DIALECT_S) than the
+  warm-start corpus: RL meets questions the warm start saw rarely far more often than it saw them
+  (as the paper's RL set, MATH levels 3-5, is harder than what its base model was tuned on).
+
 Everything here is pure: a problem is a function of a `random.Random` state.
 """
 
@@ -42,7 +50,8 @@ from dataclasses import dataclass
 
 ZIPF_S = 1.2     # the topic law's exponent: p(k) ~ 1 / k^s
 N_DIALECTS = 12  # dialect 1 = English
-DIALECT_S = 1.5  # the dialect law's exponent
+DIALECT_S = 1.5  # the dialect law's exponent in the warm-start corpus ...
+RL_DIALECT_S = 0.5  # ... and in the RL training and held-out sets (design 3)
 
 
 @dataclass(frozen=True)
@@ -100,9 +109,9 @@ LEVELS = {1: (1, 20, 99), 2: (2, 30, 99), 3: (3, 40, 150), 4: (4, 50, 199), 5: (
 LEVEL_RANGE = (1, 5)
 
 
-def topic_weights(n=len(TOPICS), s=ZIPF_S) -> list[float]:
-    """p(k) ~ 1 / k^s over topics 1..n, normalised."""
-    w = [1.0 / k ** s for k in range(1, n + 1)]
+def topic_weights(s=ZIPF_S) -> list[float]:
+    """p(k) ~ 1 / k^s over topics 1..len(TOPICS), normalised."""
+    w = [1.0 / k ** s for k in range(1, len(TOPICS) + 1)]
     return [x / sum(w) for x in w]
 
 
@@ -121,16 +130,19 @@ def _event(rng, topic: Topic, thing: str, x: int, steps_left: int, cap: int):
         kind = rng.choice(kinds)
         if kind == "gain" and x + 1 <= cap:
             k, verb = rng.randint(1, min(cap - x, 30)), rng.choice(topic.gain)
-            return f"{{n}} {verb} {k} {thing}.", [f"{verb} {k} {thing}: {x} plus {k} equals {x + k}"], x + k
+            return (f"{{n}} {verb} {k} {thing}.", [f"{verb} {k} {thing} add: {x} plus {k} equals {x + k}"],
+                    x + k)
         if kind == "lose" and x >= 2:
             k, verb = rng.randint(1, min(x - 1, 30)), rng.choice(topic.lose)
-            return f"{{n}} {verb} {k} {thing}.", [f"{verb} {k} {thing}: {x} minus {k} equals {x - k}"], x - k
+            return (f"{{n}} {verb} {k} {thing}.",
+                    [f"{verb} {k} {thing} subtract: {x} minus {k} equals {x - k}"], x - k)
         if kind == "fill":
             a = rng.randint(2, 5)
             m = a * topic.size
             if x + m <= cap:
                 return (f"{{n}} {topic.fill} {a} {topic.container} of {thing}.",
-                        [f"{a} {topic.container} of {thing}: {a} times {topic.size} equals {m}", f"{x} plus {m} equals {x + m}"],
+                        [f"{a} {topic.container} of {thing} multiply: {a} times {topic.size} equals {m}",
+                         f"add: {x} plus {m} equals {x + m}"],
                         x + m)
     raise RuntimeError("no valid event")  # unreachable for the caps above; kept loud on purpose
 
@@ -145,10 +157,10 @@ def dialect_weights(n=N_DIALECTS, s=DIALECT_S) -> list[float]:
     return [x / sum(w) for x in w]
 
 
-def draw_dialect(rng: random.Random, ranks=None) -> int:
-    """A dialect index (0 = English) by the dialect law, restricted to `ranks` when given."""
+def draw_dialect(rng: random.Random, ranks=None, s=DIALECT_S) -> int:
+    """A dialect index (0 = English) by the dialect law of exponent s, restricted to `ranks` when given."""
     ranks = list(range(N_DIALECTS)) if ranks is None else list(ranks)
-    weights = dialect_weights()
+    weights = dialect_weights(s=s)
     return rng.choices(ranks, weights=[weights[k] for k in ranks])[0]
 
 
@@ -162,7 +174,8 @@ def _syllables(d: int) -> list[str]:
     return [c + v for c in cs for v in vs] + [c + v + r.choice(cs) for c in cs[:3] for v in vs]
 
 
-TEMPLATE_WORDS = "of how many does now plus minus times equals the answer is have".split()
+TEMPLATE_WORDS = ("of how many does now plus minus times equals the answer is have add subtract "
+                  "multiply").split()
 
 
 def vocabulary() -> list[str]:
