@@ -215,10 +215,15 @@ def dialect_word(word: str, d: int) -> str:
 def translate(text: str, d: int, keep=()) -> str:
     """Every word of `text` in dialect d, except the words in `keep` (names) and \\boxed / think."""
     keep = set(keep) | {"boxed", "think"}
-    return re.sub(r"[A-Za-z]+", lambda m: m.group(0) if m.group(0) in keep else dialect_word(m.group(0), d), text)
+
+    def word(m):
+        return m.group(0) if m.group(0) in keep else dialect_word(m.group(0), d)
+
+    return re.sub(r"[A-Za-z]+", word, text)
 
 
-def make_problem(rng: random.Random, level: int, topic: int | None = None, dialect: int | None = None) -> dict:
+def make_problem(rng: random.Random, level: int, topic: int | None = None,
+                 dialect: int | None = None) -> dict:
     """One problem of `level` in topic index `topic` and dialect index `dialect` (each drawn by its
     law when None): a dict with problem, answer, solution (the worked solution in the paper's
     format), level, steps, the topic's name and rank and the dialect's rank (1 = the most common)."""
