@@ -1,7 +1,8 @@
 """The Zipf world (data/zipf/): the tiny world's kind of word problem with topics drawn from a
 long-tailed law and written in dialects drawn from another, so that some questions are rare under
-its warm start (study/zipf.py measures what that does). A boxed number graded exactly as the math task grades it (reward.py's verifier);
-its own sets make `--task zipf` train on zipf-train and evaluate on zipf-test and zipf-rare.
+its warm start (study/zipf.py measures what that does). A boxed number graded exactly as the math
+task grades it (reward.py's verifier); its own sets make `--task zipf` train on zipf-train and
+evaluate on zipf-test and zipf-rare.
 
     python train.py --task zipf --model data/zipf/warmstart --max-new-tokens 160 --algo grpo
 
