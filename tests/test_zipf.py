@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
+from data.tinymath.prepare import write_jsonl
 from data.zipf import prepare, world
 
 ZIPF = os.path.dirname(prepare.__file__)
@@ -27,7 +28,7 @@ def regenerated():
 def test_generation_is_deterministic_and_matches_the_shipped_files(regenerated, tmp_path):
     assert prepare.generate_splits(1234) == regenerated
     for name in SHIPPED:  # the committed JSONL is exactly what `prepare` writes
-        prepare.write_jsonl(tmp_path / f"{name}.jsonl", regenerated[name])
+        write_jsonl(tmp_path / f"{name}.jsonl", regenerated[name])
         fresh = hashlib.sha256((tmp_path / f"{name}.jsonl").read_bytes()).hexdigest()
         with open(os.path.join(ZIPF, f"{name}.jsonl"), "rb") as f:
             assert hashlib.sha256(f.read()).hexdigest() == fresh, f"{name}.jsonl is stale: rerun prepare"
@@ -123,7 +124,7 @@ def test_the_warm_start_is_what_the_sft_recipe_makes(regenerated, tmp_path):
     tokenizer, _ = prepare.make_base(regenerated, tmp_path / "base", 1234)
     shipped = AutoTokenizer.from_pretrained(os.path.join(ZIPF, "warmstart"))
     assert tokenizer.get_vocab() == shipped.get_vocab()
-    prepare.write_jsonl(tmp_path / "sft.jsonl", regenerated["sft"])
+    write_jsonl(tmp_path / "sft.jsonl", regenerated["sft"])
     got = study.short_sft(str(tmp_path / "base"), str(tmp_path / "sft.jsonl"), str(tmp_path))
     with open(prepare.SHORT_SFT_FILE) as f:
         committed = json.load(f)

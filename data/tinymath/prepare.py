@@ -98,6 +98,14 @@ def train_tokenizer(texts: list[str], vocab_size: int = 768):
                                    pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
 
 
+def write_splits(splits: dict[str, list[dict]], out: str) -> None:
+    """Each split to out/<name>.jsonl, saying where it went."""
+    os.makedirs(out, exist_ok=True)
+    for name, rows in splits.items():
+        write_jsonl(os.path.join(out, f"{name}.jsonl"), rows)
+        print(f"{name:6s} {len(rows):6d} problems -> {os.path.join(out, name + '.jsonl')}")
+
+
 def init_model(tokenizer, seed: int):
     """A randomly initialised tiny Qwen2 (tied embeddings, grouped-query attention)."""
     import torch
@@ -119,11 +127,8 @@ def main(argv=None):
     p.add_argument("--no-model", action="store_true", help="only write the JSONL splits")
     args = p.parse_args(argv)
 
-    os.makedirs(args.out, exist_ok=True)
     splits = generate_splits(args.seed)
-    for name, rows in splits.items():
-        write_jsonl(os.path.join(args.out, f"{name}.jsonl"), rows)
-        print(f"{name:6s} {len(rows):6d} problems -> {os.path.join(args.out, name + '.jsonl')}")
+    write_splits(splits, args.out)
     if args.no_model:
         return
 

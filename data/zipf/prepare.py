@@ -23,14 +23,15 @@ on purpose).
 
 The tokenizer is the tiny world's (data/tinymath/prepare.py: a byte-level BPE with one token per
 digit and Qwen2's pre-tokenizer) trained on this world's warm-start and RL training text, so a
-rare topic's words are pieced together from sub-words. The model is a Qwen2 like the tiny world's.
+rare dialect's words are pieced together from sub-words. The model is the tiny world's
+(init_model: the same shape and seed), over this world's vocabulary.
 """
 
 import argparse
 import os
 import random
 
-from data.tinymath.prepare import CHAT_TEMPLATE, train_tokenizer, write_jsonl
+from data.tinymath.prepare import CHAT_TEMPLATE, init_model, train_tokenizer, write_splits
 from data.zipf.world import DIALECT_S, RL_DIALECT_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,8 +45,6 @@ SPLITS = {
     "train": [(4000, (2, 3, 4), None, RL_DIALECT_S)],
     "sft": [(30000, (1, 2, 3, 4, 5), None, DIALECT_S)],
 }
-MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0)
 VOCAB = 1024
 SFT_RECIPE = ["--algo", "sft", "--task", "zipf", "--max-seq-len", "320", "--max-new-tokens", "160"]
 SHORT_SFT = ["--sft-steps", "12", "--sft-batch", "16", "--sft-warmup", "4", "--eval-every", "0", "--save-every", "0"]
@@ -75,20 +74,6 @@ def generate_splits(seed: int) -> dict[str, list[dict]]:
     return out
 
 
-def init_model(tokenizer, seed: int):
-    """A randomly initialised Qwen2 of MODEL's shape (tied embeddings, grouped-query attention)."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
-
-    eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=eos,
-                         pad_token_id=pad, bos_token_id=None, **MODEL)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad)
-    return model
-
-
 def make_base(splits, out, seed):
     """The tokenizer (trained on the warm-start and RL training text) and the untrained model -> out/."""
     texts = [r["problem"] + "\n" + r["solution"] for r in splits["sft"] + splits["train"]]
@@ -114,11 +99,8 @@ def main(argv=None):
     p.add_argument("--no-model", action="store_true", help="only write the JSONL splits")
     args = p.parse_args(argv)
 
-    os.makedirs(args.out, exist_ok=True)
     splits = generate_splits(args.seed)
-    for name, rows in splits.items():
-        write_jsonl(os.path.join(args.out, f"{name}.jsonl"), rows)
-        print(f"{name:6s} {len(rows):6d} problems -> {os.path.join(args.out, name + '.jsonl')}")
+    write_splits(splits, args.out)
     if args.no_model:
         return
     base = os.path.join(args.out, "base")
