@@ -256,13 +256,12 @@ def premise_table(results) -> str:
     worlds = list(results)
     lines = ["| measure | " + " | ".join(worlds) + " | goal |", "|---" * (len(worlds) + 2) + "|"]
     labels = ["training set", "held-out set 1", "held-out set 2"]
-    for part, what in (("coupling", "r(query NLL, response NLL)"), ("fresh", "r on fresh problems")):
-        sets = {w: list((results[w][part] if part == "coupling" else results[w].get(part, {}).get("coupling", {}))
-                        .items()) for w in worlds}
+    for fresh, what in ((False, "r(query NLL, response NLL), "), (True, "r on fresh problems, the laws of the ")):
+        sets = {w: list((results[w].get("fresh", {}) if fresh else results[w]).get("coupling", {}).items())
+                for w in worlds}
         for i in range(max(len(v) for v in sets.values())):
             cells = [f"{r_cell(sets[w][i][1])} ({sets[w][i][0]})" if i < len(sets[w]) else "—" for w in worlds]
-            lines.append(f"| {what}, {labels[i] if part == 'coupling' else 'the laws of the ' + labels[i]} | "
-                         + " | ".join(cells) + " | >= 0.6 |")
+            lines.append(f"| {what}{labels[i]} | " + " | ".join(cells) + " | >= 0.6 |")
     acc = [" / ".join(f"{100 * c['accuracy']:.0f}" for c in results[w]["coupling"].values()) for w in worlds]
     lines.append("| warm-start pass@1 at T = 1 on the committed sets (%) | " + " | ".join(acc) + " | |")
     share = [f"{100 * results[w]['weights']['share_outside']:.1f}%" for w in worlds]
