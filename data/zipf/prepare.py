@@ -35,6 +35,7 @@ from data.tinymath.prepare import CHAT_TEMPLATE, init_model, train_tokenizer, wr
 from data.zipf.world import DIALECT_S, RL_DIALECT_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SEED = 1234          # the seed the world (its sets, tokenizer and base model) is built from
 RARE = range(6, 12)  # dialect indices of the rare held-out set: the 6 least common dialects (design 3)
 
 # split name -> parts (number of problems, levels, dialect indices or None = all, dialect law exponent).
@@ -51,13 +52,14 @@ SHORT_SFT = ["--sft-steps", "12", "--sft-batch", "16", "--sft-warmup", "4", "--e
 SHORT_SFT_FILE = os.path.join(HERE, "short_sft.json")
 
 
-def generate_splits(seed: int) -> dict[str, list[dict]]:
-    """Every split as a list of rows, deterministically from `seed`; no text in two splits."""
+def generate_splits(seed: int, splits=None, exclude=()) -> dict[str, list[dict]]:
+    """Every split of `splits` (default SPLITS) as a list of rows, deterministically from `seed`; no
+    text in two splits, none of the texts in `exclude` (study/zipf.py's fresh problems)."""
     from data.zipf.world import draw_dialect, make_problem
 
     rng = random.Random(seed)
-    seen, out = set(), {}
-    for name, parts in SPLITS.items():
+    seen, out = set(exclude), {}
+    for name, parts in (SPLITS if splits is None else splits).items():
         rows = []
         for size, levels, dialects, law in parts:
             made = 0
@@ -94,7 +96,7 @@ def fingerprint(model_dir) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--out", default=HERE, help="folder for the JSONL splits and base/ (default: here)")
     p.add_argument("--no-model", action="store_true", help="only write the JSONL splits")
     args = p.parse_args(argv)
