@@ -149,10 +149,10 @@ ACTS_ONLY_WITH = {"lr_floor": _DECAYS, "lr_decay_steps": _DECAYS,
 # --resume continues the run its config.json describes: these options may change (they apply from
 # the resumed step and are recorded in config.json's "resumed"); every other option and loss knob
 # fixes what the run is (the algorithm, the data and its order, the sampled rows) and must not.
-RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "lr_decay_steps", "grad_clip", "max_bad_steps", "eval_every",
+RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_bad_steps", "eval_every",
                      "save_every", "log", "export", "export_dtype", "nccl_timeout", "query_cache_dir",
                      "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
-                     "measure_policy_kl"}
+                     "measure_policy_kl", "lr_decay_steps"}
 NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu"}   # how this command runs, not what
 
 

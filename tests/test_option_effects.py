@@ -96,3 +96,15 @@ def test_the_dry_run_plan_of_a_lora_run_counts_the_adapters():
     assert "LoRA rank 16 (40.4M adapter parameters train)" in report and "lora.merged" in report
     t_full, t_lora = (time_model.report(a, 8, True, "h100") for a in (full, lora))
     assert "6N + 6 x 40.4M FLOPs per token (LoRA rank 16" in t_lora and "8N FLOPs per token" in t_full
+
+
+def test_an_older_run_s_fixed_horizon_resumed_past_it_is_refused(capsys, tmp_path):
+    """A run made before the horizon followed --steps recorded it resolved (lr_decay_steps 4 of
+    --steps 4): resumed to 8 at floor 0, steps 5-8 would not train; --lr-decay-steps may change."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"lr_schedule": "cosine", "lr_decay_steps": 4,
+                                                              "steps": 4}))
+    argv = ["--out", str(tmp_path / "run"), "--resume", "--steps", "8"]
+    line = refused(capsys, argv)
+    assert "--lr-decay-steps 4 (the run's, config.json) < --steps 8" in line and "steps 5-8 would not train" in line
+    assert train.parse_args([*argv, "--lr-decay-steps", "8"])[0].lr_decay_steps == 8
