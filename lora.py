@@ -35,8 +35,15 @@ def wrap(model, rank: int, alpha: float, dropout: float = 0.0, targets: str = "a
         raise SystemExit("error: --lora-rank needs peft (pip install peft)") from None
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
-                        target_modules=targets if targets == "all-linear" else targets.split(","))
+                        target_modules=target_modules(targets))
     return get_peft_model(model, config)
+
+
+def target_modules(targets: str):
+    """--lora-targets as peft takes it: "all-linear", or the names between its commas with spaces
+    stripped ("q_proj, v_proj" is q_proj and v_proj; peft would look for a module " v_proj")."""
+    targets = targets.strip()
+    return targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
 
 
 def peft_model(model):

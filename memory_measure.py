@@ -340,6 +340,8 @@ def measure_step(a, algo, code: StepCode, needs_ref: bool, world=1, fake=True,
     gradients are sharded/reduced per micro-batch, so more of them hold no more). A step too large
     to plan on this host is not run (`skipped`)."""
     skipped = too_large_to_measure(a, world)                          # (sizes that do not divide: exit)
+    if getattr(a, "lora_rank", 0) and not skipped:                     # (random_model has no adapters)
+        skipped = "a LoRA step (the measurement runs full fine-tuning's; the plan counts the adapters)"
     if skipped:
         return Measured({}, world, fake, 0, skipped)
     with fake_world(world) if fake else nullcontext((None, None)) as (mesh, _):

@@ -98,8 +98,8 @@ def rl_step(run, step, c, ro, batch, qref, upd) -> dict:
          "new_turn_frac": s["new_turn"] / n, "zero_var_frac": s["zero_var"] / world,
          # every statistic of the update (losses.rl_loss's, grad_norm, skipped_steps); its KL terms are
          # named loss_* (the loss's own, over the update's policies; the monitors above are pi_old's)
-         **{f"loss_{k}" if k in ("policy_kl", "query_kl") else k: v for k, v in upd.items()},
-         "lr": run.sched.get_last_lr()[0], "gen_tok_per_s": s["tok"] / seconds["gen"],
+         **{f"loss_{k}" if k in ("policy_kl", "query_kl") else k: v for k, v in upd.items() if k != "lr"},
+         "lr": upd["lr"], "gen_tok_per_s": s["tok"] / seconds["gen"],
          "update_tok_per_s": s["update_tokens"] / seconds["update"],
          **{k: s[k] for k in ("reward_timeout", "reward_error", "reward_no_answer")}}
     for k in released:

@@ -116,7 +116,8 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
                                            score_prompts)
     opt = optimizer.adamw(policy, args.lr, args.weight_decay)
     per_rl_step = args.rollout_batch // args.update_batch * args.ppo_epochs      # optimizer steps
-    sched = optimizer.schedule(opt, args.lr_schedule, args.warmup, args.lr_decay_steps * per_rl_step,
+    horizon = args.lr_decay_steps or args.steps                          # (0: the run's --steps, resumed too)
+    sched = optimizer.schedule(opt, args.lr_schedule, args.warmup, horizon * per_rl_step,
                                args.lr_floor)
     checkpoints.restore(state, policy, opt, sched, args.out)             # on --resume (else state is None)
     if state is not None:                                                # the new --lr, not the saved one

@@ -80,9 +80,10 @@ def train_sft(model, tokenizer, seqs, *, steps, batch, micro_batch, lr, warmup, 
                 (loss * world).backward()  # DDP averages over ranks: undo it
             tot += loss.detach().cpu()
         gn = float(optimizer.clip_grad(model, grad_clip))
+        lr = opt.param_groups[0]["lr"]                                  # this step's (not the next's)
         optimizer.step(opt, sched)
         m = {"step": step + 1, "sft_loss": distributed.all_sum(tot).item(), "grad_norm": gn,
-             "lr": sched.get_last_lr()[0], "step_time": time.time() - t0}
+             "lr": lr, "step_time": time.time() - t0}
         if on_checkpoint and save_every and (step + 1) % save_every == 0:
             m.update(on_checkpoint(step + 1))
         bar.set_postfix(loss=f"{m['sft_loss']:.3f}", acc=m.get("eval_acc", ""))

@@ -78,8 +78,8 @@ OPTIONS = [
     ("lr_schedule",       "constant",                          "the LR after warm-up: constant, or decayed to --lr-floor "
                                                                "(plumbing/optimizer.py)", list(optimizer.SCHEDULES)),
     ("lr_floor",          0.0,                                 "a decaying schedule's final LR, as a fraction of --lr", "[0,1]"),
-    ("lr_decay_steps",    0,                                   "RL steps over which the LR decays (0: --steps, fixed when "
-                                                               "the run starts: a resumed run keeps it)", ">=0"),
+    ("lr_decay_steps",    0,                                   "RL steps over which the LR decays (0: --steps, which it "
+                                                               "follows when --resume changes --steps)", ">=0"),
     ("grad_clip",         1.0,                                 "clip the global grad norm (0 = off)", ">=0"),
     ("ppo_epochs",        1,                                   "passes over each rollout batch", ">=1"),
     ("micro_batch",       64,                                  "sequences per forward/backward on each rank", ">=1"),
@@ -136,13 +136,23 @@ OPTIONS = [
     ("log",               "jsonl",                             "also mirror metrics.jsonl to TensorBoard or W&B", ["jsonl", "tensorboard", "wandb"]),
 ] + sft.OPTIONS + query_reference.reference_options()  # the warm start's (--sft-*), the references' (--qkl-ref-*)
 
+# Options that act only with another: given on the command line (a value other than the default)
+# where they cannot act, they are refused as an inert loss knob is (options.check_inert_options).
+# {option: (acts(args), what it cannot act under, why)}
+_DECAYS = (lambda a: a.lr_schedule != "constant", "under --lr-schedule constant",
+           "the LR does not decay (give --lr-schedule linear or cosine)")
+_LORA = (lambda a: a.lora_rank > 0, "without --lora-rank",
+         "the run fine-tunes every weight, no adapters (give --lora-rank r)")
+ACTS_ONLY_WITH = {"lr_floor": _DECAYS, "lr_decay_steps": _DECAYS,
+                  "lora_alpha": _LORA, "lora_dropout": _LORA, "lora_targets": _LORA}
+
 # --resume continues the run its config.json describes: these options may change (they apply from
 # the resumed step and are recorded in config.json's "resumed"); every other option and loss knob
 # fixes what the run is (the algorithm, the data and its order, the sampled rows) and must not.
 RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_bad_steps", "eval_every",
                      "save_every", "log", "export", "export_dtype", "nccl_timeout", "query_cache_dir",
                      "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
-                     "measure_policy_kl"}
+                     "measure_policy_kl", "lr_decay_steps"}
 NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu"}   # how this command runs, not what
 
 
@@ -253,6 +263,7 @@ def ppo_update(run, batch: experience.UpdateBatch, plan: step_plan.StepPlan) -> 
     no_signal_steps. The first update forward is pi_old's for the on-policy rows (on_policy_rows):
     if that update takes no step, they are scored on their own."""
     applied, skipped, no_signal = [], 0, 0
+    lr = run.opt.param_groups[0]["lr"]                                   # the step's (its first update's)
     for epoch in range(run.args.ppo_epochs):
         for u, update in enumerate(plan.updates):
             is_pi_old = epoch == u == 0 and batch.scores.fresh.stop > 0  # this forward is pi_old's too
@@ -266,7 +277,8 @@ def ppo_update(run, batch: experience.UpdateBatch, plan: step_plan.StepPlan) -> 
                 skipped += 1
             else:
                 applied.append(stats)
-    return {**metrics.update_statistics(applied), "skipped_steps": skipped, "no_signal_steps": no_signal}
+    return {**metrics.update_statistics(applied), "skipped_steps": skipped, "no_signal_steps": no_signal,
+            "lr": lr}
 
 
 def optimizer_step(run, batch: experience.UpdateBatch, update: step_plan.UpdatePlan, is_pi_old: bool,
@@ -408,7 +420,8 @@ def parse_args(argv=None):
         args.model = os.path.join(TINY, "base")  # the warm start trains the untrained base model
     args.out = args.out or os.path.join("runs", args.algo)
     task = tasks.get(args.task)                                          # its own sets, where it has them
-    own = {"train_data": task.train_data, "eval_data": list(task.heldout)}
+    own = {"train_data": task.train_data, "eval_data": list(task.heldout),
+           "max_new_tokens": task.max_new_tokens}
     options.fill(parsed, {k: v for k, v in own.items() if v})
     options.absolute_paths(parsed, ("model", "train_data", "eval_data", "sft_data", "export"))
     if args.resume:                                     # what the command does not say, config.json does
@@ -421,12 +434,33 @@ def parse_args(argv=None):
     if args.resume and args.algo == "sft":
         parsed.error("--resume: the SFT warm start does not resume (it saves HF folders, sft-<step>/, not "
                      "training state); start it again (--overwrite)")
-    args.lr_decay_steps = args.lr_decay_steps or args.steps             # (after --resume's config.json)
+    options.check_inert_options(parsed, ACTS_ONLY_WITH)                  # (after --resume's config.json)
+    check_lr_horizon(parsed)
+    # less than the task's solutions need: a warning, not a refusal -- a shorter limit can be meant (cheaper
+    # steps, --mask-truncated, a study of truncation), but not without a word
+    if task.max_new_tokens and args.max_new_tokens < task.max_new_tokens:
+        print0(f"warning: --max-new-tokens {args.max_new_tokens} is below the {task.max_new_tokens} tokens "
+               f"--task {args.task}'s solutions need: longer responses are cut (truncated_frac in "
+               "metrics.jsonl)")
     algo = options.make_algo(parsed)                                     # None for sft
     for name in query_reference.inert_options(args.qkl_ref, parsed.cli):   # another reference's option
         options.check_acts(parsed, name, False, f"it is an option of another Query-KL reference than "
                            f"--qkl-ref {args.qkl_ref}")
     return args, algo
+
+
+def check_lr_horizon(parsed):
+    """A decaying schedule's horizon is --lr-decay-steps, or (0) --steps itself: a run extended on
+    --resume then decays over its new length (optimizer.py says why). A horizon given that ends
+    before --steps with --lr-floor 0 leaves the steps after it at lr 0, where AdamW changes nothing
+    (its weight decay is scaled by the lr too): refused, rather than steps that do not train."""
+    a = parsed.args
+    if a.lr_schedule != "constant" and 0 < a.lr_decay_steps < a.steps and a.lr_floor == 0:
+        whose = "" if "lr_decay_steps" in parsed.cli | parsed.config_keys else " (the run's, config.json)"
+        parsed.error(f"--lr-decay-steps {a.lr_decay_steps}{whose} < --steps {a.steps} with --lr-floor 0: the "
+                     f"{a.lr_schedule} LR schedule reaches 0 at step {a.lr_decay_steps}, so steps "
+                     f"{a.lr_decay_steps + 1}-{a.steps} would not train; give --lr-decay-steps {a.steps} "
+                     "(or 0: --steps), or --lr-floor > 0")
 
 
 def load_data(args, tokenizer):
@@ -441,6 +475,9 @@ def load_data(args, tokenizer):
             data = tasks.prompt_set(args.train_data, tokenizer, args.template, args.task, training=True,
                                     max_prompt_len=args.max_prompt_len, strict=args.strict_data)
             errors.check_heldout(evalsets, args.train_data, data, tasks.source_of)  # held-out: not trained on
+            misfit = tasks.tokenizer_misfit(args.task, tokenizer, args.model, data.rows)
+            if misfit:                                                  # (every reward 0, and no word)
+                raise errors.DataError(misfit)
         batching.check_data(len(data), args)
     return evalsets, data
 

@@ -1333,7 +1333,100 @@ FUZZ_TRAIN = [
          both(relative_train_data_run, as_an_older_version_wrote_it), prelude=CHDIR, env={"SWEEP_CWD": "{c}/b"}),
 ]
 
-CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE + FUZZ_TRAIN
+# Issue #40's fuzz findings on options that say one thing and do another (LR schedule, inert options,
+# LoRA, a task's length and tokenizer, the LoRA dry-run).
+ZIPF_WARM = ROOT / "data" / "zipf" / "warmstart"
+TINY_SIZES = ["--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--micro-batch", "8",
+              "--query-cache-dir", "{cache}", "--no-signal", "step"]
+
+
+def cosine_run(env):
+    """{c}/run: a 2-step run of --lr-schedule cosine (its horizon: --steps), saved at its end."""
+    p = env.run("train.py", train("{c}/run", 2, "--lr-schedule", "cosine", "--eval-every", "0"))
+    need(p.code == 0, f"set-up run failed: {p.last_err_line()[:120]}")
+
+
+def lrs_are(want: dict, run="run") -> Check:
+    """metrics.jsonl's lr at these steps, to 1e-9 relative: {step: lr}."""
+    def check(env):
+        got = {m["step"]: m.get("lr") for m in metrics(env.path(run)) if m.get("step") in want}
+        ok = set(got) == set(want) and all(abs(got[k] - v) <= 1e-9 * v for k, v in want.items())
+        return None if ok else f"lr at steps {got}, expected {want}"
+    return check
+
+
+def config_has(key, value, run="run") -> Check:
+    def check(env):
+        got = json.loads((env.path(run) / "config.json").read_text()).get(key)
+        return None if got == value else f"config.json's {key} is {got!r}, expected {value!r}"
+    return check
+
+
+def said(pattern) -> Check:
+    """The command's stdout matches `pattern` (a regular expression)."""
+    def check(env):
+        return None if re.search(pattern, env.last.out) else f"stdout does not match {pattern!r}"
+    return check
+
+
+def lora_qv_params(rank) -> int:
+    """Adapter parameters of LoRA on q_proj and v_proj of the tiny warm start."""
+    c = json.loads((WARM / "config.json").read_text())
+    h, head = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    return c["num_hidden_layers"] * rank * ((h + q) + (h + kv))
+
+
+ISSUE40_OPTIONS = [
+    Case("lr-cosine-resume-longer", "train.py", "a cosine run resumed with more --steps decays over them "
+         "(not lr 0), saying so",
+         train("{c}/run", 4, "--lr-schedule", "cosine", "--eval-every", "0", "--resume"),
+         # optimizer steps 4 and 6 of 2 x 4 = 8 (not 2 x 2 = 4: lr 0)
+         Works("steps 2 -> 4 (the cosine LR schedule's horizon follows --steps: it decays over 4 steps, not 2",
+               all_of(steps_are(range(1, 5)), lrs_are({3: 1e-4, 4: 1e-4 * (1 - 0.5 ** 0.5)}))),
+         cosine_run),
+    Case("lr-decay-before-steps", "train.py", "--lr-decay-steps 2 --steps 4 at --lr-floor 0 (steps at lr 0): "
+         "refused",
+         train("{c}/run", 4, "--lr-schedule", "cosine", "--lr-decay-steps", "2"),
+         Refused("steps 3-4 would not train; give --lr-decay-steps 4", absent=("run",))),
+    Case("lr-logged-is-used", "train.py", "the lr logged at a step is the one its optimizer used (warm-up)",
+         train("{c}/run", 2, "--warmup", "8", *ONE_STEP),
+         Works(post=lrs_are({1: 2e-4 / 8, 2: 2e-4 * 3 / 8}))),
+    Case("lr-floor-constant", "train.py", "--lr-floor under the constant schedule (no decay): refused",
+         train("{c}/run", 1, "--lr-floor", "0.1"),
+         Refused("--lr-floor 0.1 cannot act under --lr-schedule constant", absent=("run",))),
+    Case("lr-decay-steps-constant", "train.py", "--lr-decay-steps under the constant schedule: refused",
+         train("{c}/run", 1, "--lr-decay-steps", "10"),
+         Refused("--lr-decay-steps 10 cannot act under --lr-schedule constant", absent=("run",))),
+    Case("lora-alpha-no-rank", "train.py", "--lora-alpha without --lora-rank (a full fine-tune): refused",
+         train("{c}/run", 1, "--lora-alpha", "32"),
+         Refused("--lora-alpha 32.0 cannot act without --lora-rank", absent=("run",))),
+    Case("lora-targets-spaces", "train.py", "--lora-targets \"q_proj, v_proj\" adapts both (not q_proj only)",
+         train("{c}/run", 1, "--lora-rank", "4", "--lora-targets", "q_proj, v_proj", *ONE_STEP),
+         Works(f"LoRA rank 4: {lora_qv_params(4):,} of", steps_are([1]))),
+    Case("zipf-own-model", "train.py", "--task zipf on its warm start: accepted, --max-new-tokens the task's 160",
+         ["--task", "zipf", "--model", str(ZIPF_WARM), "--eval-data", "zipf-test", "--eval-limit", "4",
+          *TINY_SIZES, "--out", "{c}/run", "--steps", "1", *ONE_STEP],
+         Works(post=all_of(steps_are([1]), config_has("max_new_tokens", 160)))),
+    Case("zipf-short-length", "train.py", "--task zipf --max-new-tokens 96 (cuts its solutions): a warning",
+         ["--task", "zipf", "--model", str(ZIPF_WARM), "--max-new-tokens", "96", "--dry-run"],
+         Works("warning: --max-new-tokens 96 is below the 160 tokens --task zipf's solutions need")),
+    Case("zipf-math-warmstart", "train.py", "--task zipf on the math warm start (its words spelled letter by "
+         "letter: reward 0): refused",
+         ["--task", "zipf", "--eval-data", "zipf-test", "--eval-limit", "4", *TINY_SIZES, "--out", "{c}/run",
+          "--steps", "1"],
+         Refused("give --model data/zipf/warmstart", absent=("run",),
+                 then=Then(["--task", "zipf", "--model", str(ZIPF_WARM), "--eval-data", "zipf-test",
+                            "--eval-limit", "4", *TINY_SIZES, "--out", "{c}/run", "--steps", "1", *ONE_STEP],
+                           post=steps_are([1])))),
+    Case("dry-run-7b-lora", "train.py", "--dry-run --lora-rank 16 of the 7B config: a plan with adapters, far "
+         "below full fine-tuning's 169 GiB",
+         ["--config", str(CONFIGS / "paper_qwen7b.json"), "--fsdp", "false", "--lora-rank", "16", "--dry-run"],
+         Works("LoRA rank 16 (40.4M adapter parameters train)",
+               all_of(said(r"plan: peak_gib_per_gpu=(\d\d)\.\d "), said(r"6N \+ 6 x 40\.4M FLOPs per token")))),
+]
+
+CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE + FUZZ_TRAIN + ISSUE40_OPTIONS
 
 
 # ----------------------------------------------------------------------------------------------

@@ -122,23 +122,46 @@ def terms(arch: Arch, a, gpus: int, needs_ref: bool, device="cuda") -> list[Term
             + forward_terms(arch, a, p, device, needs_ref))
 
 
+def lora_params(arch: Arch, rank: int) -> int:
+    """Adapter parameters of peft's "all-linear" LoRA on a Qwen2/Llama layer stack: rank x (in + out)
+    for q, k, v, o, gate, up and down (fewer --lora-targets: fewer)."""
+    h, q, kv, i = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim, arch.inter
+    return arch.layers * rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+
+
+def trained_params(arch: Arch, a) -> int:
+    """The parameters that train, with gradients and Adam state: all, or a LoRA run's adapters."""
+    rank = getattr(a, "lora_rank", 0)
+    return lora_params(arch, rank) if rank else arch.params()
+
+
 def weight_terms(arch: Arch, a, gpus, needs_ref, p: Precision) -> list[Term]:
-    """The weights, their gradients and optimizer state, the reference, and the copies of them."""
-    P, fsdp = arch.params(), bool(a.fsdp)
+    """The weights, their gradients and optimizer state, the reference, and the copies of them.
+    LoRA (--lora-rank): the base is frozen (no gradients, no Adam state: the adapters' only), the
+    reference is that base with the adapters off (no copy), and rollouts decode a merged copy."""
+    P, fsdp, rank = arch.params(), bool(a.fsdp), getattr(a, "lora_rank", 0)
+    T = trained_params(arch, a)
     shard = gpus if fsdp else 1
     ref_note = (("bf16" if p.mixed else "the weights' dtype")
                 + (", sharded like the policy" if fsdp else ", a full copy"))
+    if rank:
+        ref_note = "none: the frozen base with the adapters off (lora.Base)"
+    trained = f"LoRA rank {rank}: the adapters' {T / 1e6:.1f}M parameters only; " if rank else ""
     out = [
-        Term("parameters", P * p.master / shard, ALL, f"{P / 1e9:.2f}B x {p.master} B / {shard}"),
-        Term("Adam state", 2 * P * p.master / shard, ALL,
-             "exp_avg + exp_avg_sq (allocated at the first step)"),
-        Term("reference", P * p.compute / shard if needs_ref else 0, ALL,
+        Term("parameters", (P + (T if rank else 0)) * p.master / shard, ALL,
+             f"{P / 1e9:.2f}B x {p.master} B / {shard}" + (f" + {T / 1e6:.1f}M adapters" if rank else "")),
+        Term("Adam state", 2 * T * p.master / shard, ALL,
+             trained + "exp_avg + exp_avg_sq (allocated at the first step)"),
+        Term("reference", P * p.compute / shard if needs_ref and not rank else 0, ALL,
              ref_note if needs_ref else "none (no Policy-KL used or measured)"),
-        Term("gradients", P * p.master / shard, ("update", "optimizer"),
-             "sharded under FSDP2 (reduced every micro-batch); freed after each step"),
-        Term("optimizer temporaries", P * p.master / shard, ("optimizer",),
-             "foreach AdamW: sqrt(exp_avg_sq) of every parameter"),
+        Term("gradients", T * p.master / shard, ("update", "optimizer"),
+             trained + "sharded under FSDP2 (reduced every micro-batch); freed after each step"),
+        Term("optimizer temporaries", T * p.master / shard, ("optimizer",),
+             "foreach AdamW: sqrt(exp_avg_sq) of every " + ("adapter " if rank else "") + "parameter"),
     ]
+    if rank:
+        out.append(Term("decoding copy", P * p.compute, ("rollout",),
+                        "lora.merged: the policy with its adapters merged, freed before scoring"))
     if p.mixed and not fsdp:  # autocast casts each float32 matmul weight once per region (the step)
         matmul = P if arch.tied else P - arch.vocab * arch.hidden          # the input embedding is a lookup
         out.append(Term("autocast copies", matmul * 2, ALL,
@@ -185,6 +208,7 @@ def forward_terms(arch: Arch, a, p: Precision, device="cuda", needs_ref=True) ->
     block, gpu = 4 * f.block, device != "cpu"
     hidden = f.logit_tokens * h * p.compute
     head_grad = V * h * (p.compute if a.fsdp else p.master)            # lm_head's weight gradient
+    head_grad *= 0 if getattr(a, "lora_rank", 0) else 1                # (LoRA: lm_head is frozen)
     upcast = V * h * 4 if not gpu and a.fsdp and p.compute == 2 else 0
     score_upcast = V * h * 4 if not gpu and p.compute == 2 and (a.fsdp or needs_ref) else 0
     score_blocks = 2 if getattr(a, "update_batch", a.rollout_batch) < a.rollout_batch else 1
@@ -268,8 +292,12 @@ def report(a, gpus: int, needs_ref: bool, measured=None) -> str:
     measured = None if skipped else measured
     arch = arch_for(a.model)
     ts, plan = terms(arch, a, gpus, needs_ref), phases(arch, a, gpus, needs_ref)
+    rank = getattr(a, "lora_rank", 0)
+    lora_note = f", LoRA rank {rank} ({lora_params(arch, rank) / 1e6:.1f}M adapter parameters train)" \
+        if rank else ""
     lines = [f"memory plan per GPU: {a.model} ({arch.params() / 1e9:.2f}B parameters), {gpus} GPU(s), "
-             f"{'FSDP2' if a.fsdp else 'DDP'}{', activation checkpointing' if a.grad_ckpt else ''}"]
+             f"{'FSDP2' if a.fsdp else 'DDP'}{', activation checkpointing' if a.grad_ckpt else ''}"
+             + lora_note]
     for t in ts:
         alive = "all" if t.phases == ALL else ", ".join(t.phases)
         lines += [f"  {t.name:22s} {t.bytes / GIB:8.2f} GiB  [{alive}]  {t.note}"] if t.bytes else []

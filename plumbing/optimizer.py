@@ -2,8 +2,16 @@
 
 Constant after warm-up by default, on purpose: every prefix of a run is itself a run, so a resumed
 or shortened run is the same run, and the SFT warm start's length can be picked from one curve.
-`--lr-schedule linear|cosine` decays it instead (the released ERPO recipe: linear to 0), over a
-horizon fixed when the run starts (--lr-decay-steps), so a resumed run keeps its schedule.
+`--lr-schedule linear|cosine` decays it instead (the released ERPO recipe: linear to 0), over
+--lr-decay-steps RL steps, by default (0) the run's --steps.
+
+The default horizon follows --steps on --resume too: a run of 4 steps resumed to 8 decays over 8
+from the resumed step on. Extending a run means training it longer, and the other reading -- keep
+the old horizon -- trains every added step at lr 0 (AdamW then changes nothing), which no one asks
+for. The price: the lr goes back up at the resumed step (from the short schedule's end to the long
+one's value there), so the run is not the same as one started with --steps 8; the resume line says
+that the horizon changed. A horizon the user gives (--lr-decay-steps) is kept; one that ends before
+--steps with --lr-floor 0 is refused (train.check_lr_horizon).
 """
 
 import math

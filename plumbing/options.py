@@ -397,13 +397,20 @@ def foreign_knobs_message(src: KnobSources, knobs: set) -> str:
             f"--algo {src.algo}): {each}; they apply only to the config's own algorithm: " + "; ".join(how))
 
 
-def check_acts(parsed: Parsed, name: str, acts: bool, why: str):
+def check_acts(parsed: Parsed, name: str, acts: bool, why: str, where: str | None = None):
     """An option given on the command line with a value other than its default that cannot act is
-    an error, as an inert loss knob is (the default itself changes nothing)."""
+    an error, as an inert loss knob is (the default itself changes nothing). `where`: what it cannot
+    act under (default: the algorithm as configured)."""
     value = getattr(parsed.args, name)
     if name in parsed.cli and value != parsed.defaults.get(name) and not acts:
-        parsed.error(f"--{name.replace('_', '-')} {value} cannot act on --algo {parsed.args.algo} as "
-                     f"configured: {why}")
+        where = where or f"on --algo {parsed.args.algo} as configured"
+        parsed.error(f"--{name.replace('_', '-')} {value} cannot act {where}: {why}")
+
+
+def check_inert_options(parsed: Parsed, rules: dict):
+    """check_acts of every option of `rules`: {option: (acts(args) -> bool, where, why)}."""
+    for name, (acts, where, why) in rules.items():
+        check_acts(parsed, name, acts(parsed.args), why, where)
 
 
 def absolute_paths(parsed: Parsed, names):

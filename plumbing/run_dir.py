@@ -226,8 +226,19 @@ def resume_changes(args, algo, state, may_change: set, not_the_run: set) -> dict
     changed = config_changes(saved, now, sorted(may_change))
     if changed:
         distributed.print0("--resume: from step {}: ".format(state.step) +
-                           ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+                           ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+                           + horizon_note(args, changed))
     return changed
+
+
+def horizon_note(args, changed) -> str:
+    """What a change of --steps does to a decaying LR schedule whose horizon is --steps (optimizer.py)."""
+    decays = getattr(args, "lr_schedule", "constant") != "constant"
+    if "steps" not in changed or not decays or args.lr_decay_steps:
+        return ""
+    old, new = changed["steps"]
+    return (f" (the {args.lr_schedule} LR schedule's horizon follows --steps: it decays over {new} steps, "
+            f"not {old}, from here on)")
 
 
 def short(value, most=60) -> str:

@@ -9,8 +9,9 @@ The step's phases, per rank (the ranks run in parallel):
              kernels, whichever is slower
     prefill  the distinct prompts through the model once (compute-bound, 2 N FLOPs per token)
     score    pi_old's no-grad forward over the rows (and the reference's, where one is loaded)
-    update   forward + backward (6 N FLOPs per token, 8 N with activation checkpointing), and under
-             FSDP2 the weights gathered twice and the gradients reduce-scattered per micro-batch
+    update   forward + backward (6 N FLOPs per token, 8 N with activation checkpointing; LoRA: 2 N
+             less, the frozen base's weight gradients), and under FSDP2 the weights gathered twice and
+             the gradients reduce-scattered per micro-batch
 Two response lengths bound it: every row to --max-new-tokens (the worst case, and what a fixed-size
 chunk of rows costs when one of its rows runs to the limit), and a mean of half the limit.
 """
@@ -75,6 +76,11 @@ def compute_terms(arch, a, gpus, gpu: GPU, needs_ref, lengths, old_rows) -> list
     tokens = [rows * (a.max_prompt_len + L) for L in lengths]
     forwards = old_rows + (1 if needs_ref else 0)                       # pi_old (+ the reference)
     train_flops = 8 if a.grad_ckpt else 6
+    # LoRA: a frozen base still passes the activations' gradients back (2N), but computes no weight
+    # gradients (2N): 4N (6N recomputing), + 6 FLOPs per adapter parameter
+    rank = getattr(a, "lora_rank", 0)
+    adapters = memory_plan.lora_params(arch, rank) if rank else 0
+    per_token = (train_flops - 2) * N + 6 * adapters if rank else train_flops * N
     micro = [math.ceil(t / memory_plan.micro_batch_tokens(a)) for t in tokens]
     comm = (3 * 2 * N * (gpus - 1) / gpus) / (gpu.link_gbs * 1e9 * LINK_EFFICIENCY) if a.fsdp else 0.0
     return [
@@ -83,8 +89,11 @@ def compute_terms(arch, a, gpus, gpu: GPU, needs_ref, lengths, old_rows) -> list
         Term("score", tuple(forwards * 2 * N * t / (flops * MFU) for t in tokens),
              f"pi_old over {old_rows:.0%} of the rows{' + the reference over all' if needs_ref else ''}, "
              f"no grad, {tokens[0]:,} / {tokens[1]:,} tokens each at {MFU:.0%} MFU"),
-        Term("update", tuple(train_flops * N * t / (flops * MFU) + m * comm for t, m in zip(tokens, micro)),
-             f"{train_flops}N FLOPs per token at {MFU:.0%} MFU"
+        Term("update", tuple(per_token * t / (flops * MFU) + m * comm for t, m in zip(tokens, micro)),
+             (f"{train_flops - 2}N + 6 x {adapters / 1e6:.1f}M FLOPs per token (LoRA rank {rank}: the frozen "
+              "base passes gradients back, computes none of its own)" if rank
+              else f"{train_flops}N FLOPs per token")
+             + f" at {MFU:.0%} MFU"
              + (f"; FSDP2: {micro[0]} / {micro[1]} micro-batches x {comm:.2f} s of all-gather x2 + "
                 f"reduce-scatter at {LINK_EFFICIENCY:.0%} of {gpu.link_gbs:g} GB/s" if a.fsdp else "")),
     ]
@@ -123,8 +132,4 @@ def disk_report(a, gpus: int) -> str:
             f"{2 * ckpt / 1e9:.1f} GB, + {export / 1e9:.1f} GB for the final bf16 export{shared}")
 
 
-def lora_params(arch, rank: int) -> int:
-    """Adapter parameters of peft's "all-linear" LoRA on a Qwen2/Llama layer stack: rank x (in + out)
-    for q, k, v, o, gate, up and down."""
-    h, q, kv, i = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim, arch.inter
-    return arch.layers * rank * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+lora_params = memory_plan.lora_params

@@ -18,5 +18,5 @@ which tasks/math.py calls) and data/ (reading files, prompt templates).
 """
 
 from tasks.task import (TASKS, Scored, Task, get, keep_row, load_rows, owner, prompt_set,  # noqa: F401
-                        read_by, register, score_rows, source_of, task_names_in)
+                        read_by, register, score_rows, source_of, task_names_in, tokenizer_misfit)
 from tasks import countdown, math, zipf  # noqa: F401  isort: skip -- the built-in tasks register themselves

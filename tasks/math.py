@@ -3,6 +3,8 @@ answer, by reward.py's verifier (exact strings, numbers, then math-verify in a p
 per-answer timeout). Its sets are the embedded tiny world (data/tinymath/) and the paper's
 benchmarks, whose names data/benchmarks.py knows."""
 
+import os
+
 import reward
 from tasks.task import Scored, Task, register
 
@@ -29,4 +31,6 @@ TASK = register(Task(
     heldout=("tiny-test", "tiny-ood", "tiny-hard"),
     outcomes=OUTCOMES,
     format_ok=reward.has_format,
+    model=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tinymath",
+                       "warmstart"),
 ))

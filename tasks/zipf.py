@@ -6,7 +6,9 @@ evaluate on zipf-test and zipf-rare.
 
     python train.py --task zipf --model data/zipf/warmstart --max-new-tokens 160 --algo grpo
 
-(its solutions are up to 144 tokens long, over train.py's default limit of 96.)
+(its solutions are up to 144 tokens long: --max-new-tokens defaults to the task's 160, over
+train.py's 96, and a run given less is warned; another --model's tokenizer that spells its dialect
+words letter by letter is refused: tasks.task.tokenizer_misfit.)
 """
 
 import os
@@ -26,4 +28,6 @@ TASK = register(Task(
     heldout=("zipf-test", "zipf-rare"),
     outcomes=OUTCOMES,
     format_ok=MATH.format_ok,
+    max_new_tokens=160,
+    model=os.path.join(DATA, "warmstart"),
 ))

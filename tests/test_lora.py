@@ -73,3 +73,12 @@ def test_three_steps_train_adapters_resume_exactly_and_export_a_merged_model(tmp
 def test_lora_with_fsdp_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         train.parse_args(["--lora-rank", "4", "--fsdp", "--out", str(tmp_path / "x")])
+
+
+def test_targets_with_spaces_adapt_every_named_module():
+    """--lora-targets "q_proj, v_proj": both (issue #40: the space made peft look for " v_proj")."""
+    assert lora.target_modules("q_proj, v_proj") == ["q_proj", "v_proj"]
+    assert lora.target_modules(" all-linear ") == "all-linear"
+    wrapped = lora.wrap(models.load_policy(WARM)[0], 4, 16.0, targets="q_proj, v_proj")
+    adapted = {n.split(".lora_A.")[0].split(".")[-1] for n, _ in wrapped.named_parameters() if ".lora_A." in n}
+    assert adapted == {"q_proj", "v_proj"}

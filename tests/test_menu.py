@@ -171,8 +171,8 @@ def test_each_option_trains_two_steps(name, tmp_path, small_data):
         assert all(m["truncated_frac"] > 0 for m in ms)                   # there were some to mask
     if name == "entropy-bonus":
         assert all(m["entropy_bonus"] > 0 for m in ms)
-    if name.startswith("lr-"):                                            # 4 optimizer steps, decay over 4
-        assert ms[0]["lr"] < 2e-4 and ms[1]["lr"] == pytest.approx(2e-4 * (0.1 if name == "lr-linear" else 0.0))
+    if name.startswith("lr-"):            # 4 optimizer steps, decay over 4: each step's first one's lr
+        assert ms[0]["lr"] == 2e-4 and ms[1]["lr"] == pytest.approx(2e-4 * (0.55 if name == "lr-linear" else 0.5))
 
 
 def test_lr_schedules_by_hand():
@@ -185,17 +185,21 @@ def test_lr_schedules_by_hand():
     assert cos == pytest.approx([1.0, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2, 0.55, 0.1, 0.1])
 
 
-def test_a_decaying_schedule_is_fixed_when_the_run_starts(tmp_path, small_data):
+def test_a_decaying_schedule_follows_steps_on_resume(tmp_path, small_data, capsys):
     """--lr-schedule linear, a run of --steps 2 (2 optimizer steps each) resumed to --steps 4: the
-    decay keeps the horizon it started with (lr_decay_steps 2 in config.json), reaching 0 after step
-    2, not stretched over 4 steps."""
+    horizon is --steps (lr_decay_steps 0 in config.json), so the resumed run decays over 4 steps
+    from step 3 on (not at lr 0 after step 2, issue #40), and the resume line says so. The lr logged
+    is the one the step's first optimizer step used."""
     base = ["--algo", "grpo", "--model", WARM, "--train-data", small_data, "--rollout-batch", "8",
             "--update-batch", "4", "--group-size", "4", "--max-new-tokens", "16", "--eval-every", "0",
             "--save-every", "2", "--no-signal", "step", "--lr-schedule", "linear", "--lr", "1e-3"]
     train.main([*base, "--out", str(tmp_path / "a"), "--steps", "2"])
+    capsys.readouterr()
     train.main([*base, "--out", str(tmp_path / "a"), "--steps", "4", "--resume"])
+    assert ("steps 2 -> 4 (the linear LR schedule's horizon follows --steps: it decays over 4 steps, not 2"
+            in capsys.readouterr().out)
     with open(tmp_path / "a" / "metrics.jsonl") as f:
         lrs = [json.loads(line)["lr"] for line in f]
-    # the lr after each RL step's 2 optimizer steps (horizon 2 x 2 = 4, not 2 x 4 = 8)
-    assert lrs == pytest.approx([1e-3 * 0.5, 0.0, 0.0, 0.0], abs=1e-12)
-    assert json.load(open(tmp_path / "a" / "config.json"))["lr_decay_steps"] == 2
+    # optimizer steps 0, 2 of horizon 2 x 2 = 4; then 4, 6 of horizon 2 x 4 = 8
+    assert lrs == pytest.approx([1e-3, 1e-3 * 0.5, 1e-3 * 0.5, 1e-3 * 0.25], abs=1e-12)
+    assert json.load(open(tmp_path / "a" / "config.json"))["lr_decay_steps"] == 0
