@@ -59,7 +59,7 @@ def policy_kl(logp, ref_logp, kind="k3", clamp=None, old_logp=None):
       k3-ratio = (pi_theta / pi_old) * k3, for tokens sampled from pi_old (not pi_theta): the
                                 importance-ratio bias correction of DeepSeek-V3.2 (DeepSeek-AI,
                                 "DeepSeek-V3.2: Pushing the Frontier of Open Large Language
-                                Models", arXiv:2512.02556, Sec. 3.1 "Unbiased KL Estimate") and
+                                Models", arXiv:2512.02556, Sec. 3.1 "Scaling GRPO", Eq. 7) and
                                 TRL's GRPOConfig(use_bias_correction_kl=True) (off by default
                                 there), which multiplies k3 by coef_1 = exp(logp - old_logp).
                                 The ratio is NOT detached (as in TRL): E_{pi_old}[ratio * k3] =
