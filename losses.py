@@ -322,14 +322,15 @@ def _knob(default, help, choices=None):
 
 @dataclass(frozen=True)
 class Algo:
-    adv: str = _knob("grpo", "advantage estimator (method.md §8): grpo (R - mean) / std; drgrpo R - mean; "
-                     "rloo leave-one-out mean; batch-std the batch's std; reinforce++ batch-whitened "
-                     "R - mean; maxrl (R - mean) / mean, MaxRL's grad log p(success)", ADVANTAGES)
+    adv: str = _knob("grpo", "advantage estimator (method.md §8): grpo = (R - mean) / group std; drgrpo = "
+                     "R - mean; rloo = R - leave-one-out mean; batch-std = (R - mean) / batch std; "
+                     "reinforce++ = R - mean, whitened over the batch; maxrl = (R - mean) / mean, "
+                     "MaxRL's grad log p(success)", ADVANTAGES)
     adv_eps: float = _knob(1e-6, "epsilon of GRPO's (R - mean) / (std + eps) and MaxRL's / (mean + eps)")
-    kl: str | None = _knob("k3", "Policy-KL estimator: k1 -log r; k2 (log r)^2 / 2; k3 r - 1 - log r; "
-                           "k3-ratio k3 * pi_theta / pi_old, the importance-ratio bias correction "
-                           "(DeepSeek-V3.2, TRL's use_bias_correction_kl; loss only); none = no "
-                           "Policy-KL term (method.md §8)", POLICY_KL_KINDS)
+    kl: str | None = _knob("k3", "Policy-KL estimator, r = pi_ref / pi_theta (method.md §8): k1 = -log r; "
+                           "k2 = (log r)^2 / 2; k3 = r - 1 - log r; k3-ratio = k3 * pi_theta / pi_old, "
+                           "the importance-ratio bias correction (DeepSeek-V3.2, TRL's "
+                           "use_bias_correction_kl; loss only); none = no Policy-KL term", POLICY_KL_KINDS)
     beta: float = _knob(0.01, "Policy-KL coefficient")
     kl_in: str = _knob("loss", "where the Policy-KL goes: the loss (GRPO) or the reward (RLOO)",
                        KL_PLACEMENTS)
