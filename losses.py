@@ -28,7 +28,8 @@ import torch
 import surrogates
 
 KL_KINDS = ("k1", "k2", "k3")
-ADVANTAGES = ("grpo", "drgrpo", "rloo", "batch-std", "reinforce++")
+POLICY_KL_KINDS = (*KL_KINDS, "k3-ratio")   # k3-ratio reads pi_old's log-probs: the Policy-KL in the loss only
+ADVANTAGES = ("grpo", "drgrpo", "rloo", "batch-std", "reinforce++", "maxrl")
 BATCH_ADVANTAGES = ("batch-std", "reinforce++")        # they need the whole rollout batch's moments
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 WEIGHT_KINDS = ("none", "paper", "code")
@@ -39,10 +40,11 @@ K3_CLAMP = 10.0  # EasyR1 "low_var_kl" and the released ERPO code clamp per-toke
 # -----------------------------------------------------------------------------
 # KL estimators (method.md §8, "KL estimators")
 
-def policy_kl(logp, ref_logp, kind="k3", clamp=None):
+def policy_kl(logp, ref_logp, kind="k3", clamp=None, old_logp=None):
     """Per-token estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta.
 
-    logp, ref_logp: (...) log-probs of the sampled tokens under pi_theta / pi_ref.
+    logp, ref_logp: (...) log-probs of the sampled tokens under pi_theta / pi_ref; old_logp: the
+    same under pi_old, read by "k3-ratio" only.
     Returns a tensor of the same shape. With log r = ref_logp - logp:
 
       k1 = -log r               unbiased for KL(pi_theta||pi_ref); high variance, can be < 0.
@@ -54,6 +56,17 @@ def policy_kl(logp, ref_logp, kind="k3", clamp=None):
                                 As a loss its expected gradient is grad KL(pi_ref||pi_theta):
                                 the *other* direction, since E_pi[(1 - r) grad log pi]
                                 = -sum_x pi_ref(x) grad log pi(x).
+      k3-ratio = (pi_theta / pi_old) * k3, for tokens sampled from pi_old (not pi_theta): the
+                                importance-ratio bias correction of DeepSeek-V3.2 (DeepSeek-AI,
+                                "DeepSeek-V3.2: Pushing the Frontier of Open Large Language
+                                Models", arXiv:2512.02556, Sec. 3.1 "Scaling GRPO", Eq. 7) and
+                                TRL's GRPOConfig(use_bias_correction_kl=True) (off by default
+                                there), which multiplies k3 by coef_1 = exp(logp - old_logp).
+                                The ratio is NOT detached (as in TRL): E_{pi_old}[ratio * k3] =
+                                KL(pi_theta||pi_ref) as a function of theta, so its expected
+                                gradient as a loss is grad KL(pi_theta||pi_ref), the direction k3
+                                estimates, also on-policy (old_logp = logp.detach(): value = k3,
+                                gradient k3 * grad log pi + grad k3).
     The sign of log r matters: building it as logp - ref_logp silently makes k1 and k3 estimate
     something else (tests/test_losses.py checks the direction on an exact toy categorical).
 
@@ -61,9 +74,17 @@ def policy_kl(logp, ref_logp, kind="k3", clamp=None):
     the log-ratio is then also bounded to [-20, 20] so exp() cannot overflow to inf. The clamp acts
     on k3 ALONE: k1 and k2 are returned unclamped whatever `clamp` says (no reference implementation
     clamps them, and a clamped k2 would have its gradient cut where |log r| > 4.47; method.md §10).
+    k3-ratio clamps its k3 factor like k3 (so with pi_theta = pi_old it IS k3, clamp included), not
+    the ratio or the product; TRL clamps neither. Its log(pi_theta / pi_old) is bounded to
+    [-20, 20] before exp(), as the PPO ratio is (surrogates.ppo_loss).
     """
-    if kind not in KL_KINDS:
-        raise ValueError(f"policy_kl kind must be one of {KL_KINDS}, got {kind!r}")
+    if kind not in POLICY_KL_KINDS:
+        raise ValueError(f"policy_kl kind must be one of {POLICY_KL_KINDS}, got {kind!r}")
+    if kind == "k3-ratio":
+        if old_logp is None:
+            raise ValueError("policy_kl kind 'k3-ratio' needs old_logp (pi_old's log-probs of the tokens)")
+        ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))           # pi_theta / pi_old, with grad
+        return ratio * policy_kl(logp, ref_logp, "k3", clamp)
     log_r = ref_logp - logp
     if kind != "k3":
         clamp = None
@@ -138,6 +159,17 @@ def group_advantages(rewards, group_size, kind="grpo", eps=1e-6, valid=None, red
       "reinforce++": x_i = R_i - mean R, then whitened over the batch: (x_i - mean_batch x) /
                 (std_batch(x) + eps) (verl's REINFORCE++-baseline, which whitens over tokens; here
                 over responses, so a long response does not count more).
+      "maxrl":  A_i = (R_i - mean R) / (mean R + eps), and 0 for a group with mean R <= 0 (MaxRL:
+                Tajwar, Zeng, Zhou, Song, Arora, Jiang, Schneider, Salakhutdinov, Feng, Zanette,
+                "Maximum Likelihood Reinforcement Learning", arXiv:2602.02710; the released code's
+                "maxrl" estimator, Zanette-Labs/MaxRL verl/trainer/ppo/core_algos.py). For binary
+                rewards with K >= 1 successes of G, (1/G) sum_i A_i grad log pi(y_i) =
+                (1/K) sum_{successes} grad log pi - (1/G) sum_i grad log pi: the paper's estimator
+                of grad log p (p = the prompt's success probability) with the mean score as control
+                variate. Unsolved groups get 0 (as in the released code), so its expectation
+                (eps = 0) is (1 - (1-p)^(G-1)) grad log p = grad J^(G-1), J^(N) = -sum_{k<=N}
+                (1-p)^k / k the paper's truncated objective (-> log p; G = 2: grad p, REINFORCE);
+                tests/test_losses.py checks it exactly. Rewards must be >= 0 (success samples).
     mean R / std R are the group's. The batch moments (Bessel std) run over the rows `valid` marks
     (DAPO's filler is not part of it; None: every row) on every rank: `reduce` sums a tensor over
     ranks (None: this process holds the whole batch). A group whose rewards are all equal gets
@@ -157,6 +189,12 @@ def group_advantages(rewards, group_size, kind="grpo", eps=1e-6, valid=None, red
         adv = centred
     elif kind == "rloo":
         adv = centred * (group_size / (group_size - 1))                  # leave-one-out baseline
+    elif kind == "maxrl":
+        if (r < 0).any():
+            raise ValueError("maxrl advantages need rewards >= 0 (success indicators: MaxRL estimates "
+                             "grad log p(success)); got a negative reward")
+        mean = r.mean(dim=1, keepdim=True)
+        adv = torch.where(mean > 0, centred / (mean + eps), 0.0)         # normalised by the mean, not std
     else:
         x = (r if kind == "batch-std" else centred).reshape(-1)
         mean, std = batch_moments(x, valid, reduce)
@@ -284,9 +322,15 @@ def _knob(default, help, choices=None):
 
 @dataclass(frozen=True)
 class Algo:
-    adv: str = _knob("grpo", "advantage estimator (method.md §8)", ADVANTAGES)
-    adv_eps: float = _knob(1e-6, "epsilon of GRPO's (R - mean) / (std + eps)")
-    kl: str | None = _knob("k3", "Policy-KL estimator (none = no Policy-KL term)", KL_KINDS)
+    adv: str = _knob("grpo", "advantage estimator (method.md §8): grpo = (R - mean) / group std; drgrpo = "
+                     "R - mean; rloo = R - leave-one-out mean; batch-std = (R - mean) / batch std; "
+                     "reinforce++ = R - mean, whitened over the batch; maxrl = (R - mean) / mean, "
+                     "MaxRL's grad log p(success)", ADVANTAGES)
+    adv_eps: float = _knob(1e-6, "epsilon of GRPO's (R - mean) / (std + eps) and MaxRL's / (mean + eps)")
+    kl: str | None = _knob("k3", "Policy-KL estimator, r = pi_ref / pi_theta (method.md §8): k1 = -log r; "
+                           "k2 = (log r)^2 / 2; k3 = r - 1 - log r; k3-ratio = k3 * pi_theta / pi_old, "
+                           "the importance-ratio bias correction (DeepSeek-V3.2, TRL's "
+                           "use_bias_correction_kl; loss only); none = no Policy-KL term", POLICY_KL_KINDS)
     beta: float = _knob(0.01, "Policy-KL coefficient")
     kl_in: str = _knob("loss", "where the Policy-KL goes: the loss (GRPO) or the reward (RLOO)",
                        KL_PLACEMENTS)
@@ -387,6 +431,13 @@ def validate_algo(algo):
                          f"{algo.entropy_coef}, {algo.top_entropy_quantile}")
     if algo.sapo_tau_pos <= 0 or algo.sapo_tau_neg <= 0:
         raise ValueError(f"SAPO's temperatures must be > 0, got {algo.sapo_tau_pos}, {algo.sapo_tau_neg}")
+    if algo.kl == "k3-ratio" and algo.kl_in != "loss":
+        raise ValueError("kl 'k3-ratio' weights k3 by pi_theta / pi_old in the loss; in the reward (pi_old's "
+                         "own tokens and log-probs) the ratio is 1: use kl 'k3' there")
+    shaped = algo.overlong or (algo.kl_in == "reward" and algo.kl is not None and algo.beta > 0)
+    if algo.adv == "maxrl" and shaped:
+        raise ValueError("adv 'maxrl' needs success rewards >= 0 (it estimates grad log p(success)): no "
+                         "overlong punishment, no KL penalty in the reward")
     return algo
 
 
@@ -413,7 +464,7 @@ def make_algo(name, **overrides):
     algo = validate_algo(replace(ALGOS[name], **given))
     if "beta" in given and algo.beta > 0 and algo.kl is None:
         raise ValueError(f"beta={algo.beta} but {name!r} has no Policy-KL term; "
-                         f"also pass kl (one of {KL_KINDS})")
+                         f"also pass kl (one of {POLICY_KL_KINDS})")
     return algo
 
 
@@ -423,7 +474,8 @@ def unused_fields(algo):
     the Query-KL estimator when alpha = 0, the clip range of weights that are not clipped, ..."""
     policy_kl = algo.kl is not None and algo.beta > 0
     query_kl = algo.alpha > 0
-    k3 = (policy_kl and algo.kl_in == "loss" and algo.kl == "k3") or (query_kl and algo.qkl_estimator == "k3")
+    k3 = (policy_kl and algo.kl_in == "loss" and algo.kl in ("k3", "k3-ratio")) or \
+        (query_kl and algo.qkl_estimator == "k3")
     unused = {"kl": algo.beta == 0, "kl_in": not policy_kl, "beta": algo.kl is None,
               "kl_clamp": not k3, "qkl_estimator": not query_kl,
               "weight_clip": algo.weights != "paper", "adv_eps": algo.adv in ("drgrpo", "rloo"),
@@ -471,8 +523,8 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights, p
                                         for k, v in sur.stats.items()}}      # the surrogate's, as token means
 
     if ref_logp is not None:
-        kl = aggregate(policy_kl(logp, ref_logp, algo.kl or "k3", clamp=algo.kl_clamp), resp_mask, algo.agg,
-                       **denom)
+        kl = aggregate(policy_kl(logp, ref_logp, algo.kl or "k3", clamp=algo.kl_clamp, old_logp=old_logp),
+                       resp_mask, algo.agg, **denom)
         if algo.has_policy_kl_loss:
             loss = loss + algo.beta * kl                                           # + beta * PolicyKL
         stats["policy_kl"] = kl.detach()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from losses import (AGG_MODES, ALGOS, Algo, aggregate, group_advantages, kl_penalized_rewards, make_algo,
-                    nonconstant_groups, overlong_penalty, policy_kl, query_kl, query_weights, rl_loss)
+                    nonconstant_groups, overlong_penalty, policy_kl, query_kl, query_weights, rl_loss,
+                    unused_fields)
 from surrogates import SURROGATES, clip_masks, ppo_loss
 from tests.loss_cases import (ADVANTAGE_CASES, CONSTANT_GROUPS, K3_CASES, KL_PQ, KL_QP, P, PPO_CASES, Q,
                               QUERY_KL_HAND, QUERY_WEIGHT_CASES, query_kl_case)
@@ -113,6 +114,57 @@ def test_k3_monte_carlo_gradient_is_forward_kl_gradient():
     torch.testing.assert_close(theta.grad, _kl_grad("forward"), atol=0.03, rtol=0)
 
 
+def test_k3_ratio_hand_values():
+    """k3-ratio = (pi_theta / pi_old) * k3: ratios 2 and 1/2, both with r = pi_ref / pi_theta = 1/2,
+    k3 = 1/2 - 1 + ln 2; with pi_theta = pi_old it is k3 exactly, clamp included."""
+    logp = torch.tensor([0.5, 0.2], dtype=torch.float64).log()
+    old = torch.tensor([0.25, 0.4], dtype=torch.float64).log()
+    ref = torch.tensor([0.25, 0.1], dtype=torch.float64).log()
+    k3 = 0.5 - 1 + math.log(2)
+    got = policy_kl(logp, ref, "k3-ratio", old_logp=old)
+    torch.testing.assert_close(got, torch.tensor([2 * k3, 0.5 * k3], dtype=torch.float64))
+    assert got[0].item() == pytest.approx(2 * math.log(2) - 1, abs=1e-12)
+    x = torch.tensor([0.0, -1.0, -2.0, -30.0], dtype=torch.float64, requires_grad=True)
+    r = torch.tensor([-30.0, -1.5, -0.5, 0.0], dtype=torch.float64)
+    for clamp in (None, 10.0):
+        a = policy_kl(x, r, "k3-ratio", clamp=clamp, old_logp=x.detach())
+        assert torch.equal(a, policy_kl(x, r, "k3", clamp=clamp))                       # same values
+    a = policy_kl(x, r, "k3-ratio", clamp=None, old_logp=x.detach())
+    (g,) = torch.autograd.grad(a.sum(), x)                       # the ratio's gradient is kept:
+    torch.testing.assert_close(g, a.detach() + 1 - (r - x.detach()).exp())            # k3 + (1 - r)
+    with pytest.raises(ValueError, match="old_logp"):
+        policy_kl(x, r, "k3-ratio")
+
+
+def test_k3_ratio_on_pi_old_samples_is_unbiased_in_value_and_gradient():
+    """Exact expectation over tokens sampled from pi_old = O (not pi_theta = P): E_O[(P/O) k3] =
+    KL(P||Q), and its gradient is grad KL(P||Q) (k3's own is the other direction's, and its value
+    on pi_old's tokens is biased); also on-policy, O = P with old_logp = logp.detach()."""
+    O = torch.tensor([0.05, 0.05, 0.1, 0.4, 0.4], dtype=torch.float64)                 # pi_old
+    for old in (O, P):
+        theta = P.log().clone().requires_grad_(True)
+        logp = torch.log_softmax(theta, 0)
+        old_logp = logp.detach() if old is P else old.log()
+        value = (old * policy_kl(logp, Q.log(), "k3-ratio", old_logp=old_logp)).sum()
+        assert value.item() == pytest.approx(KL_PQ, abs=1e-12)
+        value.backward()
+        torch.testing.assert_close(theta.grad, _kl_grad("reverse"))
+    assert abs((O * policy_kl(P.log(), Q.log(), "k3")).sum().item() - KL_PQ) > 0.3     # plain k3 on O: biased
+
+
+def test_k3_ratio_in_the_loss_and_its_limits():
+    kw = dict(_inputs(), weights=None)
+    loss, stats = rl_loss(make_algo("grpo", kl="k3-ratio"), **kw)
+    want = aggregate(policy_kl(kw["logp"], kw["ref_logp"], "k3-ratio", 10.0, kw["old_logp"]), kw["resp_mask"])
+    assert stats["policy_kl"].item() == pytest.approx(want.item())
+    assert stats["policy_kl"].item() != pytest.approx(rl_loss(make_algo("grpo"), **kw)[1]["policy_kl"].item())
+    assert "kl_clamp" not in unused_fields(make_algo("grpo", kl="k3-ratio"))
+    with pytest.raises(ValueError, match="k3-ratio"):
+        make_algo("rloo", kl="k3-ratio")                                  # the KL in the reward: ratio 1
+    with pytest.raises(ValueError):
+        make_algo("erpo", qkl_estimator="k3-ratio")                       # prompts are not sampled
+
+
 # -----------------------------------------------------------------------------
 # Group advantages
 
@@ -131,6 +183,55 @@ def test_group_advantages_errors():
         group_advantages(torch.zeros(6), 4)
     with pytest.raises(ValueError, match="one of"):
         group_advantages(torch.zeros(4), 2, "ppo")
+
+
+def test_maxrl_advantages_by_hand():
+    """MaxRL: A_i = (R_i - mean) / mean (eps = 0), 0 for unsolved and all-solved groups."""
+    R = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1])
+    want = torch.tensor([3.0, -1, -1, -1, 1, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0])
+    assert torch.equal(group_advantages(R, 4, "maxrl", eps=0.0), want)
+    got = group_advantages(R, 4, "maxrl")                                 # eps 1e-6: (R - mean) / (mean + eps)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert got[0].item() == pytest.approx(0.75 / (0.25 + 1e-6)) and (got[8:] == 0).all()
+    torch.testing.assert_close(group_advantages(torch.tensor([0.9, 0.1]), 2, "maxrl", eps=0.0),
+                               torch.tensor([0.8, -0.8]))                 # (0.9 - 0.5) / 0.5
+    with pytest.raises(ValueError, match=">= 0"):
+        group_advantages(torch.tensor([1.0, -1.0]), 2, "maxrl")
+    for name in ("dapo", "rloo"):                                         # overlong / KL in the reward
+        with pytest.raises(ValueError, match="maxrl"):
+            make_algo(name, adv="maxrl")
+    assert make_algo("rloo-erpo", adv="maxrl").adv == "maxrl"
+
+
+def test_maxrl_gradient_is_grad_of_the_maxrl_objective():
+    """Exact expectation over all G-tuples from a categorical policy (outcomes 0, 1 correct; p = 0.1):
+    E[(1/G) sum_i A_i grad log pi(y_i)] = (1 - (1-p)^(G-1)) grad log p = grad J^(G-1), MaxRL's
+    truncated objective J^(N) = -sum_{k<=N} (1-p)^k / k (-> log p); G = 2 gives grad p (REINFORCE).
+    With A_i = -1 kept in unsolved groups (the mean-score control variate there too) it is
+    (1 - (1-p)^G) grad log p = grad J^(G)."""
+    import itertools
+    pi = torch.tensor([0.05, 0.05, 0.5, 0.4], dtype=torch.float64)
+    correct = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    theta_p = pi.log().clone().requires_grad_(True)
+    p = (torch.softmax(theta_p, 0) * correct).sum()
+    (grad_p,) = torch.autograd.grad(p, theta_p)
+    q = 1 - p.item()
+    for G in (2, 3, 5):
+        theta = pi.log().clone().requires_grad_(True)
+        logpi = torch.log_softmax(theta, 0)
+        total, kept = 0.0, 0.0
+        for ys in itertools.product(range(4), repeat=G):
+            ys = torch.tensor(ys)
+            A = group_advantages(correct[ys], G, "maxrl", eps=0.0).double()
+            weight = pi[ys].prod() / G
+            total = total + weight * (A * logpi[ys]).sum()
+            kept = kept + weight * ((A if correct[ys].any() else -torch.ones(G)) * logpi[ys]).sum()
+        (got,) = torch.autograd.grad(total, theta, retain_graph=True)
+        (got_kept,) = torch.autograd.grad(kept, theta)
+        torch.testing.assert_close(got, (1 - q ** (G - 1)) * grad_p / p.item())
+        torch.testing.assert_close(got_kept, (1 - q ** G) * grad_p / p.item())
+        if G == 2:
+            torch.testing.assert_close(got, grad_p)
 
 
 def _loop_advantages(rewards, G, kind, eps=1e-6):

@@ -147,6 +147,8 @@ MENU = {
     "sapo": ["--surrogate", "sapo"],
     "batch-std": ["--adv", "batch-std"],
     "reinforce++": ["--adv", "reinforce++"],
+    "maxrl": ["--adv", "maxrl"],
+    "k3-ratio": ["--kl", "k3-ratio", "--beta", "0.01"],
     "mask-truncated": ["--mask-truncated", "--max-new-tokens", "40"],
     "tis": ["--tis-cap", "2"],
     "lr-linear": ["--lr-schedule", "linear", "--lr-floor", "0.1"],
