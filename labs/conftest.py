@@ -15,5 +15,5 @@ def pytest_addoption(parser):
 
 @pytest.fixture(scope="session")
 def impl(request):
-    """The module whose five functions are graded."""
+    """The module whose six functions are graded."""
     return importlib.import_module(IMPLS[request.config.getoption("--impl")])

@@ -1,4 +1,4 @@
-"""The lab's exercises: write these five functions, then grade them.
+"""The lab's exercises: write these six functions, then grade them.
 
     python -m pytest -q labs/grade.py              # grades this file
     python -m pytest -q labs/grade.py --impl repo  # the same tests on the repo's own functions (all pass)
@@ -84,3 +84,17 @@ def ppo_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.
     clipped term, or the dual-clip bound, was the one taken), i.e. where the gradient is 0.
     """
     raise NotImplementedError("ppo_loss: write me (labs/exercises.py)")
+
+
+def grpo_prompt_weight(p, group_size, eps=1e-6):
+    """GRPO's implicit per-prompt weight (docs/teaching.md, part D; method.md §8.2). -> float.
+
+    A prompt with G = group_size binary rewards, K of them 1, has success rate p = K / G. Every
+    response's GRPO advantage (your group_advantages) is then A_i = c * (R_i - p) with ONE number c
+    for the whole group: the group's policy-gradient term is c * sum_i (R_i - p) grad log pi(o_i),
+    REINFORCE with the group-mean baseline scaled by c. Derive c as a function of p and G: write
+    the group's std (Bessel's, as in group_advantages) with p alone, using R_i^2 = R_i.
+
+    A group with p = 0 or p = 1 has no signal: return 0.0 there (its advantages are exactly 0).
+    """
+    raise NotImplementedError("grpo_prompt_weight: write me (labs/exercises.py)")

@@ -1,4 +1,4 @@
-"""The lab's grading tests: the five functions of labs/exercises.py on the hand-value cases that
+"""The lab's grading tests: the six functions of labs/exercises.py on the hand-value cases that
 tests/test_losses.py checks the repo against (tests/loss_cases.py), and the KL direction on an
 exact toy categorical.
 
@@ -150,3 +150,32 @@ def test_ppo_loss_advantage_per_row_or_per_token(impl):
     assert a.shape == (3, 5) and ca.dtype == torch.bool
     torch.testing.assert_close(a, b)
     assert torch.equal(ca, cb)
+
+
+# -----------------------------------------------------------------------------
+# 6. GRPO's implicit per-prompt weight (docs/teaching.md, part D)
+
+GRPO_WEIGHT_CASES = [   # (p, G, weight): 1 / (sigma + eps), sigma^2 = G/(G-1) p(1-p) (Bessel)
+    (1 / 4, 4, 1 / (0.5 + 1e-6)),                  # sigma^2 = 4/3 * 3/16 = 1/4 (population: 3/16)
+    (1 / 2, 8, 1 / (math.sqrt(2 / 7) + 1e-6)),     # 8/7 * 1/4
+    (1 / 8, 8, 1 / (math.sqrt(1 / 8) + 1e-6)),     # 8/7 * 7/64
+    (3 / 4, 4, 1 / (0.5 + 1e-6)),                  # symmetric in p <-> 1 - p
+    (0.0, 8, 0.0), (1.0, 8, 0.0), (0.0, 2, 0.0),   # no signal: 0, not 1 / eps
+]
+
+
+def test_grpo_prompt_weight_hand_values(impl):
+    for p, G, want in GRPO_WEIGHT_CASES:
+        got = impl.grpo_prompt_weight(p, G)
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9), f"p = {p}, G = {G}"
+
+
+def test_grpo_prompt_weight_times_centred_rewards_is_the_advantage(impl):
+    """c(p) (R_i - p) is GRPO's advantage of every response, for each K of G = 8 (and G = 5)."""
+    for G in (5, 8):
+        for k in range(1, G):
+            r = torch.tensor([1.0] * k + [0.0] * (G - k), dtype=torch.float64)
+            want = (r - r.mean()) / (r.std() + 1e-6)
+            got = impl.grpo_prompt_weight(k / G, G) * (r - k / G)
+            torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64), want,
+                                       msg=f"{k} successes of {G}")

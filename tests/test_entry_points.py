@@ -39,6 +39,7 @@ COMMANDS = {
     "tests/test_golden.py": [["--help"]],
     "tests/test_one_pass.py": [["--help"]],
     "labs/drift_pair.py": [["--help"]],
+    "labs/reweighting.py": [["--help"]],
     "tests/test_style.py": [["--help"]],
 }
 # `python plumbing/mathverify_pool.py --server N` is the grader pool's own child process, not a command;

@@ -43,7 +43,7 @@ def test_the_grading_fails_on_the_stubs_and_passes_on_the_repos_functions(tmp_pa
         [c for c in stubs if c["outcome"] != "failure" or "NotImplementedError" not in c["message"]]
 
 
-FUNCTIONS = ("group_advantages", "k3", "query_kl", "query_weights", "ppo_loss")
+FUNCTIONS = ("group_advantages", "k3", "query_kl", "query_weights", "ppo_loss", "grpo_prompt_weight")
 
 
 def _mutant(**changes):
@@ -73,6 +73,14 @@ def _weights_with_gradient(nll, mean_nll=None, clip=None):
     return (nll.mean() if mean_nll is None else mean_nll) / nll
 
 
+def _population_std_weight(p, G, eps=1e-6):
+    return 0.0 if p in (0, 1) else 1 / ((p * (1 - p)) ** 0.5 + eps)
+
+
+def _weight_without_zero(p, G, eps=1e-6):
+    return 1 / ((G / (G - 1) * p * (1 - p)) ** 0.5 + eps)
+
+
 def _no_dual_clip(logp, old, A, eps_low=0.2, eps_high=0.3, dual_clip=3.0):
     return repo_functions.ppo_loss(logp, old, A, eps_low, eps_high, None)
 
@@ -98,6 +106,10 @@ MISTAKES = [   # (the mistake, the implementation that makes it, grading tests t
     ("weights with gradient", _mutant(query_weights=_weights_with_gradient),
      ["test_query_weights_carry_no_gradient_and_refuse_log_likelihoods"]),
     ("no dual-clip", _mutant(ppo_loss=_no_dual_clip), ["test_ppo_loss_cases"]),
+    ("GRPO's weight with the population std", _mutant(grpo_prompt_weight=_population_std_weight),
+     ["test_grpo_prompt_weight_hand_values", "test_grpo_prompt_weight_times_centred_rewards_is_the_advantage"]),
+    ("GRPO's weight 1/eps at p = 0 or 1", _mutant(grpo_prompt_weight=_weight_without_zero),
+     ["test_grpo_prompt_weight_hand_values"]),
     ("clip without PPO's min", _mutant(ppo_loss=_clip_without_min), ["test_ppo_loss_cases"]),
 ]
 
