@@ -176,6 +176,8 @@ def rl_step(run, step):
     batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w, ro.logprobs)
     with run.timer("update"):
         update = ppo_update(run, batch, plan)
+    if update["grad_norm"] is None:                                      # no optimizer step applied: are
+        run.no_step(step)                                                # the weights sound? (their norm)
     run.qref.after_step(prompts)                                         # (scores.prompt is complete now)
     initial = query_reference.monitor_logp(run.qref, qref, prompts, run.cache)  # query_kl: drift from pi_0
     return metrics.rl_step(run, step, collected, ro, batch, initial, update)
@@ -365,6 +367,9 @@ def train_rl(run, evalsets, log, start, amp):
             log({**m, **run.timer.metrics()})                            # + time_gen, time_reward, ...
             if m["no_signal_steps"] and not said_no_signal:
                 said_no_signal = print0(NO_SIGNAL) or True
+            if run.idle_streak == IDLE_STEPS:                           # said once per such streak
+                print0(IDLE.format(n=IDLE_STEPS, first=step + 2 - IDLE_STEPS, last=step + 1,
+                                   acc=m.get("train_acc", float("nan"))))
             bar.set_postfix({k: f"{m[k]:.3f}" for k in shown if k in m} | {"s/step": f"{m['step_time']:.1f}"})
             saved = args.save_every and ((step + 1) % args.save_every == 0 or last)
             if saved:
@@ -380,6 +385,13 @@ def train_rl(run, evalsets, log, start, amp):
 NO_SIGNAL = ("no signal: an update batch whose groups all have equal rewards (every advantage 0) took no "
              "optimizer step (no_signal_steps in metrics.jsonl; method.md §8.6); --no-signal step takes such "
              "steps on the KL terms alone")
+
+# A run whose last IDLE_STEPS RL steps applied no optimizer step at all (every update batch without
+# signal, or non-finite) is not training: said in one line when the streak reaches it.
+IDLE_STEPS = 10
+IDLE = ("no optimizer step in {n} RL steps in a row (steps {first}-{last}; train_acc {acc:.3f}): every update "
+        "batch had no signal (its groups' rewards all equal) or a non-finite loss, so the policy is not "
+        "training; check the rewards (--task, --reward, --max-new-tokens), or take such steps with --no-signal step")
 
 
 def exportable(run):

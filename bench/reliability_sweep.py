@@ -1333,7 +1333,49 @@ FUZZ_TRAIN = [
          both(relative_train_data_run, as_an_older_version_wrote_it), prelude=CHDIR, env={"SWEEP_CWD": "{c}/b"}),
 ]
 
-CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE + FUZZ_TRAIN
+
+# ----------------------------------------------------------------------------------------------
+# Issue #40's findings (part 2): divergence under --no-signal skip, older configs, a damaged hf/,
+# LoRA run folders, targets that match nothing, a full disk when the run folder is first written
+
+
+def error_line_has(*texts) -> Check:
+    def check(env):
+        line = env.last.last_err_line()
+        missing = [t for t in texts if env.fill(t) not in line]
+        return f"the error line lacks {missing}: {line[:120]}" if missing else None
+    return check
+
+
+def learns(env) -> str | None:
+    """Every logged step finite, some applied, and the entropy not the uniform distribution's."""
+    ms = [m for m in metrics(env.dir / "run") if "reward" in m]
+    if not any(m.get("grad_norm") is not None for m in ms) or any(m.get("skipped_steps") for m in ms):
+        return "no optimizer step applied, or non-finite ones"
+    return None if ms[-1]["entropy"] < 1.0 else f"entropy {ms[-1]['entropy']:.2f}: the uniform distribution's"
+
+
+# --no-signal skip (the default), 64 new tokens: step 1's first update batch has a signal and its
+# step at --lr 1e6 destroys the weights; every later batch scores 0 (no signal, no step, no loss)
+DIVERGING = ("--no-signal", "skip", "--max-new-tokens", "64", "--lr", "1e6", "--save-every", "1")
+
+FUZZ40 = [
+    Case("lr-1e6-no-signal-skip", "train.py", "--lr 1e6 under --no-signal skip (no later step has a signal): the "
+         "divergence error, not exit 0; --lr 1e-4 then learns",
+         ["--out", "{c}/run", "--resume", "--steps", "4", "--lr", "1e-4"],
+         Recovered("--resume: no complete checkpoint in", all_of(steps_are(range(5)), ckpt_at(4), learns),
+                   fault=train("{c}/run", 4, *DIVERGING), fault_code=1,
+                   fault_says="error: the policy diverged by step 2: the weights' norm is ",
+                   fault_post=all_of(error_line_has("--resume starts from the initial model",
+                                                    "resume with a lower --lr"),
+                                     exists("run/ckpt", False), ckpt_at(1, "run/ckpt.diverged")))),
+    Case("no-step-for-10-steps", "train.py", "10 RL steps in a row without an optimizer step (no signal): said "
+         "in one line",
+         train("{c}/run", 10, "--no-signal", "skip", "--eval-every", "0", "--save-every", "0"),
+         Works("no optimizer step in 10 RL steps in a row (steps 1-10; train_acc 0.000)", steps_are(range(1, 11)))),
+]
+
+CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE + FUZZ_TRAIN + FUZZ40
 
 
 # ----------------------------------------------------------------------------------------------

@@ -233,17 +233,17 @@ def mark_checked(out):
             f.write("its weights have given a finite loss\n")
 
 
-def diverged(out, streak, checked) -> str:
+def diverged(out, streak, checked, why=None) -> str:
     """The error that ends a run whose last `streak` (--max-bad-steps) optimizer steps had a
-    non-finite loss or gradient. A checkpoint saved since the last finite loss (not `checked`)
-    holds the weights that diverged, so it is set aside (roll_back) and --resume continues from
-    the one before it."""
+    non-finite loss or gradient (or whose weights diverged: `why`). A checkpoint saved since the
+    last finite loss (not `checked`) holds the weights that diverged, so it is set aside
+    (roll_back) and --resume continues from the one before it."""
     step, ckpt = roll_back(out), checkpoint_dir(out)
     where = (f"--resume continues from step {step} ({ckpt}/)" if step is not None else
              "--resume starts from the initial model (no checkpoint before the divergence)")
     aside = "" if checked else f" (the checkpoint saved after it diverged: {ckpt}.diverged/)"
-    return (f"error: {streak} optimizer steps in a row had a non-finite loss or gradient "
-            f"(--max-bad-steps); {where}{aside}; resume with a lower --lr")
+    why = why or f"{streak} optimizer steps in a row had a non-finite loss or gradient (--max-bad-steps)"
+    return f"error: {why}; {where}{aside}; resume with a lower --lr"
 
 
 def roll_back(out) -> int | None:
