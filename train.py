@@ -144,6 +144,18 @@ RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_
                      "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
                      "measure_policy_kl"}
 NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu"}   # how this command runs, not what
+# --resume of a run made before an option existed: its config.json lacks the option, and the run
+# continues as it trained -- the option's value before it existed (a value, or one computed from the
+# old config); an option missing here took today's default then too (or does not change training:
+# a new algorithm knob is the row's own, off for the rows that existed). run_dir.older_config says which.
+BEFORE_OPTION = {
+    "no_signal": "step",                                     # before 4d27ed3: every update batch stepped
+    "eval_temperatures": lambda saved: [saved.get("eval_temperature", 1.0)],  # the one --eval-temperature
+    "task": "math",                                          # before tasks/: math only
+    "qkl_ref": "cache",                                      # the initial policy's cached prompt log-probs
+    "lr_schedule": "constant",                               # warm-up, then constant
+    "lora_rank": 0,                                          # full fine-tuning
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,9 +401,10 @@ NO_SIGNAL = ("no signal: an update batch whose groups all have equal rewards (ev
 # A run whose last IDLE_STEPS RL steps applied no optimizer step at all (every update batch without
 # signal, or non-finite) is not training: said in one line when the streak reaches it.
 IDLE_STEPS = 10
-IDLE = ("no optimizer step in {n} RL steps in a row (steps {first}-{last}; train_acc {acc:.3f}): every update "
-        "batch had no signal (its groups' rewards all equal) or a non-finite loss, so the policy is not "
-        "training; check the rewards (--task, --reward, --max-new-tokens), or take such steps with --no-signal step")
+IDLE = ("no optimizer step in {n} RL steps in a row (steps {first}-{last}; train_acc {acc:.3f}): every "
+        "update batch had no signal (its groups' rewards all equal) or a non-finite loss, so the policy is "
+        "not training; check the rewards (--task, --reward, --max-new-tokens), or take such steps with "
+        "--no-signal step")
 
 
 def exportable(run):
@@ -401,7 +414,8 @@ def exportable(run):
 
 def save(run, step, final):
     a, bf16 = run.args, distributed.uses_bf16(run.args.dtype, run.dist.device)
-    extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta}
+    extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta,
+             "weight_norm": run.start_norm}                               # (weights_diverged's start)
     checkpoints.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
                                 export_dtype=a.export_dtype, bf16=bf16, extra=extra)
     if final and lora.is_lora(run.policy):                               # checkpoints hold adapters: the
@@ -424,7 +438,11 @@ def parse_args(argv=None):
     options.fill(parsed, {k: v for k, v in own.items() if v})
     options.absolute_paths(parsed, ("model", "train_data", "eval_data", "sft_data", "export"))
     if args.resume:                                     # what the command does not say, config.json does
-        options.fill(parsed, run_dir.read_config(args.out) or {}, skip=NOT_THE_RUN)
+        saved = run_dir.read_config(args.out) or {}
+        options.fill(parsed, saved, skip=NOT_THE_RUN)
+        if saved:                                       # options newer than the run: as it trained
+            options.fill(parsed, {k: v(saved) if callable(v) else v for k, v in BEFORE_OPTION.items()
+                                  if k not in saved}, skip=NOT_THE_RUN)
     if args.resume and args.overwrite:
         parsed.error("--resume continues the run in --out, --overwrite replaces it: choose one")
     if args.lora_rank and (args.fsdp or args.algo == "sft"):
@@ -493,6 +511,7 @@ def train_in_folder(args, algo, dist, lock):
         run_dir.claim(args.out, lock, resume=True, overwrite=False)
     state = checkpoints.resume_point(args.out) if args.resume else None
     changed = run_dir.resume_changes(args, algo, state, RESUME_MAY_CHANGE, NOT_THE_RUN)
+    older = run_dir.older_config(args, NOT_THE_RUN, BEFORE_OPTION) if args.resume else {}  # said in one line
     (dtype, amp), bf16 = distributed.precision(args.dtype, dist.device), distributed.uses_bf16(args.dtype,
                                                                                                dist.device)
     shard = distributed.sharder(args.fsdp, dist.device, bf16, args.grad_ckpt)
@@ -512,7 +531,7 @@ def train_in_folder(args, algo, dist, lock):
     log = run_dir.MetricsLog(args.out, state.step if state else 0, args.log, vars(args))  # after every check
     try:
         run_dir.write_config(args.out, run_dir.with_resume_record(args.out, vars(args), state and state.step,
-                                                                  changed))
+                                                                  changed, older))
         if algo is None:
             sft.run(args, dist, model, tokenizer, data, evalsets, log, amp)
         else:

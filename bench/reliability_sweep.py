@@ -1359,6 +1359,26 @@ def learns(env) -> str | None:
 # step at --lr 1e6 destroys the weights; every later batch scores 0 (no signal, no step, no loss)
 DIVERGING = ("--no-signal", "skip", "--max-new-tokens", "64", "--lr", "1e6", "--save-every", "1")
 
+# The options a config.json written at d5ba7a3 (2026-12-01) lacks: the issue's 18 keys
+NEWER_OPTIONS = ("entropy_coef", "eval_temperatures", "lora_alpha", "lora_dropout", "lora_rank", "lora_targets",
+                 "lr_decay_steps", "lr_floor", "lr_schedule", "mask_truncated", "no_signal", "plan_gpu",
+                 "qkl_ref_decay", "qkl_ref_every", "sapo_tau_neg", "sapo_tau_pos", "tis_cap", "top_entropy_quantile")
+
+
+def as_d5ba7a3_wrote_it(env):
+    """The base run's config.json without the options added since d5ba7a3 (its --no-signal step among them)."""
+    path = env.dir / "run" / "config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if k not in NEWER_OPTIONS}, indent=2))
+
+
+def trained_as_before(env) -> str | None:
+    cfg = json.loads((env.dir / "run" / "config.json").read_text())
+    if cfg.get("no_signal") != "step" or "no_signal" not in cfg["resumed"][-1].get("added", {}):
+        return f"config.json: no_signal {cfg.get('no_signal')!r}, resumed {cfg['resumed'][-1]}"
+    return metric("no_signal_steps", {5: 0, 6: 0})(env)
+
+
 FUZZ40 = [
     Case("lr-1e6-no-signal-skip", "train.py", "--lr 1e6 under --no-signal skip (no later step has a signal): the "
          "divergence error, not exit 0; --lr 1e-4 then learns",
@@ -1373,6 +1393,11 @@ FUZZ40 = [
          "in one line",
          train("{c}/run", 10, "--no-signal", "skip", "--eval-every", "0", "--save-every", "0"),
          Works("no optimizer step in 10 RL steps in a row (steps 1-10; train_acc 0.000)", steps_are(range(1, 11)))),
+    Case("resume-older-config", "train.py", "--resume of a run whose config.json lacks 17 newer options: said in "
+         "one line; it steps without signal, as it did (no_signal 'step', not today's 'skip')",
+         ["--out", "{c}/run", "--resume", "--steps", "6"],
+         Works("lacks 17 options newer than the run", all_of(steps_are(range(7)), ckpt_at(6), trained_as_before)),
+         both(copy_base, as_d5ba7a3_wrote_it), uses_base=True),
 ]
 
 CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE + FUZZ_TRAIN + FUZZ40

@@ -44,13 +44,32 @@ def write_whole(path, text):
         raise SystemExit(f"error: cannot write {path} ({e.strerror or e}); it is as it was") from None
 
 
-def with_resume_record(out, cfg: dict, step, changed: dict) -> dict:
+def with_resume_record(out, cfg: dict, step, changed: dict, older=None) -> dict:
     """config.json of a run: its options, and under "resumed" every --resume with what it changed
-    ({"at_step": 20, "changed": {"lr": [2e-4, 1e-4]}}), so the file says how the run was made."""
+    ({"at_step": 20, "changed": {"lr": [2e-4, 1e-4]}}) and the options its older config.json lacked
+    ("added": {"no_signal": "step"}, older_config), so the file says how the run was made."""
     history = (read_config(out) or {}).get("resumed", []) if step is not None else []
     if step is not None:
-        history = history + [{"at_step": step, "changed": {k: list(v) for k, v in changed.items()}}]
+        history = history + [{"at_step": step, "changed": {k: list(v) for k, v in changed.items()},
+                              **({"added": older} if older else {})}]
     return {**cfg, "resumed": history} if history else cfg
+
+
+def older_config(args, not_the_run, before: dict) -> dict:
+    """--resume of a run whose config.json an older version wrote: {option: the value this run
+    takes} for every option the file lacks (train.parse_args filled them: the value before the
+    option existed, `before` = train.BEFORE_OPTION, else today's default), said in one line."""
+    saved, now = read_config(args.out), vars(args)
+    if not saved:
+        return {}
+    lacked = {k: now[k] for k in sorted(now) if k not in saved and k not in not_the_run}
+    if lacked:
+        said = ", ".join(f"{k} {short(v, 30)}{' (as before the option)' if k in before else ''}"
+                         for k, v in lacked.items())
+        distributed.print0(f"--resume: {args.out}/config.json (an older version's) lacks {len(lacked)} "
+                           "options newer than the run; they take the values that keep how it trained where "
+                           f"those differ, else today's (None: the algorithm's own): {said}")
+    return lacked
 
 
 def read_config(out) -> dict | None:
