@@ -12,6 +12,7 @@ algorithms is a row of `losses.ALGOS`; every loss term is in `losses.py` (equati
 
 import os
 import random
+import shutil
 import time
 
 try:                                       # Ctrl-C during these imports: one line, no traceback
@@ -419,9 +420,34 @@ def save(run, step, final):
     checkpoints.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
                                 export_dtype=a.export_dtype, bf16=bf16, extra=extra)
     if final and lora.is_lora(run.policy):                               # checkpoints hold adapters: the
-        checkpoints.export(exportable(run), run.tokenizer, os.path.join(a.out, "hf"), a.export_dtype,  # model
-                           bf16=bf16)                                    # evaluate.py loads is <out>/hf
+        final_export(run, step)                                          # merged model is <out>/hf
     run.ckpt_checked = False                                             # until the next finite loss
+
+
+def final_export(run, step):
+    """<out>/hf, the final export of a LoRA or FSDP2 run (FSDP2's first, in save_checkpoint): written
+    with its record (checkpoints.export_damage); a failed write names the way back."""
+    a, hf = run.args, os.path.join(run.args.out, "hf")
+    try:
+        checkpoints.export(exportable(run), run.tokenizer, hf, a.export_dtype, record=True,
+                           bf16=distributed.uses_bf16(a.dtype, run.dist.device))
+    except SystemExit as e:
+        raise SystemExit(f"{e.code}; the checkpoint of step {step} is saved: --resume rebuilds {hf} once the "
+                         "disk has room") from None
+
+
+def check_final_export(run, step):
+    """--resume of a finished run (no step left): a LoRA or FSDP2 run's <out>/hf, damaged or left
+    half-written (a full disk), is rebuilt from the checkpoint of the last step, saying so."""
+    if not (lora.is_lora(run.policy) or distributed.is_fsdp(run.policy)):
+        return
+    hf = os.path.join(run.args.out, "hf")
+    why = distributed.all_gather_list([checkpoints.export_damage(hf) if run.dist.main else None])[0]
+    if why:
+        print0(f"--resume: {hf} is not complete ({why}): rebuilding it from the checkpoint of step {step}")
+        if run.dist.main:
+            shutil.rmtree(hf, ignore_errors=True)
+        final_export(run, step)
 
 
 def parse_args(argv=None):
@@ -522,6 +548,9 @@ def train_in_folder(args, algo, dist, lock):
     print0(attention.description)
     print0(f"model {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {dist.device}")
     evalsets, data = load_data(args, tokenizer)                      # bad data: one line, nothing written
+    why = lora.unmatched_targets(model, args.lora_targets) if args.lora_rank else None
+    if why:                                                          # (peft's traceback, after the claim)
+        raise SystemExit(f"error: {why}")
     with errors.one_line():                                          # prompts + responses fit the positions
         check_fits(model, evalsets, args.max_new_tokens)
     run_dir.claim(args.out, lock, resume=args.resume, overwrite=args.overwrite)  # --overwrite: old run goes
@@ -536,6 +565,8 @@ def train_in_folder(args, algo, dist, lock):
             sft.run(args, dist, model, tokenizer, data, evalsets, log, amp)
         else:
             train_rl(run, evalsets, log, state.step if state else 0, amp)
+            if state and state.step == args.steps:                       # finished: its <out>/hf complete?
+                check_final_export(run, state.step)
             checkpoints.export(exportable(run), tokenizer, args.export, args.export_dtype, bf16=bf16)
     finally:
         log.close()

@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -1379,6 +1380,45 @@ def trained_as_before(env) -> str | None:
     return metric("no_signal_steps", {5: 0, 6: 0})(env)
 
 
+# open() for writing raises ENOSPC under one folder, as on a full disk (folders can still be made)
+FULL_DISK_FILES = """
+import builtins, errno, os
+_open, _full = builtins.open, os.environ["SWEEP_FULL_DIR"]
+def _open_or_full(file, mode="r", *a, **k):
+    if isinstance(file, (str, os.PathLike)) and os.path.abspath(os.fspath(file)).startswith(_full) \\
+            and any(c in mode for c in "wax+"):
+        raise OSError(errno.ENOSPC, "No space left on device", os.fspath(file))
+    return _open(file, mode, *a, **k)
+builtins.open = _open_or_full
+"""
+LORA = ("--lora-rank", "4", "--eval-every", "0")         # a 2-step LoRA run: adapters in ckpt/, merged hf/
+
+
+def copy_lora_run(env):
+    """{c}/run: a copy of one finished 2-step LoRA run, made once for the sweep by the first case that needs it."""
+    sweep = env.sweep
+    with sweep.lora_lock:
+        if not (sweep.root / "lora-run" / "run" / "hf").exists():
+            (sweep.root / "lora-run").mkdir(exist_ok=True)
+            p = env.run("train.py", train(str(sweep.root / "lora-run" / "run"), 2, *LORA))
+            need(p.code == 0, f"set-up LoRA run failed: {p.last_err_line()[:120]}")
+    shutil.copytree(sweep.root / "lora-run" / "run", env.dir / "run", symlinks=True)
+
+
+def hf_intact(env) -> str | None:
+    """run/hf: every weights file as long as its header says, and the export's record there."""
+    hf = env.dir / "run" / "hf"
+    if not (hf / "export_record.json").is_file():
+        return "run/hf has no export_record.json"
+    for path in hf.glob("*.safetensors"):
+        data = path.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        end = max(v["data_offsets"][1] for k, v in json.loads(data[8:8 + n]).items() if k != "__metadata__")
+        if len(data) < 8 + n + end:
+            return f"run/hf/{path.name} is truncated"
+    return None
+
+
 FUZZ40 = [
     Case("lr-1e6-no-signal-skip", "train.py", "--lr 1e6 under --no-signal skip (no later step has a signal): the "
          "divergence error, not exit 0; --lr 1e-4 then learns",
@@ -1398,6 +1438,40 @@ FUZZ40 = [
          ["--out", "{c}/run", "--resume", "--steps", "6"],
          Works("lacks 17 options newer than the run", all_of(steps_are(range(7)), ckpt_at(6), trained_as_before)),
          both(copy_base, as_d5ba7a3_wrote_it), uses_base=True),
+    Case("lora-run-advice", "train.py", "a LoRA run's summary names what evaluate.py loads (its hf/, not ckpt/)",
+         train("{c}/run", 2, *LORA),
+         Works("python evaluate.py --model {c}/run/hf ", all_of(steps_are([1, 2]), hf_intact))),
+    Case("eval-lora-ckpt", "evaluate.py", "a LoRA run's ckpt/ (adapters only) as --model: the initial model with "
+         "its adapters merged",
+         evaluate("{c}/run/ckpt"),
+         Works(post=samples(4)),
+         copy_lora_run),
+    Case("eval-lora-run-folder", "evaluate.py", "a LoRA run's folder as --model means its checkpoint",
+         evaluate("{c}/run"),
+         Works(post=samples(4)),
+         copy_lora_run),
+    Case("nll-lora-run", "analysis.py", "nll on a LoRA run's folder writes its pairs",
+         ["nll", "--model", "{c}/run", "--limit", "2", "--max-new-tokens", "16", "--no-progress", "--out", "{c}/nll"],
+         Works("Pearson r(query NLL, response NLL)", nll_pairs(2)),
+         copy_lora_run),
+    Case("lora-hf-damaged", "train.py", "a finished LoRA run whose hf/ a full disk cut short: --resume rebuilds it "
+         "from the last checkpoint",
+         ["--out", "{c}/run", "--resume"],
+         Recovered("{c}/run/hf is not complete (model.safetensors: ", all_of(steps_are([1, 2]), hf_intact)),
+         both(copy_lora_run, truncate("run/hf/model.safetensors"))),
+    Case("lora-target-missing", "train.py", "--lora-targets naming no module: one line before --out is claimed",
+         train("{c}/run", 1, "--lora-rank", "4", "--lora-targets", "nonexistent_proj"),
+         Refused("--lora-targets nonexistent_proj: no module of the model is named so", absent=("run",))),
+    Case("full-disk-first-write", "train.py", "a full disk when the run folder is first written: one line, no "
+         "folder left",
+         train("{c}/a/run", 1, *ONE_STEP),
+         Refused("cannot write {c}/a/run (No space left on device)", absent=("a",)),
+         prelude=FULL_DISK_FILES, env={"SWEEP_FULL_DIR": "{c}/a"}),
+    Case("eval-full-disk-first-write", "evaluate.py", "a full disk when --out's config.json is first written: one "
+         "line, no folder left",
+         evaluate("{warm}", "{c}/a/eval"),
+         Refused("cannot write {c}/a/eval/config.json (No space left on device)", absent=("a",)),
+         prelude=FULL_DISK_FILES, env={"SWEEP_FULL_DIR": "{c}/a"}),
 ]
 
 CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE + FUZZ_TRAIN + FUZZ40
@@ -1418,6 +1492,7 @@ class Sweep:
         self.cache = root / "query_cache"
         self.base = root / "base-run" / "run"
         self.readonly = self._readonly_folder()
+        self.lora_lock = threading.Lock()                # the shared LoRA run (copy_lora_run): made once
 
     def _readonly_folder(self) -> str | None:
         """A folder this user cannot write: a chmod 0500 one, or as root (who writes anywhere) one
