@@ -17,10 +17,11 @@ Every case expects one of four outcomes:
                last step saved; the command a user runs next (--resume, the same command) finishes
   recovered    after a fault (a truncated checkpoint, a kill mid-save, a divergence) the next command
                says how it recovered (fallback, rollback) and finishes the run
-Cases share one finished 4-step run (copied into each case's folder) and one Query-KL cache. The
-table is printed and written to bench/results/reliability_sweep.md; the exit status is 1 if any
-case fails. Only the "full query-cache disk" case patches anything: torch.save raises in the shared
-cache folder as on a full disk (a prelude run before train.py, in the same process).
+Cases share one finished 4-step run (copied into each case's folder), one finished 2-step LoRA run
+(made by the first case that needs it) and one Query-KL cache. The table is printed and written to
+bench/results/reliability_sweep.md; the exit status is 1 if any case fails. Only the full-disk
+cases patch anything, in a prelude run before the script in the same process: torch.save raises in
+one folder (FULL_DISK), or open() for writing does (FULL_DISK_FILES), as on a full disk.
 """
 
 import argparse
