@@ -417,6 +417,23 @@ def all_sampled(args, benches) -> bool:
 # ----------------------------------------------------------------------------- command line
 
 
+def write_first(out, settings, fingerprints) -> str | None:
+    """--out and its config.json, before any sample; a write that fails (a full disk): what it
+    made goes again (no empty folder left) -> why, else None."""
+    parent = run_dir._existing_parent(out)
+    had = os.path.exists(os.path.join(out, "config.json"))
+    try:
+        os.makedirs(out, exist_ok=True)
+        eval_folder.write_config(out, settings, fingerprints)
+    except OSError as e:
+        for leftover in ("config.json.tmp", *(() if had else ("config.json",))):
+            if os.path.isfile(os.path.join(out, leftover)):
+                os.remove(os.path.join(out, leftover))
+        run_dir.remove_empty_folders(out, parent)
+        return f"cannot write {out}/config.json ({e.strerror or e})"
+    return None
+
+
 def fail(msg):
     """Bad input: one line on stderr and exit status 2, no traceback, no usage dump."""
     print(f"evaluate.py: error: {msg}", file=sys.stderr)
@@ -510,10 +527,10 @@ def main(argv=None):
             eval_folder.check_rows(args.out, benches)
         except ValueError as e:
             fail(e)
-        if d.main and not finished:
-            os.makedirs(args.out, exist_ok=True)
-            eval_folder.write_config(args.out, settings, fingerprints)
-        distributed.barrier()
+        why = write_first(args.out, settings, fingerprints) if d.main and not finished else None
+        why = distributed.all_gather_list([why])[0]                 # every rank stops together
+        if why:
+            fail(why)
         summary = run_sweep(args, benches, d)
         distributed.teardown()
     return summary

@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 from safetensors import SafetensorError
 
+import lora
 import models
 import reward
 import rollout
@@ -150,10 +151,10 @@ def load_model(path, device="cpu", dtype=None):
     """(model, tokenizer) of a --model: an HF folder or hub id, a run folder, or any checkpoint
     (checkpoints.find_model); the sharded checkpoint of an FSDP2 run is the run's initial model
     (architecture, tokenizer, generation config: what train.py resumes such a checkpoint on) with
-    the checkpoint's weights, in `dtype` (models.load_policy's). (The initial weights are read
-    once and overwritten: a few seconds of disk at 7B, against hours of sampling.) Files that
-    looked like a model but do not load (a truncated safetensors, a broken config.json, a hub id
-    offline): ValueError with one line naming the --model."""
+    the checkpoint's weights (a LoRA run's: its adapters merged), in `dtype` (models.load_policy's).
+    (The initial weights are read once and overwritten: a few seconds of disk at 7B, against hours
+    of sampling.) Files that looked like a model but do not load (a truncated safetensors, a broken
+    config.json, a hub id offline): ValueError with one line naming the --model."""
     src = checkpoints.find_model(path)
     try:
         model, tokenizer = models.load_policy(src.model, device=device, dtype=dtype)
@@ -161,6 +162,8 @@ def load_model(path, device="cpu", dtype=None):
         raise ValueError(f"cannot load model {path!r}: {first_line(e)}") from None
     if src.dcp:
         checkpoints.load_sharded_weights(model, src.dcp)
+    if src.adapters:                                          # a LoRA run's checkpoint: merged
+        model = lora.merge_adapters(model, src.adapters)
     return model, tokenizer
 
 

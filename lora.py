@@ -46,6 +46,22 @@ def target_modules(targets: str):
     return targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
 
 
+def unmatched_targets(model, targets: str) -> str | None:
+    """Why --lora-targets cannot adapt `model` (a name no module of it has: peft matches a target to
+    a module whose name is it or ends in "." + it), or None; checked before --out is claimed."""
+    targets = target_modules(targets)
+    if targets == "all-linear":
+        return None
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return None
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear)})
+    return (f"--lora-targets {','.join(missing)}: no module of the model is named so; its linear layers are "
+            f"{', '.join(linear)} (or give all-linear)")
+
+
 def peft_model(model):
     """The peft model inside `model` (unwrapped from DDP), or None for a model without adapters."""
     inner = getattr(model, "module", model)
@@ -108,6 +124,22 @@ def decoding_copy(policy, dtype=None):
         yield model
     finally:
         del model
+
+
+def merge_adapters(model, folder):
+    """A plain model: `model` (the run's initial model) with the adapters of a LoRA run's checkpoint
+    folder merged into its weights (evaluate.py / analysis.py on a LoRA run's ckpt/). A folder whose
+    adapters do not fit the model: SystemExit with one line."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise SystemExit("error: a LoRA checkpoint needs peft to load (pip install peft)") from None
+    try:
+        return PeftModel.from_pretrained(model, folder).merge_and_unload()
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise SystemExit(f"error: {folder}: its LoRA adapters do not load onto the run's initial model: "
+                         f"{why}") from None
 
 
 def load_adapters(policy, folder):

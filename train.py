@@ -12,6 +12,7 @@ algorithms is a row of `losses.ALGOS`; every loss term is in `losses.py` (equati
 
 import os
 import random
+import shutil
 import time
 
 try:                                       # Ctrl-C during these imports: one line, no traceback
@@ -154,6 +155,18 @@ RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_
                      "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
                      "measure_policy_kl", "lr_decay_steps"}
 NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu"}   # how this command runs, not what
+# --resume of a run made before an option existed: its config.json lacks the option, and the run
+# continues as it trained -- the option's value before it existed (a value, or one computed from the
+# old config); an option missing here took today's default then too (or does not change training:
+# a new algorithm knob is the row's own, off for the rows that existed). run_dir.older_config says which.
+BEFORE_OPTION = {
+    "no_signal": "step",                                     # before 4d27ed3: every update batch stepped
+    "eval_temperatures": lambda saved: [saved.get("eval_temperature", 1.0)],  # the one --eval-temperature
+    "task": "math",                                          # before tasks/: math only
+    "qkl_ref": "cache",                                      # the initial policy's cached prompt log-probs
+    "lr_schedule": "constant",                               # warm-up, then constant
+    "lora_rank": 0,                                          # full fine-tuning
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,6 +199,8 @@ def rl_step(run, step):
     batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w, ro.logprobs)
     with run.timer("update"):
         update = ppo_update(run, batch, plan)
+    if update["grad_norm"] is None:                                      # no optimizer step applied: are
+        run.no_step(step)                                                # the weights sound? (their norm)
     run.qref.after_step(prompts)                                         # (scores.prompt is complete now)
     initial = query_reference.monitor_logp(run.qref, qref, prompts, run.cache)  # query_kl: drift from pi_0
     return metrics.rl_step(run, step, collected, ro, batch, initial, update)
@@ -377,6 +392,9 @@ def train_rl(run, evalsets, log, start, amp):
             log({**m, **run.timer.metrics()})                            # + time_gen, time_reward, ...
             if m["no_signal_steps"] and not said_no_signal:
                 said_no_signal = print0(NO_SIGNAL) or True
+            if run.idle_streak == IDLE_STEPS:                           # said once per such streak
+                print0(IDLE.format(n=IDLE_STEPS, first=step + 2 - IDLE_STEPS, last=step + 1,
+                                   acc=m.get("train_acc", float("nan"))))
             bar.set_postfix({k: f"{m[k]:.3f}" for k in shown if k in m} | {"s/step": f"{m['step_time']:.1f}"})
             saved = args.save_every and ((step + 1) % args.save_every == 0 or last)
             if saved:
@@ -393,6 +411,14 @@ NO_SIGNAL = ("no signal: an update batch whose groups all have equal rewards (ev
              "optimizer step (no_signal_steps in metrics.jsonl; method.md §8.6); --no-signal step takes such "
              "steps on the KL terms alone")
 
+# A run whose last IDLE_STEPS RL steps applied no optimizer step at all (every update batch without
+# signal, or non-finite) is not training: said in one line when the streak reaches it.
+IDLE_STEPS = 10
+IDLE = ("no optimizer step in {n} RL steps in a row (steps {first}-{last}; train_acc {acc:.3f}): every "
+        "update batch had no signal (its groups' rewards all equal) or a non-finite loss, so the policy is "
+        "not training; check the rewards (--task, --reward, --max-new-tokens), or take such steps with "
+        "--no-signal step")
+
 
 def exportable(run):
     """What --export writes: the policy, or a LoRA policy with its adapters merged (a plain model)."""
@@ -401,13 +427,39 @@ def exportable(run):
 
 def save(run, step, final):
     a, bf16 = run.args, distributed.uses_bf16(run.args.dtype, run.dist.device)
-    extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta}
+    extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta,
+             "weight_norm": run.start_norm}                               # (weights_diverged's start)
     checkpoints.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
                                 export_dtype=a.export_dtype, bf16=bf16, extra=extra)
     if final and lora.is_lora(run.policy):                               # checkpoints hold adapters: the
-        checkpoints.export(exportable(run), run.tokenizer, os.path.join(a.out, "hf"), a.export_dtype,  # model
-                           bf16=bf16)                                    # evaluate.py loads is <out>/hf
+        final_export(run, step)                                          # merged model is <out>/hf
     run.ckpt_checked = False                                             # until the next finite loss
+
+
+def final_export(run, step):
+    """<out>/hf, the final export of a LoRA or FSDP2 run (FSDP2's first, in save_checkpoint): written
+    with its record (checkpoints.export_damage); a failed write names the way back."""
+    a, hf = run.args, os.path.join(run.args.out, "hf")
+    try:
+        checkpoints.export(exportable(run), run.tokenizer, hf, a.export_dtype, record=True,
+                           bf16=distributed.uses_bf16(a.dtype, run.dist.device))
+    except SystemExit as e:
+        raise SystemExit(f"{e.code}; the checkpoint of step {step} is saved: --resume rebuilds {hf} once the "
+                         "disk has room") from None
+
+
+def check_final_export(run, step):
+    """--resume of a finished run (no step left): a LoRA or FSDP2 run's <out>/hf, damaged or left
+    half-written (a full disk), is rebuilt from the checkpoint of the last step, saying so."""
+    if not (lora.is_lora(run.policy) or distributed.is_fsdp(run.policy)):
+        return
+    hf = os.path.join(run.args.out, "hf")
+    why = distributed.all_gather_list([checkpoints.export_damage(hf) if run.dist.main else None])[0]
+    if why:
+        print0(f"--resume: {hf} is not complete ({why}): rebuilding it from the checkpoint of step {step}")
+        if run.dist.main:
+            shutil.rmtree(hf, ignore_errors=True)
+        final_export(run, step)
 
 
 def parse_args(argv=None):
@@ -425,7 +477,11 @@ def parse_args(argv=None):
     options.fill(parsed, {k: v for k, v in own.items() if v})
     options.absolute_paths(parsed, ("model", "train_data", "eval_data", "sft_data", "export"))
     if args.resume:                                     # what the command does not say, config.json does
-        options.fill(parsed, run_dir.read_config(args.out) or {}, skip=NOT_THE_RUN)
+        saved = run_dir.read_config(args.out) or {}
+        options.fill(parsed, saved, skip=NOT_THE_RUN)
+        if saved:                                       # options newer than the run: as it trained
+            options.fill(parsed, {k: v(saved) if callable(v) else v for k, v in BEFORE_OPTION.items()
+                                  if k not in saved}, skip=NOT_THE_RUN)
     if args.resume and args.overwrite:
         parsed.error("--resume continues the run in --out, --overwrite replaces it: choose one")
     if args.lora_rank and (args.fsdp or args.algo == "sft"):
@@ -518,6 +574,7 @@ def train_in_folder(args, algo, dist, lock):
         run_dir.claim(args.out, lock, resume=True, overwrite=False)
     state = checkpoints.resume_point(args.out) if args.resume else None
     changed = run_dir.resume_changes(args, algo, state, RESUME_MAY_CHANGE, NOT_THE_RUN)
+    older = run_dir.older_config(args, NOT_THE_RUN, BEFORE_OPTION) if args.resume else {}  # said in one line
     (dtype, amp), bf16 = distributed.precision(args.dtype, dist.device), distributed.uses_bf16(args.dtype,
                                                                                                dist.device)
     shard = distributed.sharder(args.fsdp, dist.device, bf16, args.grad_ckpt)
@@ -528,6 +585,9 @@ def train_in_folder(args, algo, dist, lock):
     print0(attention.description)
     print0(f"model {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, {dtype}, {dist.device}")
     evalsets, data = load_data(args, tokenizer)                      # bad data: one line, nothing written
+    why = lora.unmatched_targets(model, args.lora_targets) if args.lora_rank else None
+    if why:                                                          # (peft's traceback, after the claim)
+        raise SystemExit(f"error: {why}")
     with errors.one_line():                                          # prompts + responses fit the positions
         check_fits(model, evalsets, args.max_new_tokens)
     run_dir.claim(args.out, lock, resume=args.resume, overwrite=args.overwrite)  # --overwrite: old run goes
@@ -537,11 +597,13 @@ def train_in_folder(args, algo, dist, lock):
     log = run_dir.MetricsLog(args.out, state.step if state else 0, args.log, vars(args))  # after every check
     try:
         run_dir.write_config(args.out, run_dir.with_resume_record(args.out, vars(args), state and state.step,
-                                                                  changed))
+                                                                  changed, older))
         if algo is None:
             sft.run(args, dist, model, tokenizer, data, evalsets, log, amp)
         else:
             train_rl(run, evalsets, log, state.step if state else 0, amp)
+            if state and state.step == args.steps:                       # finished: its <out>/hf complete?
+                check_final_export(run, state.step)
             checkpoints.export(exportable(run), tokenizer, args.export, args.export_dtype, bf16=bf16)
     finally:
         log.close()

@@ -17,10 +17,11 @@ Every case expects one of four outcomes:
                last step saved; the command a user runs next (--resume, the same command) finishes
   recovered    after a fault (a truncated checkpoint, a kill mid-save, a divergence) the next command
                says how it recovered (fallback, rollback) and finishes the run
-Cases share one finished 4-step run (copied into each case's folder) and one Query-KL cache. The
-table is printed and written to bench/results/reliability_sweep.md; the exit status is 1 if any
-case fails. Only the "full query-cache disk" case patches anything: torch.save raises in the shared
-cache folder as on a full disk (a prelude run before train.py, in the same process).
+Cases share one finished 4-step run (copied into each case's folder), one finished 2-step LoRA run
+(made by the first case that needs it) and one Query-KL cache. The table is printed and written to
+bench/results/reliability_sweep.md; the exit status is 1 if any case fails. Only the full-disk
+cases patch anything, in a prelude run before the script in the same process: torch.save raises in
+one folder (FULL_DISK), or open() for writing does (FULL_DISK_FILES), as on a full disk.
 """
 
 import argparse
@@ -33,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -1426,7 +1428,147 @@ ISSUE40_OPTIONS = [
                all_of(said(r"plan: peak_gib_per_gpu=(\d\d)\.\d "), said(r"6N \+ 6 x 40\.4M FLOPs per token")))),
 ]
 
-CASES = ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE + FUZZ_TRAIN + ISSUE40_OPTIONS
+# ----------------------------------------------------------------------------------------------
+# Issue #40's findings (part 2): divergence under --no-signal skip, older configs, a damaged hf/,
+# LoRA run folders, targets that match nothing, a full disk when the run folder is first written
+
+
+def error_line_has(*texts) -> Check:
+    def check(env):
+        line = env.last.last_err_line()
+        missing = [t for t in texts if env.fill(t) not in line]
+        return f"the error line lacks {missing}: {line[:120]}" if missing else None
+    return check
+
+
+def learns(env) -> str | None:
+    """Every logged step finite, some applied, and the entropy not the uniform distribution's."""
+    ms = [m for m in metrics(env.dir / "run") if "reward" in m]
+    if not any(m.get("grad_norm") is not None for m in ms) or any(m.get("skipped_steps") for m in ms):
+        return "no optimizer step applied, or non-finite ones"
+    return None if ms[-1]["entropy"] < 1.0 else f"entropy {ms[-1]['entropy']:.2f}: the uniform distribution's"
+
+
+# --no-signal skip (the default), 64 new tokens: step 1's first update batch has a signal and its
+# step at --lr 1e6 destroys the weights; every later batch scores 0 (no signal, no step, no loss)
+DIVERGING = ("--no-signal", "skip", "--max-new-tokens", "64", "--lr", "1e6", "--save-every", "1")
+
+# The options a config.json written at d5ba7a3 (2026-12-01) lacks: the issue's 18 keys
+NEWER_OPTIONS = ("entropy_coef", "eval_temperatures", "lora_alpha", "lora_dropout", "lora_rank", "lora_targets",
+                 "lr_decay_steps", "lr_floor", "lr_schedule", "mask_truncated", "no_signal", "plan_gpu",
+                 "qkl_ref_decay", "qkl_ref_every", "sapo_tau_neg", "sapo_tau_pos", "tis_cap", "top_entropy_quantile")
+
+
+def as_d5ba7a3_wrote_it(env):
+    """The base run's config.json without the options added since d5ba7a3 (its --no-signal step among them)."""
+    path = env.dir / "run" / "config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if k not in NEWER_OPTIONS}, indent=2))
+
+
+def trained_as_before(env) -> str | None:
+    cfg = json.loads((env.dir / "run" / "config.json").read_text())
+    if cfg.get("no_signal") != "step" or "no_signal" not in cfg["resumed"][-1].get("added", {}):
+        return f"config.json: no_signal {cfg.get('no_signal')!r}, resumed {cfg['resumed'][-1]}"
+    return metric("no_signal_steps", {5: 0, 6: 0})(env)
+
+
+# open() for writing raises ENOSPC under one folder, as on a full disk (folders can still be made)
+FULL_DISK_FILES = """
+import builtins, errno, os
+_open, _full = builtins.open, os.environ["SWEEP_FULL_DIR"]
+def _open_or_full(file, mode="r", *a, **k):
+    if isinstance(file, (str, os.PathLike)) and os.path.abspath(os.fspath(file)).startswith(_full) \\
+            and any(c in mode for c in "wax+"):
+        raise OSError(errno.ENOSPC, "No space left on device", os.fspath(file))
+    return _open(file, mode, *a, **k)
+builtins.open = _open_or_full
+"""
+LORA = ("--lora-rank", "4", "--eval-every", "0")         # a 2-step LoRA run: adapters in ckpt/, merged hf/
+
+
+def copy_lora_run(env):
+    """{c}/run: a copy of one finished 2-step LoRA run, made once for the sweep by the first case that needs it."""
+    sweep = env.sweep
+    with sweep.lora_lock:
+        if not (sweep.root / "lora-run" / "run" / "hf").exists():
+            (sweep.root / "lora-run").mkdir(exist_ok=True)
+            p = env.run("train.py", train(str(sweep.root / "lora-run" / "run"), 2, *LORA))
+            need(p.code == 0, f"set-up LoRA run failed: {p.last_err_line()[:120]}")
+    shutil.copytree(sweep.root / "lora-run" / "run", env.dir / "run", symlinks=True)
+
+
+def hf_intact(env) -> str | None:
+    """run/hf: every weights file as long as its header says, and the export's record there."""
+    hf = env.dir / "run" / "hf"
+    if not (hf / "export_record.json").is_file():
+        return "run/hf has no export_record.json"
+    for path in hf.glob("*.safetensors"):
+        data = path.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        end = max(v["data_offsets"][1] for k, v in json.loads(data[8:8 + n]).items() if k != "__metadata__")
+        if len(data) < 8 + n + end:
+            return f"run/hf/{path.name} is truncated"
+    return None
+
+
+FUZZ40 = [
+    Case("lr-1e6-no-signal-skip", "train.py", "--lr 1e6 under --no-signal skip (no later step has a signal): the "
+         "divergence error, not exit 0; --lr 1e-4 then learns",
+         ["--out", "{c}/run", "--resume", "--steps", "4", "--lr", "1e-4"],
+         Recovered("--resume: no complete checkpoint in", all_of(steps_are(range(5)), ckpt_at(4), learns),
+                   fault=train("{c}/run", 4, *DIVERGING), fault_code=1,
+                   fault_says="error: the policy diverged by step 2: the weights' norm is ",
+                   fault_post=all_of(error_line_has("--resume starts from the initial model",
+                                                    "resume with a lower --lr"),
+                                     exists("run/ckpt", False), ckpt_at(1, "run/ckpt.diverged")))),
+    Case("no-step-for-10-steps", "train.py", "10 RL steps in a row without an optimizer step (no signal): said "
+         "in one line",
+         train("{c}/run", 10, "--no-signal", "skip", "--eval-every", "0", "--save-every", "0"),
+         Works("no optimizer step in 10 RL steps in a row (steps 1-10; train_acc 0.000)", steps_are(range(1, 11)))),
+    Case("resume-older-config", "train.py", "--resume of a run whose config.json lacks 17 newer options: said in "
+         "one line; it steps without signal, as it did (no_signal 'step', not today's 'skip')",
+         ["--out", "{c}/run", "--resume", "--steps", "6"],
+         Works("lacks 17 options newer than the run", all_of(steps_are(range(7)), ckpt_at(6), trained_as_before)),
+         both(copy_base, as_d5ba7a3_wrote_it), uses_base=True),
+    Case("lora-run-advice", "train.py", "a LoRA run's summary names what evaluate.py loads (its hf/, not ckpt/)",
+         train("{c}/run", 2, *LORA),
+         Works("python evaluate.py --model {c}/run/hf ", all_of(steps_are([1, 2]), hf_intact))),
+    Case("eval-lora-ckpt", "evaluate.py", "a LoRA run's ckpt/ (adapters only) as --model: the initial model with "
+         "its adapters merged",
+         evaluate("{c}/run/ckpt"),
+         Works(post=samples(4)),
+         copy_lora_run),
+    Case("eval-lora-run-folder", "evaluate.py", "a LoRA run's folder as --model means its checkpoint",
+         evaluate("{c}/run"),
+         Works(post=samples(4)),
+         copy_lora_run),
+    Case("nll-lora-run", "analysis.py", "nll on a LoRA run's folder writes its pairs",
+         ["nll", "--model", "{c}/run", "--limit", "2", "--max-new-tokens", "16", "--no-progress", "--out", "{c}/nll"],
+         Works("Pearson r(query NLL, response NLL)", nll_pairs(2)),
+         copy_lora_run),
+    Case("lora-hf-damaged", "train.py", "a finished LoRA run whose hf/ a full disk cut short: --resume rebuilds it "
+         "from the last checkpoint",
+         ["--out", "{c}/run", "--resume"],
+         Recovered("{c}/run/hf is not complete (model.safetensors: ", all_of(steps_are([1, 2]), hf_intact)),
+         both(copy_lora_run, truncate("run/hf/model.safetensors"))),
+    Case("lora-target-missing", "train.py", "--lora-targets naming no module: one line before --out is claimed",
+         train("{c}/run", 1, "--lora-rank", "4", "--lora-targets", "nonexistent_proj"),
+         Refused("--lora-targets nonexistent_proj: no module of the model is named so", absent=("run",))),
+    Case("full-disk-first-write", "train.py", "a full disk when the run folder is first written: one line, no "
+         "folder left",
+         train("{c}/a/run", 1, *ONE_STEP),
+         Refused("cannot write {c}/a/run (No space left on device)", absent=("a",)),
+         prelude=FULL_DISK_FILES, env={"SWEEP_FULL_DIR": "{c}/a"}),
+    Case("eval-full-disk-first-write", "evaluate.py", "a full disk when --out's config.json is first written: one "
+         "line, no folder left",
+         evaluate("{warm}", "{c}/a/eval"),
+         Refused("cannot write {c}/a/eval/config.json (No space left on device)", absent=("a",)),
+         prelude=FULL_DISK_FILES, env={"SWEEP_FULL_DIR": "{c}/a"}),
+]
+
+CASES = (ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE + FUZZ_TRAIN + ISSUE40_OPTIONS
+         + FUZZ40)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1444,6 +1586,7 @@ class Sweep:
         self.cache = root / "query_cache"
         self.base = root / "base-run" / "run"
         self.readonly = self._readonly_folder()
+        self.lora_lock = threading.Lock()                # the shared LoRA run (copy_lora_run): made once
 
     def _readonly_folder(self) -> str | None:
         """A folder this user cannot write: a chmod 0500 one, or as root (who writes anywhere) one

@@ -80,6 +80,11 @@ def is_sharded(out) -> bool:
     return os.path.isdir(os.path.join(checkpoint_dir(out), "dcp"))
 
 
+def is_lora(out) -> bool:
+    """The run's checkpoint holds LoRA adapters (its final export, <out>/hf, the merged model)."""
+    return os.path.isfile(os.path.join(checkpoint_dir(out), "adapter_config.json"))
+
+
 def model_source(out, resuming, model_path):
     """Where the weights to start from are: the HF checkpoint, or (sharded checkpoints, restored
     afterwards by `restore`) the initial model, which gives the architecture."""
@@ -125,7 +130,7 @@ def save_checkpoint(out, model, tokenizer, opt, sched, step, final=False, export
     distributed.barrier()
     if final and distributed.is_fsdp(model):
         try:
-            export(model, tokenizer, os.path.join(out, "hf"), export_dtype, bf16=bf16)
+            export(model, tokenizer, os.path.join(out, "hf"), export_dtype, bf16=bf16, record=True)
         except SystemExit as e:                          # (every rank: export's one line, and what is kept)
             raise SystemExit(f"{e.code}; {kept_note(out)}") from None
     failed = None
@@ -233,17 +238,17 @@ def mark_checked(out):
             f.write("its weights have given a finite loss\n")
 
 
-def diverged(out, streak, checked) -> str:
+def diverged(out, streak, checked, why=None) -> str:
     """The error that ends a run whose last `streak` (--max-bad-steps) optimizer steps had a
-    non-finite loss or gradient. A checkpoint saved since the last finite loss (not `checked`)
-    holds the weights that diverged, so it is set aside (roll_back) and --resume continues from
-    the one before it."""
+    non-finite loss or gradient (or whose weights diverged: `why`). A checkpoint saved since the
+    last finite loss (not `checked`) holds the weights that diverged, so it is set aside
+    (roll_back) and --resume continues from the one before it."""
     step, ckpt = roll_back(out), checkpoint_dir(out)
     where = (f"--resume continues from step {step} ({ckpt}/)" if step is not None else
              "--resume starts from the initial model (no checkpoint before the divergence)")
     aside = "" if checked else f" (the checkpoint saved after it diverged: {ckpt}.diverged/)"
-    return (f"error: {streak} optimizer steps in a row had a non-finite loss or gradient "
-            f"(--max-bad-steps); {where}{aside}; resume with a lower --lr")
+    why = why or f"{streak} optimizer steps in a row had a non-finite loss or gradient (--max-bad-steps)"
+    return f"error: {why}; {where}{aside}; resume with a lower --lr"
 
 
 def roll_back(out) -> int | None:
@@ -352,13 +357,14 @@ def _dcp_damage(dcp_dir) -> str | None:
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def export(model, tokenizer, path, dtype=None, *, bf16=False):
+def export(model, tokenizer, path, dtype=None, *, bf16=False, record=False):
     """A loadable Hugging Face folder of the current weights (every rank joins under FSDP2), in
     `dtype`: one of EXPORT_DTYPES or a torch.dtype. None / "auto": bfloat16 when the run computed
     in bf16 (`bf16`: distributed.uses_bf16 of the run), else the weights' own dtype (the float32
     master weights of a float32 run, e.g. the tiny world's CPU warm start). A 7B model is 15 GB in
     bfloat16, 30 GB in float32; config.json's "dtype" names the dtype of the files. A write that
-    fails (a full disk) ends the process with one line on every rank."""
+    fails (a full disk) ends the process with one line on every rank. record: the run's own final
+    export (<out>/hf), whose files and sizes are then written last to EXPORT_RECORD (export_damage)."""
     if not path:
         return
     target = export_dtype(dtype, bf16, next(model.parameters()).dtype)  # (a bad name: before any gather)
@@ -369,11 +375,45 @@ def export(model, tokenizer, path, dtype=None, *, bf16=False):
             distributed.unwrap(model).save_pretrained(path, state_dict=_cast(model_sd, target))
             _set_config_dtype(path, target)
             tokenizer.save_pretrained(path)
+            if record:                                  # last: its presence says the rest is complete
+                files = {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path))
+                         if os.path.isfile(os.path.join(path, n)) and n != EXPORT_RECORD}
+                with open(os.path.join(path, EXPORT_RECORD), "w") as f:
+                    f.write(json.dumps({"files": files}, indent=1) + "\n")
         except write_errors() as e:
             failed = f"error: cannot write the export {path} ({write_error(e)})"
     failed = distributed.all_gather_list([failed])[0]
     if failed:
         raise SystemExit(failed)
+
+
+EXPORT_RECORD = "export_record.json"
+
+
+def export_damage(path) -> str | None:
+    """Why a run's final export (<out>/hf, written with record=True) is not complete and loadable
+    (missing; no record, so its export never finished; a file missing, or of another size than
+    written; a weights file shorter than its header says), or None. Reads sizes and headers only."""
+    if not os.path.isdir(path):
+        return "missing"
+    try:
+        with open(os.path.join(path, EXPORT_RECORD)) as f:
+            files = dict(json.load(f)["files"])
+    except FileNotFoundError:
+        return f"no {EXPORT_RECORD}: its export did not finish"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{EXPORT_RECORD} unreadable"
+    for name, size in files.items():
+        where = os.path.join(path, name)
+        if not os.path.isfile(where):
+            return f"{name} missing"
+        if os.path.getsize(where) != size:
+            return f"{name}: {os.path.getsize(where)} bytes, {size} written"
+    for where in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        why = _safetensors_damage(where)
+        if why:
+            return f"{os.path.basename(where)}: {why}"
+    return None if _is_hf_folder(path) else "no config.json or weights"
 
 
 def export_dtype(name, bf16, weights_dtype) -> torch.dtype:
@@ -426,6 +466,7 @@ class ModelSource:
     tokenizer, generation config) and the weights then come from the shards in `dcp`."""
     model: str
     dcp: str | None = None
+    adapters: str | None = None     # a LoRA run's checkpoint: its adapters, merged into `model` on load
 
 
 def _is_hf_folder(path) -> bool:
@@ -436,7 +477,8 @@ def _is_hf_folder(path) -> bool:
 def find_model(path) -> ModelSource:
     """An HF folder (config.json + weights) as it is; a run folder (runs/erpo) means its ckpt/;
     a checkpoint holding torch.distributed.checkpoint shards (ckpt/dcp/, an FSDP2 run's, final or
-    not) is the initial model its run's config.json names, with these weights. A path that is
+    not) is the initial model its run's config.json names, with these weights; a LoRA run's
+    checkpoint (adapters only) is that initial model with its adapters merged. A path that is
     not a folder is left to load_policy (a hub id). Anything else: SystemExit with one line."""
     if not os.path.isdir(path) or _is_hf_folder(path):
         return ModelSource(path)
@@ -445,6 +487,8 @@ def find_model(path) -> ModelSource:
         return ModelSource(ckpt)
     if os.path.isdir(os.path.join(ckpt, "dcp")):
         return ModelSource(_initial_model(ckpt), os.path.join(ckpt, "dcp"))
+    if os.path.isfile(os.path.join(ckpt, "adapter_config.json")):   # LoRA: the run's initial model + these
+        return ModelSource(_initial_model(ckpt), adapters=ckpt)
     raise SystemExit(f"error: {path} is neither a model folder (config.json and *.safetensors) nor a "
                      "training checkpoint (a run folder, or its ckpt/ with state.pt)")
 
@@ -458,7 +502,9 @@ def _initial_model(ckpt):
         with open(cfg_path) as f:
             model = json.load(f)["model"]
     except (OSError, ValueError, KeyError):
-        raise SystemExit(f"error: {ckpt} holds sharded weights only; the architecture is the initial model "
+        lora = os.path.isfile(os.path.join(ckpt, "adapter_config.json"))
+        what = "LoRA adapters" if lora else "sharded weights"
+        raise SystemExit(f"error: {ckpt} holds {what} only; the architecture is the initial model "
                          f"named by {cfg_path} (\"model\"), which cannot be read") from None
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's (data/tinymath/...)
     for candidate in (model, os.path.join(root, model)):

@@ -48,7 +48,8 @@ HASH_CHUNK = 8 << 20
 # KB): its architecture, its generation config (the end-of-sequence ids), its tokenizer and chat
 # template (the prompt).
 DEFINITION_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
-                    "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt", "spiece.model")
+                    "added_tokens.json", "chat_template.jinja", "vocab.*", "merges.txt", "spiece.model",
+                    "adapter_config.json")                             # (a LoRA checkpoint's adapters)
 FINGERPRINT_READS = 16
 FINGERPRINT_READ_BYTES = 256
 # The safetensors format's own limit on its JSON header: a longer "header" means a corrupt file.
@@ -79,20 +80,23 @@ def model_files(src: checkpoints.ModelSource) -> list[str]:
     """The files a --model's samples depend on: its weight files, then its definition files."""
     if not os.path.isdir(src.model):
         return weight_files(src)
-    defs = {p for pattern in DEFINITION_FILES for p in glob.glob(os.path.join(src.model, pattern))}
+    folders = [src.model, *([src.adapters] if src.adapters else [])]      # (a LoRA checkpoint's too)
+    defs = {p for f in folders for pattern in DEFINITION_FILES for p in glob.glob(os.path.join(f, pattern))}
     return weight_files(src) + sorted(p for p in defs if os.path.isfile(p))
 
 
 def weight_files(src: checkpoints.ModelSource) -> list[str]:
     """The files a --model's weights are read from: an FSDP2 checkpoint's dcp/ folder (its
-    .metadata and shards), or an HF folder's *.safetensors / pytorch_model*.bin; none for a hub id."""
+    .metadata and shards), or an HF folder's *.safetensors / pytorch_model*.bin (a LoRA checkpoint:
+    its initial model's and its adapters'); none for a hub id."""
     if src.dcp:
         names = [os.path.join(src.dcp, name) for name in os.listdir(src.dcp)]
         return sorted(p for p in names if os.path.isfile(p))
     if not os.path.isdir(src.model):
         return []
     patterns = ("*.safetensors", "pytorch_model*.bin")
-    return sorted(p for pattern in patterns for p in glob.glob(os.path.join(src.model, pattern)))
+    folders = [src.model, *([src.adapters] if src.adapters else [])]
+    return sorted(p for f in folders for pattern in patterns for p in glob.glob(os.path.join(f, pattern)))
 
 
 def file_fingerprint(path) -> bytes:

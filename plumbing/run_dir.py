@@ -44,13 +44,32 @@ def write_whole(path, text):
         raise SystemExit(f"error: cannot write {path} ({e.strerror or e}); it is as it was") from None
 
 
-def with_resume_record(out, cfg: dict, step, changed: dict) -> dict:
+def with_resume_record(out, cfg: dict, step, changed: dict, older=None) -> dict:
     """config.json of a run: its options, and under "resumed" every --resume with what it changed
-    ({"at_step": 20, "changed": {"lr": [2e-4, 1e-4]}}), so the file says how the run was made."""
+    ({"at_step": 20, "changed": {"lr": [2e-4, 1e-4]}}) and the options its older config.json lacked
+    ("added": {"no_signal": "step"}, older_config), so the file says how the run was made."""
     history = (read_config(out) or {}).get("resumed", []) if step is not None else []
     if step is not None:
-        history = history + [{"at_step": step, "changed": {k: list(v) for k, v in changed.items()}}]
+        history = history + [{"at_step": step, "changed": {k: list(v) for k, v in changed.items()},
+                              **({"added": older} if older else {})}]
     return {**cfg, "resumed": history} if history else cfg
+
+
+def older_config(args, not_the_run, before: dict) -> dict:
+    """--resume of a run whose config.json an older version wrote: {option: the value this run
+    takes} for every option the file lacks (train.parse_args filled them: the value before the
+    option existed, `before` = train.BEFORE_OPTION, else today's default), said in one line."""
+    saved, now = read_config(args.out), vars(args)
+    if not saved:
+        return {}
+    lacked = {k: now[k] for k in sorted(now) if k not in saved and k not in not_the_run}
+    if lacked:
+        said = ", ".join(f"{k} {short(v, 30)}{' (as before the option)' if k in before else ''}"
+                         for k, v in lacked.items())
+        distributed.print0(f"--resume: {args.out}/config.json (an older version's) lacks {len(lacked)} "
+                           "options newer than the run; they take the values that keep how it trained where "
+                           f"those differ, else today's (None: the algorithm's own): {said}")
+    return lacked
 
 
 def read_config(out) -> dict | None:
@@ -104,16 +123,26 @@ class RunLock:
             return None
         import fcntl
 
-        os.makedirs(self.out, exist_ok=True)
-        f = open(os.path.join(self.out, ".lock"), "a+")
+        path, parent, f = os.path.join(self.out, ".lock"), _existing_parent(self.out), None
+        had_lock = os.path.exists(path)
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
-            return f"{self.out} is in use by another run ({holder}); wait for it, or use another --out"
-        f.seek(0), f.truncate(), f.write(f"pid {os.getpid()} on {socket.gethostname()}\n"), f.flush()
+            os.makedirs(self.out, exist_ok=True)
+            f = open(path, "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "another process"
+                f.close()
+                return f"{self.out} is in use by another run ({holder}); wait for it, or use another --out"
+            f.seek(0), f.truncate(), f.write(f"pid {os.getpid()} on {socket.gethostname()}\n"), f.flush()
+        except OSError as e:                        # a full disk: what it made goes, the folder too
+            if f is not None:
+                f.close()
+            if not had_lock and os.path.exists(path):
+                os.remove(path)
+            remove_empty_folders(self.out, parent)
+            return f"cannot write {self.out} ({e.strerror or e})"
         self.f = f
         return None
 
@@ -127,6 +156,18 @@ class RunLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def remove_empty_folders(path, stop):
+    """Remove `path` and the folders above it up to `stop` (not included) while they are empty:
+    the folders a command made before a write failed."""
+    path, stop = os.path.abspath(path), os.path.abspath(stop)
+    while path != stop and path.startswith(stop + os.sep):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+        path = os.path.dirname(path)
 
 
 def check_writable(out, flag="--out") -> str | None:
@@ -454,7 +495,8 @@ def summary(out, wall_s, eval_sets=(), template="plain", save_every=1) -> str:
               "next:",
               f"  python analysis.py runs {out} --out {out}/plots        # KL and train vs held-out curves"]
     if checkpoints.has_checkpoint(out):
-        ckpt = os.path.join(out, "hf") if checkpoints.is_sharded(out) else ckpt  # sharded: the final export
+        final = checkpoints.is_sharded(out) or checkpoints.is_lora(out)   # shards, adapters: the export
+        ckpt = os.path.join(out, "hf") if final and os.path.isdir(os.path.join(out, "hf")) else ckpt
         lines.append(f"  python evaluate.py --model {ckpt} --benchmarks {' '.join(eval_sets) or 'tiny'} "
                      f"--template {template} --out {out}/eval   # the paper's protocol")
     return "\n".join(lines)

@@ -79,6 +79,24 @@ def test_a_sharded_checkpoint_loads_as_the_same_steps_hf_export(fsdp_run):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), hf16.state_dict().values()))
 
 
+def test_a_finished_fsdp2_runs_damaged_export_is_rebuilt_by_resume(fsdp_run, tmp_path):
+    """Issue #40: hf/ cut short by a full disk; --resume of the finished run rebuilds it from the
+    checkpoint of its last step (every rank joins the export), the same weights as before."""
+    run = tmp_path / "run"
+    shutil.copytree(fsdp_run["run"], run)
+    assert checkpoints.export_damage(str(run / "hf")) is None
+    path = run / "hf" / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        before = {k: f.get_tensor(k).clone() for k in f.keys()}         # (not mapped: cut below)
+    path.write_bytes(path.read_bytes()[:4096])
+    r = train(run, str(fsdp_run["run"].parent / "train.jsonl"), "--resume")
+    assert r.returncode == 0 and f"--resume: {run}/hf is not complete (model.safetensors: 4096 bytes" in r.stdout, \
+        r.stderr[-3000:]
+    assert checkpoints.export_damage(str(run / "hf")) is None
+    with safe_open(str(path), "pt") as f:
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in before.items())
+
+
 def test_an_intermediate_checkpoint_loads_and_evaluates(fsdp_run, tmp_path):
     """The checkpoint of step 1 of a run killed in step 2: no HF folder anywhere, yet evaluate.py
     takes the run folder (or its ckpt/) and its weights are step 1's: neither the warm start's nor step 2's."""

@@ -82,3 +82,44 @@ def test_targets_with_spaces_adapt_every_named_module():
     wrapped = lora.wrap(models.load_policy(WARM)[0], 4, 16.0, targets="q_proj, v_proj")
     adapted = {n.split(".lora_A.")[0].split(".")[-1] for n, _ in wrapped.named_parameters() if ".lora_A." in n}
     assert adapted == {"q_proj", "v_proj"}
+
+
+def test_a_lora_run_folder_evaluates_and_its_damaged_export_is_rebuilt(tmp_path, small_data, capsys):
+    """Issue #40: the summary names <out>/hf (ckpt/ holds adapters only); evaluate.py and analysis.py
+    load the run folder or its ckpt/ as the initial model with the adapters merged (the weights of
+    hf/); a finished run's hf/ cut short by a full disk is rebuilt by --resume, saying so."""
+    import heldout
+    from plumbing import checkpoints
+
+    out = tmp_path / "run"
+    run(out, small_data, steps=2)
+    assert f"python evaluate.py --model {out}/hf " in capsys.readouterr().out
+    src = checkpoints.find_model(str(out))
+    assert src.adapters == str(out / "ckpt") and src.model == WARM
+    hf = {k: v.clone() for k, v in load_file(str(out / "hf" / "model.safetensors")).items()}  # (not mapped)
+    for path in (out, out / "ckpt"):
+        merged = heldout.load_model(str(path))[0].state_dict()
+        assert all(torch.allclose(merged[k], v, atol=1e-6) for k, v in hf.items()), path
+    assert checkpoints.export_damage(str(out / "hf")) is None
+    weights = out / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])                    # a full disk cut it short
+    assert checkpoints.export_damage(str(out / "hf")) == f"model.safetensors: 1000 bytes, {hf_size(hf)} written"
+    train.main(["--out", str(out), "--resume"])
+    assert f"--resume: {out}/hf is not complete (model.safetensors: 1000 bytes" in capsys.readouterr().out
+    assert checkpoints.export_damage(str(out / "hf")) is None
+    rebuilt = load_file(str(weights))
+    assert all(torch.equal(rebuilt[k], v) for k, v in hf.items())
+
+
+def hf_size(tensors):
+    from safetensors.torch import save
+    return len(save(tensors, metadata={"format": "pt"}))
+
+
+def test_a_target_that_matches_no_module_is_one_line_before_out_is_claimed(tmp_path, small_data):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        run(out, small_data, "--lora-targets", "q_proj,nonexistent_proj", steps=1)
+    assert str(e.value.code).startswith("error: --lora-targets nonexistent_proj: no module of the model is named "
+                                        "so; its linear layers are down_proj, gate_proj, k_proj")
+    assert not out.exists()

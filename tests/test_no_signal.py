@@ -85,3 +85,58 @@ def test_the_opt_in_flag_steps_without_signal(tmp_path, small_data, monkeypatch,
     ms = run(tmp_path, "--algo", "erpo", "--train-data", small_data, "--max-new-tokens", "24",
              "--no-signal", "step")
     assert len(optimizer_steps) == 4 and [m["no_signal_steps"] for m in ms] == [0, 0]
+
+
+def signal_in_the_first_round_only(monkeypatch):
+    """Row 0 of the first sampling round scores 1, every other completion 0: one optimizer step is
+    taken (the first update batch of step 1), then no batch has a signal again."""
+    real, calls = train.experience.tasks.score_rows, []
+
+    def fake(completions, rows, **kw):
+        _, _, counts = real(completions, rows, **kw)
+        scores = [float(not calls and i == 0) for i in range(len(rows))]
+        calls.append(1)
+        return scores, [s == 1.0 for s in scores], counts
+    monkeypatch.setattr(train.experience.tasks, "score_rows", fake)
+
+
+def test_a_divergence_shows_when_no_signal_skips_every_later_step(tmp_path, small_data, monkeypatch, capsys):
+    """Issue #40: --lr 1e6's one step destroys the weights (norm x1e7); every later batch has no signal,
+    so no loss is computed to say so. The weights' norm does: the run stops at step 2 with the
+    divergence error, step 1's checkpoint (saved after the divergence) set aside."""
+    signal_in_the_first_round_only(monkeypatch)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        run(out, "--train-data", small_data, "--max-new-tokens", "24", "--lr", "1e6", "--save-every", "1",
+            steps=4)
+    msg = str(e.value.code)
+    assert msg.startswith("error: the policy diverged by step 2: the weights' norm is ") and "times the" in msg
+    assert "--resume starts from the initial model" in msg and f"{out}/ckpt.diverged/" in msg
+    assert msg.endswith("resume with a lower --lr")
+    assert not (out / "ckpt").exists() and (out / "ckpt.diverged" / "state.pt").exists()
+    with open(out / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1]
+
+
+def test_weights_diverged_names_non_finite_and_blown_up_weights():
+    import torch
+
+    from rl_run import weight_norm, weights_diverged
+    model = torch.nn.Linear(4, 4, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    assert weight_norm(model) == pytest.approx(4.0) and weights_diverged(model, 4.0) is None
+    assert weights_diverged(model, 1.0) is None                 # 4x: a run's weights may move
+    assert "400 times the 0.01" in weights_diverged(model, 0.01)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    assert weights_diverged(model, 4.0) == "a weight is not finite"
+
+
+def test_a_run_that_takes_no_step_for_idle_steps_in_a_row_says_so_once(tmp_path, small_data, monkeypatch, capsys):
+    scores_only(monkeypatch)
+    monkeypatch.setattr(train, "IDLE_STEPS", 2)
+    run(tmp_path, "--train-data", small_data, "--max-new-tokens", "24", steps=4)
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "RL steps in a row" in ln]
+    assert len(said) == 1 and said[0].startswith("no optimizer step in 2 RL steps in a row (steps 1-2; "
+                                                 "train_acc 0.000)") and "--no-signal step" in said[0]
