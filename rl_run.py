@@ -5,6 +5,8 @@ schedule, the sampler's spec. train.py's story (rl_step and the loop) starts fro
 """
 
 import math
+import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -167,3 +169,34 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
     return Run(args, algo, dist, policy, ref, tokenizer, opt, sched, data, qref, cached, spec,  # its own)
                phases, task_names=tuple(tasks.task_names_in(data.rows)),
                ckpt_checked=state is None or checkpoints.is_checked(args.out), start_norm=start_norm)
+
+
+def exportable(run):
+    """What --export writes: the policy, or a LoRA policy with its adapters merged (a plain model)."""
+    return lora.merged(run.policy) if lora.is_lora(run.policy) else run.policy
+
+
+def final_export(run, step):
+    """<out>/hf, the final export of a LoRA or FSDP2 run (FSDP2's first, in save_checkpoint): written
+    with its record (checkpoints.export_damage); a failed write names the way back."""
+    a, hf = run.args, os.path.join(run.args.out, "hf")
+    try:
+        checkpoints.export(exportable(run), run.tokenizer, hf, a.export_dtype, record=True,
+                           bf16=distributed.uses_bf16(a.dtype, run.dist.device))
+    except SystemExit as e:
+        raise SystemExit(f"{e.code}; the checkpoint of step {step} is saved: --resume rebuilds {hf} once the "
+                         "disk has room") from None
+
+
+def check_final_export(run, step):
+    """--resume of a finished run (no step left): a LoRA or FSDP2 run's <out>/hf, damaged or left
+    half-written (a full disk), is rebuilt from the checkpoint of the last step, saying so."""
+    if not (lora.is_lora(run.policy) or distributed.is_fsdp(run.policy)):
+        return
+    hf = os.path.join(run.args.out, "hf")
+    why = distributed.all_gather_list([checkpoints.export_damage(hf) if run.dist.main else None])[0]
+    if why:
+        print0(f"--resume: {hf} is not complete ({why}): rebuilding it from the checkpoint of step {step}")
+        if run.dist.main:
+            shutil.rmtree(hf, ignore_errors=True)
+        final_export(run, step)

@@ -12,7 +12,6 @@ algorithms is a row of `losses.ALGOS`; every loss term is in `losses.py` (equati
 
 import os
 import random
-import shutil
 import time
 
 try:                                       # Ctrl-C during these imports: one line, no traceback
@@ -33,6 +32,7 @@ try:                                       # Ctrl-C during these imports: one li
     from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan,
                           optimizer, options, run_dir, time_model)
     from plumbing.distributed import all_sum, print0
+    import rl_run
     from rl_run import Run, needs_reference_model, old_rows, setup_rl
 except KeyboardInterrupt:
     os.write(2, b"interrupted (SIGINT): stopped while starting, nothing written\n")
@@ -420,11 +420,6 @@ IDLE = ("no optimizer step in {n} RL steps in a row (steps {first}-{last}; train
         "--no-signal step")
 
 
-def exportable(run):
-    """What --export writes: the policy, or a LoRA policy with its adapters merged (a plain model)."""
-    return lora.merged(run.policy) if lora.is_lora(run.policy) else run.policy
-
-
 def save(run, step, final):
     a, bf16 = run.args, distributed.uses_bf16(run.args.dtype, run.dist.device)
     extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta,
@@ -432,34 +427,8 @@ def save(run, step, final):
     checkpoints.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
                                 export_dtype=a.export_dtype, bf16=bf16, extra=extra)
     if final and lora.is_lora(run.policy):                               # checkpoints hold adapters: the
-        final_export(run, step)                                          # merged model is <out>/hf
+        rl_run.final_export(run, step)                                   # merged model is <out>/hf
     run.ckpt_checked = False                                             # until the next finite loss
-
-
-def final_export(run, step):
-    """<out>/hf, the final export of a LoRA or FSDP2 run (FSDP2's first, in save_checkpoint): written
-    with its record (checkpoints.export_damage); a failed write names the way back."""
-    a, hf = run.args, os.path.join(run.args.out, "hf")
-    try:
-        checkpoints.export(exportable(run), run.tokenizer, hf, a.export_dtype, record=True,
-                           bf16=distributed.uses_bf16(a.dtype, run.dist.device))
-    except SystemExit as e:
-        raise SystemExit(f"{e.code}; the checkpoint of step {step} is saved: --resume rebuilds {hf} once the "
-                         "disk has room") from None
-
-
-def check_final_export(run, step):
-    """--resume of a finished run (no step left): a LoRA or FSDP2 run's <out>/hf, damaged or left
-    half-written (a full disk), is rebuilt from the checkpoint of the last step, saying so."""
-    if not (lora.is_lora(run.policy) or distributed.is_fsdp(run.policy)):
-        return
-    hf = os.path.join(run.args.out, "hf")
-    why = distributed.all_gather_list([checkpoints.export_damage(hf) if run.dist.main else None])[0]
-    if why:
-        print0(f"--resume: {hf} is not complete ({why}): rebuilding it from the checkpoint of step {step}")
-        if run.dist.main:
-            shutil.rmtree(hf, ignore_errors=True)
-        final_export(run, step)
 
 
 def parse_args(argv=None):
@@ -491,7 +460,7 @@ def parse_args(argv=None):
         parsed.error("--resume: the SFT warm start does not resume (it saves HF folders, sft-<step>/, not "
                      "training state); start it again (--overwrite)")
     options.check_inert_options(parsed, ACTS_ONLY_WITH)                  # (after --resume's config.json)
-    check_lr_horizon(parsed)
+    optimizer.check_horizon(parsed)
     # less than the task's solutions need: a warning, not a refusal -- a shorter limit can be meant (cheaper
     # steps, --mask-truncated, a study of truncation), but not without a word
     if task.max_new_tokens and args.max_new_tokens < task.max_new_tokens:
@@ -503,20 +472,6 @@ def parse_args(argv=None):
         options.check_acts(parsed, name, False, f"it is an option of another Query-KL reference than "
                            f"--qkl-ref {args.qkl_ref}")
     return args, algo
-
-
-def check_lr_horizon(parsed):
-    """A decaying schedule's horizon is --lr-decay-steps, or (0) --steps itself: a run extended on
-    --resume then decays over its new length (optimizer.py says why). A horizon given that ends
-    before --steps with --lr-floor 0 leaves the steps after it at lr 0, where AdamW changes nothing
-    (its weight decay is scaled by the lr too): refused, rather than steps that do not train."""
-    a = parsed.args
-    if a.lr_schedule != "constant" and 0 < a.lr_decay_steps < a.steps and a.lr_floor == 0:
-        whose = "" if "lr_decay_steps" in parsed.cli | parsed.config_keys else " (the run's, config.json)"
-        parsed.error(f"--lr-decay-steps {a.lr_decay_steps}{whose} < --steps {a.steps} with --lr-floor 0: the "
-                     f"{a.lr_schedule} LR schedule reaches 0 at step {a.lr_decay_steps}, so steps "
-                     f"{a.lr_decay_steps + 1}-{a.steps} would not train; give --lr-decay-steps {a.steps} "
-                     "(or 0: --steps), or --lr-floor > 0")
 
 
 def load_data(args, tokenizer):
@@ -603,8 +558,8 @@ def train_in_folder(args, algo, dist, lock):
         else:
             train_rl(run, evalsets, log, state.step if state else 0, amp)
             if state and state.step == args.steps:                       # finished: its <out>/hf complete?
-                check_final_export(run, state.step)
-            checkpoints.export(exportable(run), tokenizer, args.export, args.export_dtype, bf16=bf16)
+                rl_run.check_final_export(run, state.step)
+            checkpoints.export(rl_run.exportable(run), tokenizer, args.export, args.export_dtype, bf16=bf16)
     finally:
         log.close()
     return evalsets

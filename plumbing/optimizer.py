@@ -11,7 +11,7 @@ the old horizon -- trains every added step at lr 0 (AdamW then changes nothing),
 for. The price: the lr goes back up at the resumed step (from the short schedule's end to the long
 one's value there), so the run is not the same as one started with --steps 8; the resume line says
 that the horizon changed. A horizon the user gives (--lr-decay-steps) is kept; one that ends before
---steps with --lr-floor 0 is refused (train.check_lr_horizon).
+--steps with --lr-floor 0 is refused (check_horizon).
 """
 
 import math
@@ -83,3 +83,17 @@ def set_hyperparameters(opt, sched, lr, weight_decay):
         group["initial_lr"], group["weight_decay"] = lr, weight_decay
         group["lr"] = lr * lmbda(sched.last_epoch)
     sched._last_lr = [group["lr"] for group in opt.param_groups]
+
+
+def check_horizon(parsed):
+    """A decaying schedule's horizon is --lr-decay-steps, or (0) --steps itself: a run extended on
+    --resume then decays over its new length (optimizer.py says why). A horizon given that ends
+    before --steps with --lr-floor 0 leaves the steps after it at lr 0, where AdamW changes nothing
+    (its weight decay is scaled by the lr too): refused, rather than steps that do not train."""
+    a = parsed.args
+    if a.lr_schedule != "constant" and 0 < a.lr_decay_steps < a.steps and a.lr_floor == 0:
+        whose = "" if "lr_decay_steps" in parsed.cli | parsed.config_keys else " (the run's, config.json)"
+        parsed.error(f"--lr-decay-steps {a.lr_decay_steps}{whose} < --steps {a.steps} with --lr-floor 0: the "
+                     f"{a.lr_schedule} LR schedule reaches 0 at step {a.lr_decay_steps}, so steps "
+                     f"{a.lr_decay_steps + 1}-{a.steps} would not train; give --lr-decay-steps {a.steps} "
+                     "(or 0: --steps), or --lr-floor > 0")
