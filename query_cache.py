@@ -8,7 +8,8 @@ resumed run must reuse it (its policy is no longer the reference). A fresh run f
 shared folder (--query-cache-dir, default ~/.cache/erpo/query_cache) for a cache with the very same
 meta -- the weights' fingerprint, the prompts, template, temperature, precision, wrapper, world
 size, prompts per forward (the padding) and library versions: everything that changes a single bit
-of it -- and builds (and shares) one only if there is none. So the second run of a command starts training at once.
+of it -- and builds (and shares) one only if there is none. So the second run of a command starts
+training at once.
 """
 
 import hashlib
@@ -139,8 +140,8 @@ def resumed(path, meta, a, d, prompt_ids, pad_id) -> QueryCache:
     """The run folder's cache on --resume (its policy is no longer the reference, so the file is the
     reference). What is cached must match this run (`meta`: its prompts, template, temperature); how
     it was computed may not (the weights are trained by now, and a run may resume at another world
-    size, --micro-batch or library version). An unreadable file (empty, truncated) is rebuilt where that gives it
-    back bit for bit (`rebuild_exactly`), else one line."""
+    size, --micro-batch or library version). An unreadable file (empty, truncated) is rebuilt where
+    that gives it back bit for bit (`rebuild_exactly`), else one line."""
     if not os.path.exists(path):
         raise SystemExit(f"error: resuming but {path} is missing; the reference cache must come "
                          "from the initial model: put the file back, or start a new run (another --out)")
@@ -152,7 +153,8 @@ def resumed(path, meta, a, d, prompt_ids, pad_id) -> QueryCache:
         saved_meta, logp = rebuilt.meta, rebuilt.logp
     differ = ["the prompts differ" if k == "prompts_sha1" else f"{k} {run_dir.short(v, 40)} -> "
               f"{run_dir.short(meta.get(k), 40)}" for k, v in saved_meta.items()
-              if k not in ("weights", "numerics", "batch", "versions") and not run_dir.same_value(v, meta.get(k))]
+              if k not in ("weights", "numerics", "batch", "versions")
+              and not run_dir.same_value(v, meta.get(k))]
     if differ:
         raise SystemExit(f"error: --resume: {path} was built from other prompts or settings "
                          f"({'; '.join(differ)}); resume from the folder the run was started in, with its "
@@ -182,7 +184,8 @@ def rebuild_exactly(path, why, meta, a, d, prompt_ids, pad_id) -> QueryCache:
     initial = initial_policy(a, d, refuse)
     if weights_fingerprint(initial) != recorded["weights"]:
         refuse(f"the initial model {a.model} does not have the weights it was built from")
-    cache = load_or_build(path, recorded, initial, prompt_ids, pad_id, a.temperature, d.device, a.query_cache_dir)
+    cache = load_or_build(path, recorded, initial, prompt_ids, pad_id, a.temperature, d.device,
+                          a.query_cache_dir)
     distributed.print0(f"--resume: {path} was unreadable ({why}): rebuilt it from the initial model "
                        f"{a.model} (the same weights, prompts and numerics as when the run built it)")
     return cache

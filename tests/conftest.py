@@ -33,12 +33,13 @@ def _order(value: str) -> str:
     kind, _, seed = value.partition(":")
     if kind == "shuffle" and (not seed or seed.isdigit()):
         return f"shuffle:{seed or random.randrange(10**6)}"
-    raise pytest.UsageError(f"--order {value}: expected default, reverse, shuffle or shuffle:SEED (an integer)")
+    raise pytest.UsageError(f"--order {value}: expected default, reverse, shuffle or shuffle:SEED "
+                            "(SEED an integer)")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--order", default="default", help="the order tests run in: default (the files'), reverse, "
-                     "shuffle or shuffle:SEED (modules shuffled, then the tests within each)")
+    parser.addoption("--order", default="default", help="the order tests run in: default (the files'), "
+                     "reverse, shuffle or shuffle:SEED (modules shuffled, then the tests within each)")
 
 
 def pytest_configure(config):
