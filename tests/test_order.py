@@ -23,9 +23,10 @@ def test_a_shared_query_cache_is_reused_only_at_the_micro_batch_it_was_built_wit
     """A run at --micro-batch 8 after one at 64 with the same shared folder has the cache it builds
     alone (the sequence test_menu.py, test_checkpoints.py's query-cache test, in three --steps 0 runs)."""
     def cache(name, micro_batch, shared):
-        train.main(["--model", WARM, "--train-data", small_data, "--out", str(tmp_path / name), "--steps", "0",
-                    "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--micro-batch",
-                    str(micro_batch), "--eval-every", "0", "--save-every", "0", "--query-cache-dir", shared])
+        train.main(["--model", WARM, "--train-data", small_data, "--out", str(tmp_path / name),
+                    "--steps", "0", "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4",
+                    "--micro-batch", str(micro_batch), "--eval-every", "0", "--save-every", "0",
+                    "--query-cache-dir", shared])
         return torch.load(tmp_path / name / "query_cache.pt")
     shared = str(tmp_path / "shared")
     first = cache("first", 64, shared)
