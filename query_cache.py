@@ -7,8 +7,9 @@ Saved as query_cache.pt in the run folder with a `meta` record of what it was bu
 resumed run must reuse it (its policy is no longer the reference). A fresh run first looks in a
 shared folder (--query-cache-dir, default ~/.cache/erpo/query_cache) for a cache with the very same
 meta -- the weights' fingerprint, the prompts, template, temperature, precision, wrapper, world
-size and library versions: everything that changes a single bit of it -- and builds (and shares)
-one only if there is none. So the second run of a command starts training at once.
+size, prompts per forward (the padding) and library versions: everything that changes a single bit
+of it -- and builds (and shares) one only if there is none. So the second run of a command starts
+training at once.
 """
 
 import hashlib
@@ -43,14 +44,16 @@ class QueryCache:
         return logprobs.right_align([self.logp[i] for i in prompt_idx for _ in range(group_size)], width)
 
 
-def cache_meta(model_path, data_path, template, temperature, prompt_ids, *, weights, numerics) -> dict:
+def cache_meta(model_path, data_path, template, temperature, prompt_ids, *, weights, numerics, batch) -> dict:
     """What a cache depends on: a resumed run checks it matches; a fresh run reuses a shared cache
-    whose meta equals it (paths aside: the same weights and prompts from elsewhere are the same)."""
+    whose meta equals it (paths aside: the same weights and prompts from elsewhere are the same).
+    `batch`: the prompts per forward of `build` (--micro-batch), which set each forward's padding and
+    shapes, so the last bits of the log-probs."""
     import transformers
 
     return {"model": model_path, "data": data_path, "template": template, "temperature": temperature,
             "n": len(prompt_ids), "prompts_sha1": hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest(),
-            "weights": weights, "numerics": numerics,
+            "weights": weights, "numerics": numerics, "batch": batch,
             "versions": f"torch {torch.__version__}, transformers {transformers.__version__}"}
 
 
@@ -126,20 +129,19 @@ def for_run(a, d, policy, prompt_ids, pad_id, resuming) -> QueryCache:
     path = os.path.join(a.out, "query_cache.pt")
     if resuming:
         meta = cache_meta(a.model, a.train_data, a.template, a.temperature, prompt_ids, weights=None,
-                          numerics=numerics)
+                          numerics=numerics, batch=a.micro_batch)
         return resumed(path, meta, a, d, prompt_ids, pad_id)
     meta = cache_meta(a.model, a.train_data, a.template, a.temperature, prompt_ids,
-                      weights=weights_fingerprint(policy), numerics=numerics)
-    return load_or_build(path, meta, policy, prompt_ids, pad_id, a.temperature, d.device, a.micro_batch,
-                         a.query_cache_dir)
+                      weights=weights_fingerprint(policy), numerics=numerics, batch=a.micro_batch)
+    return load_or_build(path, meta, policy, prompt_ids, pad_id, a.temperature, d.device, a.query_cache_dir)
 
 
 def resumed(path, meta, a, d, prompt_ids, pad_id) -> QueryCache:
     """The run folder's cache on --resume (its policy is no longer the reference, so the file is the
     reference). What is cached must match this run (`meta`: its prompts, template, temperature); how
     it was computed may not (the weights are trained by now, and a run may resume at another world
-    size or library version). An unreadable file (empty, truncated) is rebuilt where that gives it
-    back bit for bit (`rebuild_exactly`), else one line."""
+    size, --micro-batch or library version). An unreadable file (empty, truncated) is rebuilt where
+    that gives it back bit for bit (`rebuild_exactly`), else one line."""
     if not os.path.exists(path):
         raise SystemExit(f"error: resuming but {path} is missing; the reference cache must come "
                          "from the initial model: put the file back, or start a new run (another --out)")
@@ -151,7 +153,8 @@ def resumed(path, meta, a, d, prompt_ids, pad_id) -> QueryCache:
         saved_meta, logp = rebuilt.meta, rebuilt.logp
     differ = ["the prompts differ" if k == "prompts_sha1" else f"{k} {run_dir.short(v, 40)} -> "
               f"{run_dir.short(meta.get(k), 40)}" for k, v in saved_meta.items()
-              if k not in ("weights", "numerics", "versions") and not run_dir.same_value(v, meta.get(k))]
+              if k not in ("weights", "numerics", "batch", "versions")
+              and not run_dir.same_value(v, meta.get(k))]
     if differ:
         raise SystemExit(f"error: --resume: {path} was built from other prompts or settings "
                          f"({'; '.join(differ)}); resume from the folder the run was started in, with its "
@@ -163,14 +166,15 @@ def rebuild_exactly(path, why, meta, a, d, prompt_ids, pad_id) -> QueryCache:
     """Rebuild an unreadable cache of a run from its initial model (--model), where the checkpoint
     records what it was built from (its meta, saved with every checkpoint) and this process gives
     the same bits: the same prompts, template, temperature and numerics, and a model whose weights
-    have the recorded fingerprint. -> the cache (its meta: the recorded one); SystemExit with one
+    have the recorded fingerprint, scored in forwards of the recorded number of prompts (a resumed
+    run's --micro-batch may differ). -> the cache (its meta: the recorded one); SystemExit with one
     line otherwise."""
     recorded = checkpoints.saved_extra(checkpoints.checkpoint_dir(a.out)).get("query_cache")
 
     def refuse(reason):
         raise SystemExit(f"error: --resume: {path} is unreadable ({why}) and cannot be rebuilt exactly: "
                          f"{reason}; put the file back, or start a new run (another --out)")
-    if not recorded:
+    if not recorded or "batch" not in recorded:
         refuse("the checkpoint does not record what it was built from (saved by an older version)")
     keys = ("prompts_sha1", "n", "template", "temperature", "numerics", "versions")
     differ = [f"{k} {run_dir.short(recorded.get(k), 40)} -> {run_dir.short(meta.get(k), 40)}" for k in keys
@@ -180,7 +184,7 @@ def rebuild_exactly(path, why, meta, a, d, prompt_ids, pad_id) -> QueryCache:
     initial = initial_policy(a, d, refuse)
     if weights_fingerprint(initial) != recorded["weights"]:
         refuse(f"the initial model {a.model} does not have the weights it was built from")
-    cache = load_or_build(path, recorded, initial, prompt_ids, pad_id, a.temperature, d.device, a.micro_batch,
+    cache = load_or_build(path, recorded, initial, prompt_ids, pad_id, a.temperature, d.device,
                           a.query_cache_dir)
     distributed.print0(f"--resume: {path} was unreadable ({why}): rebuilt it from the initial model "
                        f"{a.model} (the same weights, prompts and numerics as when the run built it)")
@@ -205,10 +209,9 @@ def _first_line(e) -> str:
     return f"{type(e).__name__}: {text[:80]}" if text else f"{type(e).__name__} (an empty file?)"
 
 
-def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, batch,
-                  shared_dir="") -> QueryCache:
+def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, shared_dir="") -> QueryCache:
     """A fresh run's cache (or one `rebuild_exactly` makes): a shared one with the same meta, else
-    built (and shared); written to `path`."""
+    built (in forwards of meta["batch"] prompts) and shared; written to `path`."""
     shared = _shared_path(shared_dir, meta) if shared_dir else None
     found = _load_shared(shared) if shared and os.path.exists(shared) else None
     if found is not None and {k: v for k, v in found["meta"].items() if k not in ("model", "data")} == \
@@ -216,7 +219,7 @@ def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, ba
         logp = found["logp"]
         distributed.print0(f"query-KL reference cache: reused {shared}")
     else:
-        logp = build(distributed.unwrap(model), prompt_ids, pad_id, temperature, device, batch)
+        logp = build(distributed.unwrap(model), prompt_ids, pad_id, temperature, device, meta["batch"])
         if shared and distributed.is_main():
             try:
                 _save({"meta": meta, "logp": logp}, shared)
