@@ -87,6 +87,7 @@ RECORD = "ROUNDING_RECORD"
 CROSS_PATH_TESTS = [
     "tests/test_analysis.py::test_query_response_nll_matches_separate_forwards",
     "tests/test_extensions.py::test_live_reference_is_the_cache_recomputed",
+    "tests/test_extensions.py::test_a_reference_registered_from_outside_trains_and_resumes",
     "tests/test_forward.py::test_fused_logprobs_match_float64_and_beat_bf16_logits",
     "tests/test_forward.py::test_fused_gradients_match_autograd_of_the_plain_formula",
     "tests/test_forward.py::test_entropy_gradient_from_logits_and_through_shared_prompts",
@@ -110,6 +111,7 @@ CROSS_PATH_TESTS = [
     "tests/test_step_monitors.py::test_the_monitors_are_zero_in_float32_and_measure_a_known_gap",
     "tests/test_train.py::test_erpo_end_to_end_writes_metrics_and_learns",
     "tests/test_train.py::test_the_skipped_old_policy_forward_changes_nothing",
+    "tests/test_train.py::test_bf16_mixed_on_cpu_trains",
     "tests/test_train.py::test_resume_continues_from_the_saved_step",
 ]
 
