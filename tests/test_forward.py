@@ -191,8 +191,8 @@ def float64_logprobs(h, w, targets, T):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_logprobs_match_float64_and_beat_bf16_logits(dtype):
     """Logits at |z| ~ 16-32 (lm_head scaled up): the fused float32 product matches a float64
-    reference of the same hidden states and weights to 1e-5, for float32 and for bf16 weights;
-    the model's own bf16 logits miss it by rounding (~0.03-0.06 nat)."""
+    reference of the same hidden states and weights to float32 rounding (a measured tolerance, ~1e-5),
+    for float32 and for bf16 weights; the model's own bf16 logits miss it by rounding (~0.03-0.06 nat)."""
     model = tiny_model(tied=False, dtype=dtype, head_scale=5.0)
     ids, mask = padded_batch([16] * 4, 16, seed=2)
     T = 0.9
