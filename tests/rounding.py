@@ -117,9 +117,9 @@ CROSS_PATH_TESTS = [
 
 
 def difference(got, want):
-    """(max |got - want|, max |want|) over a number or a tensor's elements, in float64; inf where
-    a NaN appears or the shapes differ."""
-    if hasattr(got, "detach") or hasattr(want, "detach"):
+    """(max |got - want|, max |want|) over a number's, a list's or a tensor's elements, in float64;
+    inf where a NaN appears or the shapes differ."""
+    if any(hasattr(x, "detach") or isinstance(x, (list, tuple)) for x in (got, want)):
         import torch
 
         got, want = torch.as_tensor(got).detach().double(), torch.as_tensor(want).detach().double()
@@ -140,7 +140,7 @@ def assert_rounding(name, got, want):
     diff, scale = difference(got, want)
     record = os.environ.get(RECORD)
     if record:
-        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].split("[")[0]   # the function's id
         with open(record, "a") as f:
             f.write(json.dumps({"name": name, "diff": diff, "scale": scale, "test": test}) + "\n")
         return

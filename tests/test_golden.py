@@ -172,17 +172,23 @@ def test_a_change_of_behaviour_is_caught(tmp_path, algo, extra):
     assert caught
 
 
+def calls(fn):
+    """The names a function calls directly (f(...), not obj.f(...))."""
+    return {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+
+
 def rounding_comparisons():
-    """Every test function of tests/test_*.py that calls assert_rounding, as a pytest node id."""
+    """Every test function of tests/test_*.py that calls assert_rounding, itself or through the
+    module's own helpers (same_metrics, ...), as a pytest node id."""
     found = []
     for name in sorted(os.listdir(os.path.join(ROOT, "tests"))):
         if name.startswith("test_") and name.endswith(".py"):
             with open(os.path.join(ROOT, "tests", name)) as f:
-                tree = ast.parse(f.read())
-            found += [f"tests/{name}::{fn.name}" for fn in tree.body
-                      if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test")
-                      and any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "assert_rounding"
-                              for n in ast.walk(fn))]
+                fns = [fn for fn in ast.parse(f.read()).body if isinstance(fn, ast.FunctionDef)]
+            compare = {"assert_rounding"}
+            while len(compare) < len(more := compare | {fn.name for fn in fns if calls(fn) & compare}):
+                compare = more
+            found += [f"tests/{name}::{fn.name}" for fn in fns if fn.name.startswith("test") and calls(fn) & compare]
     return found
 
 
@@ -191,7 +197,7 @@ def test_every_cross_path_comparison_is_measured():
     left out would have no tolerance, or a stale one), and every tolerance it wrote is still used."""
     assert sorted(CROSS_PATH_TESTS) == sorted(rounding_comparisons())
     paths = load_tolerances()["paths"]
-    assert {v["from"] for v in paths.values()} <= set(CROSS_PATH_TESTS)
+    assert {t for v in paths.values() for t in v["from"]} <= set(CROSS_PATH_TESTS)
 
 
 def test_a_tolerance_never_shrinks():
@@ -223,14 +229,14 @@ def golden_differences(algo, tmp):
     return out
 
 
-def cross_path_differences(tmp):
-    """The tests of CROSS_PATH_TESTS under each kernel variant, with RECORD set: {variant: {name:
-    worst difference}}, {name: largest |value|}, {name: the test it came from}."""
+def cross_path_differences(tmp, tests):
+    """The cross-path `tests` (node ids of CROSS_PATH_TESTS) under each kernel variant, with RECORD
+    set: {variant: {name: worst difference}}, {name: largest |value|}, {name: the tests it came from}."""
     out, scale, source = {}, {}, {}
     for name in KERNELS:
         record = os.path.join(tmp, f"paths-{name}.jsonl")
         env = dict(kernel_env(name), OMP_NUM_THREADS="1", **{RECORD: record})
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *CROSS_PATH_TESTS],
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
         assert r.returncode == 0, f"under {name}:\n{r.stdout[-3000:]}"
         out[name] = {}
@@ -239,7 +245,7 @@ def cross_path_differences(tmp):
                 k = row["name"]
                 out[name][k] = max(out[name].get(k, 0.0), row["diff"])
                 scale[k] = max(scale.get(k, 0.0), row["scale"])
-                source[k] = row["test"]
+                source[k] = sorted({*source.get(k, []), row["test"]})
         print(f"  paths {name:15s} " + ", ".join(f"{k} {d:.2g}" for k, d in sorted(out[name].items())))
     missing = {k for d in out.values() for k in scale if k not in d}
     assert not missing, f"compared under some kernel variants only: {sorted(missing)}"
@@ -257,13 +263,15 @@ def larger_tolerances(old, old_set_by, new, new_set_by):
     return tol, by
 
 
-def measure_tolerances():
+def measure_tolerances(tests=None):
     """Re-measure tolerances.json on this machine: per float metric and per cross-path comparison,
-    the larger of the committed tolerance and SAFETY x the worst difference under KERNELS."""
+    the larger of the committed tolerance and SAFETY x the worst difference under KERNELS. tests:
+    only these of CROSS_PATH_TESTS, no golden runs (a comparison just added); the rest stays as committed."""
     commit, dirty = _commit()
     old = load_tolerances()
+    what = "the golden runs and every cross-path test" if tests is None else f"the cross-path tests {tests}"
     measurements = [*old["measurements"], {"machine": _machine(), "kernels": KERNELS, "commit": commit,
-                                           "dirty_worktree": dirty}]
+                                           "dirty_worktree": dirty, "what": what}]
     now = len(measurements) - 1
     result = {"how": "python -m tests.test_golden tolerances: the golden runs, and the tests of tests/rounding.py's "
                      f"CROSS_PATH_TESTS (each assert_rounding), under each of {list(KERNELS)}; tolerance = "
@@ -272,7 +280,7 @@ def measure_tolerances():
                      "machine: *_set_by and paths' set_by index `measurements`)",
               "measurements": measurements, "golden": {}, "golden_set_by": {}, "paths": {}, "worst": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for algo in ALGOS:
+        for algo in ALGOS if tests is None else ():
             diffs = golden_differences(algo, tmp)
             _, want = load_golden(algo)
             scale = {k: max(abs(m[k]) for m in want if k in m) for k in diffs["native"]}
@@ -280,13 +288,20 @@ def measure_tolerances():
             new = {k: tolerance([d[k] for d in diffs.values()], scale[k]) for k in sorted(scale)}
             result["golden"][algo], result["golden_set_by"][algo] = larger_tolerances(
                 old["golden"].get(algo, {}), old["golden_set_by"].get(algo, {}), new, now)
-        diffs, scale, source = cross_path_differences(tmp)
-    result["worst"]["paths"] = diffs
+        diffs, scale, source = cross_path_differences(tmp, CROSS_PATH_TESTS if tests is None else tests)
+    if tests is not None:                                  # the golden tolerances as committed
+        for key in ("golden", "golden_set_by"):
+            result[key] = old[key]
+        result["worst"] = {algo: old["worst"][algo] for algo in ALGOS}
+    kept = {k: v for k, v in old["paths"].items() if tests is not None and not set(v["from"]) & set(tests)}
+    result["worst"]["paths"] = {var: {**{k: w for k, w in old["worst"].get("paths", {}).get(var, {}).items()
+                                         if k in kept}, **diffs[var]} for var in KERNELS}
     new = {k: tolerance([d[k] for d in diffs.values()], scale[k]) for k in sorted(scale)}
     committed = old["paths"]
     tol, by = larger_tolerances({k: v["atol"] for k, v in committed.items()},
                                 {k: v["set_by"] for k, v in committed.items()}, new, now)
-    result["paths"] = {k: {"atol": tol[k], "set_by": by[k], "from": source[k], "scale": scale[k]} for k in tol}
+    result["paths"] = dict(sorted({**kept, **{k: {"atol": tol[k], "set_by": by[k], "from": source[k],
+                                                   "scale": scale[k]} for k in tol}}.items()))
     with open(TOLERANCES, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
@@ -338,10 +353,15 @@ def main(argv=None):
                     help="record: rerun and rewrite tests/golden/{erpo,grpo}.jsonl (a deliberate change of "
                          "behaviour only); tolerances: re-measure tests/golden/tolerances.json")
     ap.add_argument("--reason", help="record: why the behaviour changed (kept in each golden file's header)")
+    ap.add_argument("--tests", nargs="+", metavar="NODEID",
+                    help="tolerances: re-measure only these cross-path tests of tests/rounding.py's "
+                         "CROSS_PATH_TESTS (no golden runs); every other tolerance stays as committed")
     a = ap.parse_args(argv)
     if a.what == "record" and not a.reason:
         ap.error("record needs --reason: golden metrics are regenerated only on purpose, saying why")
-    record_golden(a.reason) if a.what == "record" else measure_tolerances()
+    if a.tests and not set(a.tests) <= set(CROSS_PATH_TESTS):
+        ap.error(f"--tests: not in CROSS_PATH_TESTS: {sorted(set(a.tests) - set(CROSS_PATH_TESTS))}")
+    record_golden(a.reason) if a.what == "record" else measure_tolerances(a.tests)
 
 
 if __name__ == "__main__":
