@@ -113,6 +113,8 @@ CROSS_PATH_TESTS = [
     "tests/test_train.py::test_the_skipped_old_policy_forward_changes_nothing",
     "tests/test_train.py::test_bf16_mixed_on_cpu_trains",
     "tests/test_train.py::test_resume_continues_from_the_saved_step",
+    "tests/test_train.py::test_two_processes_equal_one_over_the_same_global_batch",
+    "tests/test_walkthrough.py::test_the_traced_step_is_the_metrics_line_train_py_writes",
 ]
 
 
