@@ -28,6 +28,8 @@ TOLERANCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", 
 # Skylake-X/Ice Lake (its float32 SGEMM rounds as AVX512_E4's, the AMX one, bit for bit); oneDNN
 # capped at AVX512_CORE_VNNI runs Ice Lake's bf16 gemm:jit instead of brg_matmul:amx (other bits);
 # capped at AVX2 it has no bf16 matmul and torch falls back to ATen's own, as an AVX2-only CPU does.
+# (No float32 test reaches oneDNN: on the Sapphire Rapids, avx512-no-amx rounded every measured
+# number as native did, so the tolerances an Ice Lake needs come from the other variants' spread.)
 KERNELS = {
     "native": {},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
@@ -98,6 +100,9 @@ CROSS_PATH_TESTS = [
     "tests/test_no_signal.py::test_no_signal_is_judged_on_the_rewards_for_every_algorithm",
     "tests/test_one_pass.py::test_refilled_and_compacted_slots_match_hf_generate",
     "tests/test_references.py::test_released_zeros_is_k3_against_zeros",
+    "tests/test_reliability.py::test_a_kill_anywhere_then_resume_gives_the_uninterrupted_metrics",
+    "tests/test_reliability.py::test_sigint_stops_at_the_step_boundary_with_a_checkpoint_and_resume_reproduces",
+    "tests/test_reliability.py::test_a_corrupt_checkpoint_falls_back_to_the_one_before",
     "tests/test_rollout.py::test_greedy_kv_matches_hf_and_unpadded",
     "tests/test_rollout.py::test_sampled_logprobs_match_recomputed",
     "tests/test_rollout.py::test_token_logprobs_values_entropy_and_grad",
