@@ -11,6 +11,7 @@ import torch
 import analysis
 import models
 import rollout
+from tests.rounding import assert_rounding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
@@ -50,7 +51,7 @@ def test_query_response_nll_matches_separate_forwards():
             logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
         tok_lp = logp.gather(1, ids[0, 1:, None])[:, 0]
         assert nq[i] == len(p) - 1 and nr[i] == len(resp)
-        assert q[i] == pytest.approx(-tok_lp[:len(p) - 1].mean().item(), abs=1e-4)
-        assert r[i] == pytest.approx(-tok_lp[len(p) - 1:].mean().item(), abs=1e-4)
+        assert_rounding("analysis.query_nll", q[i], -tok_lp[:len(p) - 1].mean().item())
+        assert_rounding("analysis.response_nll", r[i], -tok_lp[len(p) - 1:].mean().item())
     assert analysis.pearson([1, 2, 3], [2, 4, 6.5]) > 0.99
     assert math.isnan(analysis.pearson([1, 1], [2, 3]))

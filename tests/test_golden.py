@@ -11,11 +11,17 @@ class fails the test until it is classified; a metric the code logs but the reco
 compared. `test_a_change_of_behaviour_is_caught` shows the tolerances still catch --lr x 1.01,
 --alpha 0.02 and --beta 0.02.
 
+The same measurement gives every other test that compares two code paths its tolerances
+(`assert_rounding`: the tests of tests/rounding.py's CROSS_PATH_TESTS, run under each variant). A
+re-measurement keeps, per metric, the larger of the committed tolerance and the new one: a CPU kind
+that rounds closer must not shrink what another kind needed (`measurements` says where each came from).
+
     python -m tests.test_golden record --reason "..."  # rewrites tests/golden/{erpo,grpo}.jsonl
-    python -m tests.test_golden tolerances   # re-measures tests/golden/tolerances.json (~2 minutes)
+    python -m tests.test_golden tolerances   # re-measures tests/golden/tolerances.json (~15 minutes)
 """
 
 import argparse
+import ast
 import json
 import os
 import platform
@@ -26,8 +32,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.rounding import (KERNELS, SAFETY, TOLERANCES, is_exact, is_timing, kernel_env, load_tolerances,
-                            tolerance)
+from tests.rounding import (CROSS_PATH_TESTS, KERNELS, RECORD, SAFETY, TOLERANCES, is_exact, is_timing,
+                            kernel_env, load_tolerances, tolerance)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden")
@@ -166,29 +172,44 @@ def test_a_change_of_behaviour_is_caught(tmp_path, algo, extra):
     assert caught
 
 
+def calls(fn):
+    """The names a function calls directly (f(...), not obj.f(...))."""
+    return {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+
+
+def rounding_comparisons():
+    """Every test function of tests/test_*.py that calls assert_rounding, itself or through the
+    module's own helpers (same_metrics, ...), as a pytest node id."""
+    found = []
+    for name in sorted(os.listdir(os.path.join(ROOT, "tests"))):
+        if name.startswith("test_") and name.endswith(".py"):
+            with open(os.path.join(ROOT, "tests", name)) as f:
+                fns = [fn for fn in ast.parse(f.read()).body if isinstance(fn, ast.FunctionDef)]
+            compare = {"assert_rounding"}
+            while len(compare) < len(more := compare | {fn.name for fn in fns if calls(fn) & compare}):
+                compare = more
+            found += [f"tests/{name}::{fn.name}" for fn in fns if fn.name.startswith("test") and calls(fn) & compare]
+    return found
+
+
+def test_every_cross_path_comparison_is_measured():
+    """The measurement runs exactly the tests that compare two code paths with assert_rounding (one
+    left out would have no tolerance, or a stale one), and every tolerance it wrote is still used."""
+    assert sorted(CROSS_PATH_TESTS) == sorted(rounding_comparisons())
+    paths = load_tolerances()["paths"]
+    assert {t for v in paths.values() for t in v["from"]} <= set(CROSS_PATH_TESTS)
+
+
+def test_a_tolerance_never_shrinks():
+    """Re-measured on a CPU kind that rounds closer, a metric keeps the tolerance an earlier one
+    needed (and which measurement set it); a larger new one replaces it."""
+    tol, by = larger_tolerances({"a": 2e-6, "b": 1e-7, "gone": 1.0}, {"a": 0, "b": 0, "gone": 0},
+                                {"a": 1e-6, "b": 3e-7, "new": 5e-8}, 1)
+    assert tol == {"a": 2e-6, "b": 3e-7, "new": 5e-8} and by == {"a": 0, "b": 1, "new": 1}
+
+
 # ----------------------------------------------------------------------------------------------
 # Measuring the tolerances: `python -m tests.test_golden tolerances`
-
-# The two code paths of tests/test_train.py::test_the_skipped_old_policy_forward_changes_nothing
-# (pi_old taken from the update's forward vs computed by a forward of its own), in one interpreter:
-# [{key: max over steps of |skipped - computed|}, {key: largest |value|}] for its float keys.
-TWO_PATHS = """
-import json, shutil, tempfile, torch
-torch.set_num_threads(1)
-import train
-from tests.rounding import is_exact
-from tests.test_golden import write_subset
-from tests.test_train import SKIPPED_FORWARD_KEYS, skipped_and_computed
-tmp = tempfile.mkdtemp()
-skipped, computed = skipped_and_computed(tmp, write_subset(tmp + "/train64.jsonl"), lambda: setattr(
-    train, "on_policy_rows", lambda run, upd_rows: slice(0, 0)))
-assert all(a[k] == b[k] for a, b in zip(skipped, computed) for k in SKIPPED_FORWARD_KEYS if is_exact(k))
-keys = [k for k in SKIPPED_FORWARD_KEYS if not is_exact(k)]
-print(json.dumps([{k: max(abs(a[k] - b[k]) for a, b in zip(skipped, computed)) for k in keys},
-                  {k: max(abs(a[k]) for a in skipped) for k in keys}]))
-shutil.rmtree(tmp)
-"""
-
 
 def golden_differences(algo, tmp):
     """{kernel variant: {float key: max over steps of |run - golden|}}, after checking that every
@@ -208,40 +229,79 @@ def golden_differences(algo, tmp):
     return out
 
 
-def two_path_differences():
-    """For the skipped-forward test's float keys: {kernel variant: {key: max over steps of
-    |skipped - computed|}}, and {key: its largest |value|}."""
-    out, scale = {}, {}
+def cross_path_differences(tmp, tests):
+    """The cross-path `tests` (node ids of CROSS_PATH_TESTS) under each kernel variant, with RECORD
+    set: {variant: {name: worst difference}}, {name: largest |value|}, {name: the tests it came from}."""
+    out, scale, source = {}, {}, {}
     for name in KERNELS:
-        r = subprocess.run([sys.executable, "-c", TWO_PATHS], cwd=ROOT, capture_output=True, text=True,
-                           env=dict(kernel_env(name), OMP_NUM_THREADS="1"), timeout=900)
-        assert r.returncode == 0, r.stderr[-3000:]
-        diff, size = json.loads(r.stdout.strip().splitlines()[-1])
-        out[name] = diff
-        scale = {k: max(v, scale.get(k, 0.0)) for k, v in size.items()}
-        print(f"  two paths {name:15s} " + ", ".join(f"{k} {d:.2g}" for k, d in sorted(diff.items())))
-    return out, scale
+        record = os.path.join(tmp, f"paths-{name}.jsonl")
+        env = dict(kernel_env(name), OMP_NUM_THREADS="1", **{RECORD: record})
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+        assert r.returncode == 0, f"under {name}:\n{r.stdout[-3000:]}"
+        out[name] = {}
+        with open(record) as f:
+            for row in map(json.loads, f):
+                k = row["name"]
+                out[name][k] = max(out[name].get(k, 0.0), row["diff"])
+                scale[k] = max(scale.get(k, 0.0), row["scale"])
+                source[k] = sorted({*source.get(k, []), row["test"]})
+        print(f"  paths {name:15s} " + ", ".join(f"{k} {d:.2g}" for k, d in sorted(out[name].items())))
+    missing = {k for d in out.values() for k in scale if k not in d}
+    assert not missing, f"compared under some kernel variants only: {sorted(missing)}"
+    return out, scale, source
 
 
-def measure_tolerances():
+def larger_tolerances(old, old_set_by, new, new_set_by):
+    """Per key of `new`, the larger of the committed tolerance old[k] (from measurement old_set_by[k])
+    and the new one: a tolerance that another CPU kind needed never shrinks when this one measures
+    less. -> ({key: tolerance}, {key: index of the measurement it came from})."""
+    tol, by = {}, {}
+    for k, v in new.items():
+        keep = k in old and old[k] >= v
+        tol[k], by[k] = (old[k], old_set_by[k]) if keep else (v, new_set_by)
+    return tol, by
+
+
+def measure_tolerances(tests=None):
+    """Re-measure tolerances.json on this machine: per float metric and per cross-path comparison,
+    the larger of the committed tolerance and SAFETY x the worst difference under KERNELS. tests:
+    only these of CROSS_PATH_TESTS, no golden runs (a comparison just added); the rest stays as committed."""
     commit, dirty = _commit()
-    result = {"how": "python -m tests.test_golden tolerances: the golden runs (and the two code paths of the "
-                     f"skipped-forward test) under each of {list(KERNELS)}; tolerance = {SAFETY} x the worst "
-                     f"difference over variants and steps (where they all agree: {SAFETY} x 2^-23 x the "
-                     "largest value)",
-              "kernels": KERNELS, "commit": commit, "dirty_worktree": dirty, "machine": _machine(),
-              "golden": {}, "worst": {}}
+    old = load_tolerances()
+    what = "the golden runs and every cross-path test" if tests is None else f"the cross-path tests {tests}"
+    measurements = [*old["measurements"], {"machine": _machine(), "kernels": KERNELS, "commit": commit,
+                                           "dirty_worktree": dirty, "what": what}]
+    now = len(measurements) - 1
+    result = {"how": "python -m tests.test_golden tolerances: the golden runs, and the tests of tests/rounding.py's "
+                     f"CROSS_PATH_TESTS (each assert_rounding), under each of {list(KERNELS)}; tolerance = "
+                     f"{SAFETY} x the worst difference over variants and steps (where they all agree: {SAFETY} x "
+                     "2^-23 x the largest value), or the committed one where larger (measured on another "
+                     "machine: *_set_by and paths' set_by index `measurements`)",
+              "measurements": measurements, "golden": {}, "golden_set_by": {}, "paths": {}, "worst": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for algo in ALGOS:
+        for algo in ALGOS if tests is None else ():
             diffs = golden_differences(algo, tmp)
             _, want = load_golden(algo)
             scale = {k: max(abs(m[k]) for m in want if k in m) for k in diffs["native"]}
             result["worst"][algo] = diffs
-            result["golden"][algo] = {k: tolerance([d[k] for d in diffs.values()], scale[k])
-                                      for k in sorted(scale)}
-    diffs, scale = two_path_differences()
-    result["worst"]["skipped_forward"] = diffs
-    result["skipped_forward"] = {k: tolerance([d[k] for d in diffs.values()], scale[k]) for k in scale}
+            new = {k: tolerance([d[k] for d in diffs.values()], scale[k]) for k in sorted(scale)}
+            result["golden"][algo], result["golden_set_by"][algo] = larger_tolerances(
+                old["golden"].get(algo, {}), old["golden_set_by"].get(algo, {}), new, now)
+        diffs, scale, source = cross_path_differences(tmp, CROSS_PATH_TESTS if tests is None else tests)
+    if tests is not None:                                  # the golden tolerances as committed
+        for key in ("golden", "golden_set_by"):
+            result[key] = old[key]
+        result["worst"] = {algo: old["worst"][algo] for algo in ALGOS}
+    kept = {k: v for k, v in old["paths"].items() if tests is not None and not set(v["from"]) & set(tests)}
+    result["worst"]["paths"] = {var: {**{k: w for k, w in old["worst"].get("paths", {}).get(var, {}).items()
+                                         if k in kept}, **diffs[var]} for var in KERNELS}
+    new = {k: tolerance([d[k] for d in diffs.values()], scale[k]) for k in sorted(scale)}
+    committed = old["paths"]
+    tol, by = larger_tolerances({k: v["atol"] for k, v in committed.items()},
+                                {k: v["set_by"] for k, v in committed.items()}, new, now)
+    result["paths"] = dict(sorted({**kept, **{k: {"atol": tol[k], "set_by": by[k], "from": source[k],
+                                                   "scale": scale[k]} for k in tol}}.items()))
     with open(TOLERANCES, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
@@ -293,10 +353,15 @@ def main(argv=None):
                     help="record: rerun and rewrite tests/golden/{erpo,grpo}.jsonl (a deliberate change of "
                          "behaviour only); tolerances: re-measure tests/golden/tolerances.json")
     ap.add_argument("--reason", help="record: why the behaviour changed (kept in each golden file's header)")
+    ap.add_argument("--tests", nargs="+", metavar="NODEID",
+                    help="tolerances: re-measure only these cross-path tests of tests/rounding.py's "
+                         "CROSS_PATH_TESTS (no golden runs); every other tolerance stays as committed")
     a = ap.parse_args(argv)
     if a.what == "record" and not a.reason:
         ap.error("record needs --reason: golden metrics are regenerated only on purpose, saying why")
-    record_golden(a.reason) if a.what == "record" else measure_tolerances()
+    if a.tests and not set(a.tests) <= set(CROSS_PATH_TESTS):
+        ap.error(f"--tests: not in CROSS_PATH_TESTS: {sorted(set(a.tests) - set(CROSS_PATH_TESTS))}")
+    record_golden(a.reason) if a.what == "record" else measure_tolerances(a.tests)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import evaluate
 import query_cache
 import train
 from plumbing import run_dir
+from tests.rounding import assert_rounding, is_exact, is_timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
@@ -50,12 +51,18 @@ def metrics(out):
         return [json.loads(line) for line in f]
 
 
-def same_metrics(a, b, rel=1e-4, abs=1e-6):
+def same_metrics(a, b):
+    """The resumed run's metrics are the uninterrupted run's: exact keys (tokens, rewards, counts) equal,
+    the float ones within their measured tolerance (tests/rounding.py)."""
     assert [m["step"] for m in a] == [m["step"] for m in b]
     for x, y in zip(a, b):
         for k, v in x.items():
-            if not (k == "step_time" or k.startswith("time_") or k.endswith("_per_s")):
-                assert y[k] == pytest.approx(v, rel=rel, abs=abs), (x["step"], k)
+            if is_timing(k):
+                continue
+            if is_exact(k) or not isinstance(v, float):
+                assert y[k] == v, (x["step"], k)
+            else:
+                assert_rounding(f"reliability.resume.{k}", y[k], v)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -10,6 +10,7 @@ import kv_cache
 import logprobs
 import models
 import rollout as R
+from tests.rounding import assert_rounding
 
 V = 64
 
@@ -56,7 +57,7 @@ def test_greedy_kv_matches_hf_and_unpadded(model):
     assert torch.equal(kv.response_ids, hf.response_ids)
     assert torch.equal(kv.response_mask, hf.response_mask)
     assert torch.equal(kv.finished, hf.finished)
-    torch.testing.assert_close(kv.logprobs, hf.logprobs, atol=1e-5, rtol=0)
+    assert_rounding("rollout.greedy_kv_vs_hf_logprobs", kv.logprobs, hf.logprobs)
     # Left padding must not change anything: each prompt decoded alone (no padding) agrees.
     for i, p in enumerate(PROMPTS):
         one = R.sample(model, [p], sampler="kv", **kw)
@@ -74,7 +75,7 @@ def test_sampled_logprobs_match_recomputed(model, temperature, top_p):
     ids, mask, P = packed.input_ids, packed.attention_mask, packed.P
     resp_logp = logprobs.score_tokens(model, packed, temperature).response * ro.response_mask
     assert ro.logprobs.dtype == torch.float32
-    torch.testing.assert_close(ro.logprobs, resp_logp.detach(), atol=1e-4, rtol=0)
+    assert_rounding("rollout.sampled_vs_recomputed_logprobs", ro.logprobs, resp_logp)
     assert (ro.logprobs[ro.response_mask == 0] == 0).all()
     # The test can fail: log-probs at another temperature differ by far more than the tolerance.
     other, _ = logprobs.token_logprobs(model, ids, mask, temperature=temperature + 0.3)
@@ -99,12 +100,12 @@ def test_token_logprobs_values_entropy_and_grad(model):
     model.zero_grad()
     # Ours, with a tiny chunk so several chunks are used in forward and backward.
     logp, ent = logprobs.token_logprobs(model, ids, mask, temperature=T, with_entropy=True, chunk_elems=V * 3 * 2)
-    torch.testing.assert_close(logp, ref.detach(), atol=1e-5, rtol=0)
-    torch.testing.assert_close(ent, ref_ent.detach(), atol=1e-5, rtol=0)
+    assert_rounding("rollout.token_logprobs_vs_log_softmax", logp, ref)
+    assert_rounding("rollout.token_entropy_vs_log_softmax", ent, ref_ent)
     assert not ent.requires_grad
     (logp * mask[:, 1:]).sum().backward()
-    for p, g in zip(model.parameters(), ref_grad):
-        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+    for (n, p), g in zip(model.named_parameters(), ref_grad):
+        assert_rounding(f"rollout.token_logprobs_grad.{n}", p.grad, g)
     model.zero_grad()
 
 
@@ -149,7 +150,7 @@ def test_repeated_prompts_are_prefilled_once_and_sample_alike(model, monkeypatch
     monkeypatch.setattr(type(model), "forward", forward)
     alone = R.sample(model, prompts, seeds=seeds, batch_size=1, **kw)
     assert torch.equal(shared.response_ids, alone.response_ids)
-    torch.testing.assert_close(shared.logprobs, alone.logprobs, atol=1e-5, rtol=1e-5)
+    assert_rounding("rollout.shared_prefill_vs_alone_logprobs", shared.logprobs, alone.logprobs)
     assert len({tuple(r.tolist()) for r in shared.response_ids[:4]}) > 1  # the copies sample apart
 
 
@@ -204,7 +205,7 @@ def test_top_p_restricts_to_nucleus(model):
     stat, df = _chi2(counts, renorm / renorm.sum())
     assert _chi2_ok(stat, df), (stat, df)
     # Reported log-probs are NOT renormalised over the nucleus (what training recomputes).
-    torch.testing.assert_close(ro.logprobs[:, 0], probs.log()[ro.response_ids[:, 0]], atol=1e-5, rtol=0)
+    assert_rounding("rollout.nucleus_logprobs_vs_full_softmax", ro.logprobs[:, 0], probs.log()[ro.response_ids[:, 0]])
 
 
 @pytest.mark.parametrize("sampler", ["kv", "hf"])
@@ -227,7 +228,7 @@ def test_eos_masking_finished_and_truncation(model, sampler):
         assert ro.response_ids[i, :n].tolist() == full[:n]  # same seeds -> same prefix
         assert (ro.response_ids[i, n:] == 0).all() and (ro.response_mask[i, n:] == 0).all()
         assert (ro.response_mask[i, :n] == 1).all() and (ro.logprobs[i, n:] == 0).all()
-        torch.testing.assert_close(ro.logprobs[i, :n], free.logprobs[i, :n], atol=1e-5, rtol=0)
+        assert_rounding("rollout.eos_vs_free_logprobs", ro.logprobs[i, :n], free.logprobs[i, :n])
     assert ro.finished.sum() >= 2 and (~ro.finished).sum() >= 1
 
 
@@ -335,7 +336,7 @@ def test_lean_decode_step_matches_the_hf_forward(arch):
     lean, hf = _lean_steps(model, tokens), _hf_steps(model, tokens)
     assert len(lean) == len(hf) == len(tokens) + 1 and lean[-1].shape == (len(KEEP), V)
     for a, b in zip(lean, hf):  # same math; float32 rounding differs (fused matmuls, unpadded slots)
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+        assert_rounding(f"rollout.lean_decode_vs_hf_logits.{arch}", a, b)
     assert (lean[1] - lean[2]).abs().max() > 0.1  # the fed tokens matter (the test can fail)
 
 
@@ -447,11 +448,11 @@ def test_a_group_scores_its_prompt_once_with_the_same_values_and_gradients():
 
     (a, ga), (b, gb) = run(G), run(1)
     m, q = ro.response_mask.bool(), packed.prompt_tok_mask.bool()
-    torch.testing.assert_close(a.response[m], b.response[m], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(a.prompt[q], b.prompt[q], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(a.entropy[m], b.entropy[m], atol=1e-5, rtol=1e-5)
+    assert_rounding("rollout.group_prompt_once.response", a.response[m], b.response[m])
+    assert_rounding("rollout.group_prompt_once.prompt", a.prompt[q], b.prompt[q])
+    assert_rounding("rollout.group_prompt_once.entropy", a.entropy[m], b.entropy[m])
     for n in ga:
-        torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-4)
+        assert_rounding(f"rollout.group_prompt_once.grad.{n}", ga[n], gb[n])
 
 
 def test_sliding_window_models_score_full_rows(monkeypatch):
@@ -480,5 +481,5 @@ def test_trimmed_rows_score_like_the_full_width(model):
     assert pk.input_ids.shape[1] < packed.input_ids.shape[1]
     m_resp, m_prompt = ro.response_mask[idx][:, rc].bool(), packed.prompt_tok_mask[idx][:, pc].bool()
     assert ro.response_mask[idx][:, rc.stop:].sum() == 0 and packed.prompt_tok_mask[idx][:, :pc.start].sum() == 0
-    torch.testing.assert_close(part.response[m_resp], full.response[idx][:, rc][m_resp], atol=1e-5, rtol=0)
-    torch.testing.assert_close(part.prompt[m_prompt], full.prompt[idx][:, pc][m_prompt], atol=1e-5, rtol=0)
+    assert_rounding("rollout.trimmed_vs_full.response", part.response[m_resp], full.response[idx][:, rc][m_resp])
+    assert_rounding("rollout.trimmed_vs_full.prompt", part.prompt[m_prompt], full.prompt[idx][:, pc][m_prompt])

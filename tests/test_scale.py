@@ -16,6 +16,7 @@ import logprobs
 import losses
 import models
 import rollout
+from tests.rounding import assert_rounding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
@@ -145,7 +146,7 @@ def test_sharded_rollout_gathers_once(tmp_path):
 
 def test_activation_checkpointing_gives_the_same_gradients():
     """--grad-ckpt recomputes each decoder layer in backward: same loss and gradients (float32,
-    1e-6), same KV-cache sampling, and a checkpoint saved from it loads as a plain model."""
+    to rounding: a measured tolerance), same KV-cache sampling, and a checkpoint saved from it loads as a plain model."""
     from plumbing import distributed
     torch.manual_seed(0)
     plain, tok = models.load_policy(WARM)
@@ -162,7 +163,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
         grads.append({n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in m.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-6, atol=1e-6)
+        assert_rounding(f"scale.grad_ckpt_vs_plain.grad.{n}", grads[1][n], grads[0][n])
     prompts = [tok(f"Mia has {n} apples.", add_special_tokens=False).input_ids for n in (3, 14, 27)]
     a = rollout.sample(plain, prompts, max_new_tokens=12, eos_ids=[2], pad_id=0, seeds=[1, 2, 3])
     b = rollout.sample(ckpt, prompts, max_new_tokens=12, eos_ids=[2], pad_id=0, seeds=[1, 2, 3])
@@ -252,7 +253,7 @@ def test_sharded_loading_gives_the_single_process_logits(tmp_path, ckpt):
     n = sum(p.numel() for p in model.parameters())
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        torch.testing.assert_close(torch.tensor(res["logits"]), want, rtol=1e-5, atol=1e-5)
+        assert_rounding("scale.sharded_load_logits", torch.tensor(res["logits"]), want)
         assert res["sharded"] and res["local"] < 0.6 * n                  # about half of the model per rank
         assert res["eos"] == model.generation_config.eos_token_id
 
