@@ -2,7 +2,7 @@
 the way a user would try them -- real `python train.py / evaluate.py / analysis.py` processes on
 the tiny embedded model (data/tinymath/warmstart), tiny sizes -- each checked mechanically.
 
-    python bench/reliability_sweep.py                     # every case: ~9 min on 2 CPU cores (--jobs 2)
+    python bench/reliability_sweep.py                     # every case: 10-17 min on 2 CPU cores (--jobs 2)
     python bench/reliability_sweep.py --list              # the cases: name, script, what each checks
     python bench/reliability_sweep.py --only resume-new-lr lr-1e6-then-lower-lr
     python bench/reliability_sweep.py --keep              # keep the temporary folder to look at
