@@ -94,6 +94,7 @@ CROSS_PATH_TESTS = [
     "tests/test_forward.py::test_fused_gradients_match_autograd_of_the_plain_formula",
     "tests/test_forward.py::test_entropy_gradient_from_logits_and_through_shared_prompts",
     "tests/test_lora.py::test_only_the_adapters_train_and_the_base_is_the_reference",
+    "tests/test_lora.py::test_a_lora_run_folder_evaluates_and_its_damaged_export_is_rebuilt",
     "tests/test_losses.py::test_group_advantages_loop_equivalence",
     "tests/test_losses.py::test_proposition1_query_kl_gradient_ignores_responses",
     "tests/test_no_signal.py::test_countdown_from_the_math_warm_start_takes_no_step_and_does_not_drift",
