@@ -101,7 +101,6 @@ def weights_diverged(model, start) -> str | None:
     return None
 
 
-
 def old_rows(args, algo) -> float:
     """The fraction of rows pi_old's own forward scores: all but the first update's (on_policy_rows)."""
     return 1.0 if algo.needs_pi_old_first else 1.0 - args.update_batch / args.rollout_batch
