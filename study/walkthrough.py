@@ -291,7 +291,8 @@ def generate(out) -> dict:
 
 def measure_tolerances():
     """The walkthrough under each CPU kernel variant of tests/rounding.py, in fresh interpreters:
-    SAFETY x the worst difference of each number from the native kernels' (rounding.tolerance)."""
+    SAFETY x the worst difference of each number from the native kernels' (rounding.tolerance), or
+    the committed tolerance where that is larger (measured on another CPU kind: never shrinks)."""
     from tests.rounding import KERNELS, kernel_env, tolerance
     runs = {}
     for variant in KERNELS:
@@ -308,6 +309,10 @@ def measure_tolerances():
                              "(its sampled tokens?)")
     worst = [[abs(r["values"][i] - v) for r in runs.values()] for i, v in enumerate(native["values"])]
     tol = [max(tolerance(w, v), atol) for w, v, atol in zip(worst, native["values"], native["atols"])]
+    # never below what an earlier machine measured (another CPU kind's rounding: issue #40)
+    before = json.load(open(TOLERANCES)) if os.path.exists(TOLERANCES) else {}
+    if before.get("numbers") == len(tol):
+        tol = [max(t, b) for t, b in zip(tol, before["tolerance"])]
     with open(TOLERANCES, "w") as f:
         json.dump({"numbers": len(tol), "kernels": list(KERNELS), "tolerance": tol}, f, indent=0)
         f.write("\n")
