@@ -13,6 +13,7 @@ float32 and bf16-mixed. tests/test_memory.py runs a subset and asserts plan with
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -52,11 +53,18 @@ def measure_here(name) -> dict:
     return {"name": name, "world": d.world, "measured": m.peaks, "planned": planned}
 
 
+def free_port() -> int:
+    """A port no one listens on now: a fixed one collides with another suite or check running beside."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def measure(name) -> dict:
     """A configuration in a fresh process (torchrun for DDP/FSDP2): nothing of another one stays alive."""
     procs = CONFIGS[name][0]
     launch = [sys.executable] if procs == "1proc" else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                                       "--master-port", str(29600 + list(CONFIGS).index(name))]
+                                                       "--master-port", str(free_port())]
     r = subprocess.run(launch + [os.path.abspath(__file__), "--worker", name], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("{")), None)

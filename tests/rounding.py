@@ -35,7 +35,9 @@ KERNELS = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
     "avx512-no-amx": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
                       "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
-    "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
+    # ATen's scalar kernels beside oneDNN's AMX path is no real CPU (bf16 matmuls then fail:
+    # "pack_vnni2 is only supported when avx512 is supported"): oneDNN capped as on a CPU without AVX-512
+    "aten-default": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"},
     "mkl-compatible": {"MKL_CBWR": "COMPATIBLE"},
 }
 KERNEL_VARIABLES = {"ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA"}
