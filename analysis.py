@@ -20,8 +20,8 @@ import sys
 import torch
 from tqdm import tqdm
 
-import heldout
-import logprobs
+from evaluation import heldout
+from modeling import logprobs
 import rollout
 from plumbing import errors, interrupts, plots, run_dir
 

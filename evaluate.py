@@ -23,7 +23,7 @@ study are analysis.py. Sampling is seeded per sample: the seed of (salt, benchma
 temperature, sample index) is rollout.row_seed, so a resumed or re-run evaluation draws the same
 samples, and all models see the same seeds.
 
-Resuming (plumbing/eval_folder.py): --out/config.json is the folder's resume key, the settings that change
+Resuming (evaluation/eval_folder.py): --out/config.json is the folder's resume key, the settings that change
 what a sample is (GENERATION_KEYS, --dtype included) and a fingerprint of each model's weight, config
 and tokenizer files (every byte hashed, no model loaded); each sample names the version of its
 benchmark row. A command
@@ -45,10 +45,11 @@ from collections import Counter, defaultdict
 
 from tqdm import tqdm
 
-import heldout
+from evaluation import heldout
 import reward
 from data.prompts import PromptSet, encode_prompts
-from plumbing import distributed, errors, eval_folder, interrupts, plots, run_dir
+from evaluation import eval_folder
+from plumbing import distributed, errors, interrupts, plots, run_dir
 from plumbing.errors import DataError
 
 # The paper's temperature grid (method.md §6): 0.1 ... 1.0 and 1.2 ... 1.5, 14 points.

@@ -31,6 +31,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
@@ -447,6 +448,21 @@ def grade_completions(completions: list[str], answers: list[str],
         print(f"[reward] grading failed: {e!r}", file=sys.stderr)
         outcomes, used_mv = ["error"] * len(preds), [False] * len(preds)
     return outcomes, sum(used_mv)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One completion's score (tasks.Task's scorers return it)."""
+    reward: float                      # what enters the advantages (before --reward's format bonus)
+    outcome: str                       # "correct" counts as accurate; every outcome is counted by name
+
+
+def grade_rows(completions: list[str], rows: list[dict], timeout: float = DEFAULT_TIMEOUT):
+    """The math task's scorer (tasks/math.py): each completion against its row's "answer", all at
+    once -- the verifier's pool grades distinct (gold, answer) pairs once, in parallel. ->
+    ([Scored], {"math_verify": completions that needed the slow path})."""
+    outcomes, math_verify = grade_completions(completions, [r["answer"] for r in rows], timeout)
+    return [Scored(float(o == "correct"), o) for o in outcomes], {"math_verify": math_verify}
 
 
 def score_batch(completions: list[str], answers: list[str], *, format_reward: bool = False,

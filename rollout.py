@@ -3,18 +3,18 @@
 Used by train.py (training rollouts) and evaluate.py (benchmark sampling). Works the same for the
 embedded ~1M-parameter Qwen2 model on CPU (fp32) and for Qwen2.5-Math-7B on GPUs (bf16, possibly
 wrapped in DDP or sharded with FSDP2 `fully_shard`): prompts go through the model's normal forward
-into a preallocated KV cache (kv_cache.py); the sampler's one-token decode steps use decode.py's
-lean step over the same weights for Llama/Qwen2 -- then every row of a call is decoded in ONE pass
-over the slots of one cache, finished slots refilled with queued rows (slots.py) -- and the normal
-forward otherwise, in chunks of rows one after another (`_sample_kv`). Loading a policy is
-models.py; the training forward over the sampled rows (their log-probs, Query-KL's prompt
-log-probs) is logprobs.py.
+into a preallocated KV cache (sampler/kv_cache.py); the sampler's one-token decode steps use
+sampler/decode.py's lean step over the same weights for Llama/Qwen2 -- then every row of a call is
+decoded in ONE pass over the slots of one cache, finished slots refilled with queued rows -- and the
+normal forward otherwise, in chunks of rows one after another (`_sample_kv`). Loading a policy is
+modeling/models.py; the training forward over the sampled rows (their log-probs, Query-KL's prompt
+log-probs) is modeling/logprobs.py.
 
 - `sample`   -> `Rollout`: our own KV-cache decoding ("kv", default) or HF `generate`
                 ("hf", a reference). Returns the sampled tokens, masks, and the log-prob of each
                 sampled token under log_softmax(logits / T) -- the same quantity the training
                 forward recomputes (logprobs.score_tokens), so ratio pi_theta / pi_old = 1 on-policy
-                up to the sampler's rounding (measured every step: metrics.py).
+                up to the sampler's rounding (measured every step: rl/experience.py).
 - `Rollout.packed()` -> the [prompt | response] layout every training forward reads.
 - `fill_groups`, `decode_responses`: DAPO's dynamic sampling, and the texts the grader reads.
 
@@ -43,9 +43,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-import slots
-from kv_cache import kv_budget_from_memory, left_pad, prefill
-from logprobs import Packed
+from sampler import kv_cache
+from sampler.kv_cache import kv_budget_from_memory, left_pad, prefill
+from modeling.logprobs import Packed
 from plumbing import distributed
 
 # ----------------------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ class SampleSpec:
                    batch_size, torch.bfloat16 if bf16 else None, kv_budget)
 
     def rows_per_call(self, longest_prompt) -> int | None:
-        """Rows decoded at once (slots.py's slots; chunks where the one pass does not apply):
+        """Rows decoded at once (sampler/kv_cache.py's slots; chunks where the one pass does not apply):
         batch_size, capped so rows x (prompt + new tokens) <= kv_budget."""
         if not self.kv_budget:
             return self.batch_size
@@ -282,7 +282,7 @@ def _row_keys(seeds, device) -> torch.LongTensor:
 
 def _uniform(keys, step) -> torch.DoubleTensor:
     """(B,) float64 u in (0, 1): u_i = hash(key_i, step_i), a pure function of the row's key and
-    step. step: an int (every row's) or a (B,) int64 tensor (each row's own, slots.py); both give
+    step. step: an int (every row's) or a (B,) int64 tensor (each row's own, sampler/kv_cache.py); both give
     the same bits (step < 2^31: step * 0x9E3779B9 < 2^63 fits int64)."""
     step = torch.full_like(keys, step) if isinstance(step, int) else step
     k = _mix32(keys ^ _mix32((step * 0x9E3779B9 + 0x85EBCA6B) & _M32))
@@ -344,11 +344,12 @@ def _any_across_ranks(flag: bool, device) -> bool:
 
 def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature, top_p,
                lockstep, progress):
-    """The chunked KV-cache loop (models slots.py's one pass does not decode): one left-padded chunk's
-    prompts through the HF forward into a preallocated cache (prefill), then one decode.HFStep per
-    token. Which rows are done is read every slots.CHECK_EVERY steps (a host sync; under lockstep a
-    collective, at the same steps on every rank); finished rows are dropped from the batch (and
-    cache) at a check once they are a quarter of it, so long tails decode at small batch."""
+    """The chunked KV-cache loop (models sampler/kv_cache.py's one pass does not decode): one
+    left-padded chunk's prompts through the HF forward into a preallocated cache (prefill), then one
+    decode.HFStep per token. Which rows are done is read every kv_cache.CHECK_EVERY steps (a host
+    sync; under lockstep a collective, at the same steps on every rank); finished rows are dropped
+    from the batch (and cache) at a check once they are a quarter of it, so long tails decode at
+    small batch."""
     dev = next(model.parameters()).device
     pre = prefill(model, prompts, pad_id, max_new_tokens)
     ids, mask, logits, step = pre.ids, pre.mask, pre.logits, pre.step
@@ -376,11 +377,11 @@ def _sample_kv(model, prompts, keys, *, max_new_tokens, eos, pad_id, temperature
         done[active] = done[active] | (alive & torch.isin(tok, eos))
         if t == max_new_tokens - 1:
             break
-        if (t + 1) % slots.CHECK_EVERY:
+        if (t + 1) % kv_cache.CHECK_EVERY:
             logits = step(tok, next_pos)
             next_pos = next_pos + 1
             continue
-        n_alive = len(active) - sum(slots.host_read(done[active]))
+        n_alive = len(active) - sum(kv_cache.host_read(done[active]))
         if not (_any_across_ranks(n_alive > 0, dev) if lockstep else n_alive > 0):
             break
         if 0 < n_alive <= 0.75 * active.numel():
@@ -482,7 +483,7 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
     seeds: one int per row (see the module docstring), or None for torch's global RNG.
     sampler: "kv" (own KV-cache loop, default) or "hf" (model.generate; keeps every step's
     logits in memory, a reference for tests and benchmarks). batch_size: rows decoded at once --
-    "kv" on a model decode.LeanStep implements: the slots of slots.py's one pass over all rows;
+    "kv" on a model decode.LeanStep implements: the slots of sampler/kv_cache.py's one pass over all rows;
     otherwise chunks of this many rows, one after another. lockstep: keep ranks in step (auto:
     True for FSDP2-sharded models in a multi-rank process group; chunked); then every rank must
     call sample() with the same batch_size. Returns a Rollout on the model's device.
@@ -501,7 +502,7 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
     if lockstep is None:
         lockstep = _lockstep(m)
     kw = dict(max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id, temperature=temperature, top_p=top_p)
-    if sampler == "kv" and slots.supports(m, lockstep):
+    if sampler == "kv" and kv_cache.supports(m, lockstep):
         ro = _one_pass(m, prompts, keys, batch_size, progress, **kw)
     else:
         ro = _chunked(m, prompts, keys, batch_size, sampler, lockstep, seeded, progress, **kw)
@@ -511,11 +512,11 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
 
 
 def _one_pass(model, prompts, keys, slot_count, progress, *, max_new_tokens, eos, pad_id, temperature, top_p):
-    """Every row in one decoding pass over `slot_count` KV-cache slots (slots.py)."""
+    """Every row in one decoding pass over `slot_count` KV-cache slots (sampler/kv_cache.py)."""
     def choose(logits, row_keys, t):
         return _choose(logits, temperature, top_p, row_keys, t)
 
-    d = slots.decode_pass(model, prompts, keys, choose, slots=slot_count, max_new_tokens=max_new_tokens,
+    d = kv_cache.decode_pass(model, prompts, keys, choose, slots=slot_count, max_new_tokens=max_new_tokens,
                           eos=eos, pad_id=pad_id, progress=progress)
     ids, mask = left_pad(prompts, pad_id, keys.device)
     R = max_new_tokens  # column R is the pass's scratch column

@@ -17,23 +17,21 @@ import time
 try:                                       # Ctrl-C during these imports: one line, no traceback
     import torch
     from tqdm import tqdm
-    import experience
-    import logprobs
-    import lora
+    from rl import experience
+    from modeling import logprobs
+    from modeling import lora
     import losses
-    import memory_measure
-    import metrics
-    import models
-    import query_reference
+    from rl import memory_measure
+    from modeling import models
+    from rl import query_reference
     import sft
-    import step_plan
     import tasks
-    from heldout import check_fits, heldout_at_temperatures
+    from evaluation.heldout import check_fits, heldout_at_temperatures
     from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan,
                           optimizer, options, run_dir, time_model)
     from plumbing.distributed import all_sum, print0
-    import rl_run
-    from rl_run import Run, needs_reference_model, old_rows, setup_rl
+    from rl import run_setup
+    from rl.run_setup import Run, needs_reference_model, old_rows, setup_rl
 except KeyboardInterrupt:
     os.write(2, b"interrupted (SIGINT): stopped while starting, nothing written\n")
     raise SystemExit(130) from None
@@ -88,7 +86,7 @@ OPTIONS = [
     ("dtype",             "auto",                              "bf16-mixed: fp32 weights + bf16 autocast (2x faster matmuls on CPUs with AVX512-BF16/AMX); auto: that on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16", "bf16-mixed"]),
     ("fsdp",              False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
     ("lora_rank",         0,                                   "LoRA: train rank-r adapters on the policy's linear layers, "
-                                                               "the rest frozen and the reference model (lora.py; 0 = "
+                                                               "the rest frozen and the reference model (modeling/lora.py; 0 = "
                                                                "full fine-tuning)", ">=0"),
     ("lora_alpha",        16.0,                                "LoRA: the adapters' update is (alpha / r) B A", ">0"),
     ("lora_dropout",      0.0,                                 "LoRA: dropout on the adapters' input", "[0,1)"),
@@ -100,7 +98,7 @@ OPTIONS = [
     ("plan_gpus",         8,                                   "GPUs the --dry-run plan assumes", ">=1"),
     ("plan_gpu",          "h100",                              "the GPU --dry-run's time model assumes (plumbing/time_model.py)",
                                                                list(time_model.GPUS)),
-    ("qkl_ref",           "cache",                             "the Query-KL reference (query_reference.py): the "
+    ("qkl_ref",           "cache",                             "the Query-KL reference (rl/query_reference.py): the "
                                                                "initial policy's prompt log-probs cached before RL "
                                                                "(the paper); the reference model's forward over "
                                                                "each step's prompts (live: what the released code "
@@ -170,8 +168,8 @@ BEFORE_OPTION = {
 
 
 # ----------------------------------------------------------------------------------------------
-# RL, part 1: the step. Rollouts and rewards come from experience.py, the host-side plan of the
-# forwards from step_plan.py; the loss terms are losses.py's (equations: docs/method.md).
+# RL, part 1: the step. Rollouts and rewards come from rl/experience.py, the host-side plan of the
+# forwards from rl/experience.py; the loss terms are losses.py's (equations: docs/method.md).
 
 
 def rl_step(run, step):
@@ -184,7 +182,7 @@ def rl_step(run, step):
     prompt_mask = packed.prompt_tok_mask.float() * valid[:, None]
     update_rows = batching.microbatches(len(ro.finished), run.args.update_batch // run.dist.world * G)
     fresh = on_policy_rows(run, update_rows)
-    plan = step_plan.plan_step(run.args, packed, collected.valid.tolist(), update_rows, fresh,
+    plan = experience.plan_step(run.args, packed, collected.valid.tolist(), update_rows, fresh,
                                has_ref=run.ref is not None, rewards=collected.rewards)
     with run.timer("score"):
         scores = score_old_and_ref(run, packed, fresh, plan)             # pi_old, reference
@@ -200,16 +198,16 @@ def rl_step(run, step):
     with run.timer("update"):
         update = ppo_update(run, batch, plan)
     if update["grad_norm"] is None:                                      # no optimizer step applied: are
-        run.no_step(step)                                                # the weights sound? (their norm)
+        run.guard.no_step(step, run.policy)                              # the weights sound? (their norm)
     run.qref.after_step(prompts)                                         # (scores.prompt is complete now)
     initial = query_reference.monitor_logp(run.qref, qref, prompts, run.cache)  # query_kl: drift from pi_0
-    return metrics.rl_step(run, step, collected, ro, batch, initial, update)
+    return experience.step_metrics(run, step, collected, ro, batch, initial, update)
 
 
 def rollouts(run, step) -> experience.Collected:
-    """The step's rollouts from a decoding copy (lora.decoding_copy: freed before scoring needs the
-    memory), their groups dealt to the ranks by length."""
-    with lora.decoding_copy(run.policy, run.spec.weights_dtype) as decoder:
+    """The step's rollouts from a decoding copy (a LoRA policy's merged copy, freed before scoring
+    needs the memory), their groups dealt to the ranks by length."""
+    with run.decoding_copy(run.policy, run.spec.weights_dtype) as decoder:
         collected = experience.collect(run, decoder, step)
     return experience.deal_by_length(run, collected)                   # the ranks' work evened out
 
@@ -240,7 +238,7 @@ def score_old(run, packed: logprobs.Packed, scores: experience.OldScores, mbs: l
 
 @torch.no_grad()
 def score_old_and_ref(run, packed: logprobs.Packed, fresh: slice,
-                      plan: step_plan.StepPlan) -> experience.OldScores:
+                      plan: experience.StepPlan) -> experience.OldScores:
     """No-grad forwards: the policy over the rows after `fresh`, the reference over all rows."""
     scores = experience.OldScores.empty(packed, fresh, has_ref=run.ref is not None)
     score_old(run, packed, scores, plan.old, plan.group)
@@ -272,7 +270,7 @@ def row_weights(run, prompt_idx, prompt_logp, prompt_mask, valid, update_rows):
     return w
 
 
-def ppo_update(run, batch: experience.UpdateBatch, plan: step_plan.StepPlan) -> dict:
+def ppo_update(run, batch: experience.UpdateBatch, plan: experience.StepPlan) -> dict:
     """One optimizer step per global update batch with a signal (UpdatePlan.takes_step), x ppo_epochs
     -> rl_loss's statistics averaged over the applied steps, grad_norm, skipped_steps (non-finite),
     no_signal_steps. The first update forward is pi_old's for the on-policy rows (on_policy_rows):
@@ -292,11 +290,11 @@ def ppo_update(run, batch: experience.UpdateBatch, plan: step_plan.StepPlan) -> 
                 skipped += 1
             else:
                 applied.append(stats)
-    return {**metrics.update_statistics(applied), "skipped_steps": skipped, "no_signal_steps": no_signal,
+    return {**experience.update_statistics(applied), "skipped_steps": skipped, "no_signal_steps": no_signal,
             "lr": lr}
 
 
-def optimizer_step(run, batch: experience.UpdateBatch, update: step_plan.UpdatePlan, is_pi_old: bool,
+def optimizer_step(run, batch: experience.UpdateBatch, update: experience.UpdatePlan, is_pi_old: bool,
                    group: int):
     """Gradient of one update batch, clipped, applied if its loss and gradient are finite on every
     rank -> its statistics on the host (this rank's sums; grad_norm global), or None if skipped."""
@@ -304,14 +302,14 @@ def optimizer_step(run, batch: experience.UpdateBatch, update: step_plan.UpdateP
     norm = optimizer.clip_grad(run.policy, run.args.grad_clip)
     host = distributed.read_scalars({**stats, "grad_norm": norm}, finite=("loss", "grad_norm"))
     if host is None:
-        run.bad_step()                                                   # not applied; too many: the end
+        run.guard.bad_step(run.opt)                                      # not applied; too many: the end
         return None
-    run.finite_step()                                                    # the latest checkpoint is trusted
+    run.guard.finite_step()                                              # the latest checkpoint is trusted
     optimizer.step(run.opt, run.sched)
     return host
 
 
-def accumulate_gradient(run, batch: experience.UpdateBatch, update: step_plan.UpdatePlan, is_pi_old: bool,
+def accumulate_gradient(run, batch: experience.UpdateBatch, update: experience.UpdatePlan, is_pi_old: bool,
                         group: int) -> dict[str, torch.Tensor]:
     """Forward + backward of each micro-batch of one optimizer step; -> its loss statistics, summed
     over micro-batches as float64 tensors (no host read here). Every loss term is divided by the
@@ -344,7 +342,7 @@ def accumulate_gradient(run, batch: experience.UpdateBatch, update: step_plan.Up
 
 
 # ----------------------------------------------------------------------------------------------
-# The step's memory, measured by running it (memory_measure.py; --dry-run prints it beside the plan)
+# The step's memory, measured by running it (rl/memory_measure.py; --dry-run prints it beside the plan)
 
 
 def measure_memory(args, algo, world=1, fake=True, max_micro_batches=3) -> memory_measure.Measured:
@@ -392,7 +390,7 @@ def train_rl(run, evalsets, log, start, amp):
             log({**m, **run.timer.metrics()})                            # + time_gen, time_reward, ...
             if m["no_signal_steps"] and not said_no_signal:
                 said_no_signal = print0(NO_SIGNAL) or True
-            if run.idle_streak == IDLE_STEPS:                           # said once per such streak
+            if run.guard.idle_streak == IDLE_STEPS:                           # said once per such streak
                 print0(IDLE.format(n=IDLE_STEPS, first=step + 2 - IDLE_STEPS, last=step + 1,
                                    acc=m.get("train_acc", float("nan"))))
             bar.set_postfix({k: f"{m[k]:.3f}" for k in shown if k in m} | {"s/step": f"{m['step_time']:.1f}"})
@@ -423,12 +421,12 @@ IDLE = ("no optimizer step in {n} RL steps in a row (steps {first}-{last}; train
 def save(run, step, final):
     a, bf16 = run.args, distributed.uses_bf16(run.args.dtype, run.dist.device)
     extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta,
-             "weight_norm": run.start_norm}                               # (weights_diverged's start)
+             "weight_norm": run.guard.start_norm}                               # (weights_diverged's start)
     checkpoints.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
                                 export_dtype=a.export_dtype, bf16=bf16, extra=extra)
     if final and lora.is_lora(run.policy):                               # checkpoints hold adapters: the
-        rl_run.final_export(run, step)                                   # merged model is <out>/hf
-    run.ckpt_checked = False                                             # until the next finite loss
+        run_setup.final_export(run, step)                                   # merged model is <out>/hf
+    run.guard.saved()                                                    # trusted at the next finite loss
 
 
 def parse_args(argv=None):
@@ -455,7 +453,8 @@ def parse_args(argv=None):
         parsed.error("--resume continues the run in --out, --overwrite replaces it: choose one")
     if args.lora_rank and (args.fsdp or args.algo == "sft"):
         parsed.error(f"--lora-rank with {'--fsdp' if args.fsdp else '--algo sft'}: LoRA trains the RL policy "
-                     "in one process or under DDP (lora.py); drop --lora-rank, or train without --fsdp")
+                     "in one process or under DDP (modeling/lora.py); drop --lora-rank, or train without "
+                     "--fsdp")
     if args.resume and args.algo == "sft":
         parsed.error("--resume: the SFT warm start does not resume (it saves HF folders, sft-<step>/, not "
                      "training state); start it again (--overwrite)")
@@ -558,8 +557,9 @@ def train_in_folder(args, algo, dist, lock):
         else:
             train_rl(run, evalsets, log, state.step if state else 0, amp)
             if state and state.step == args.steps:                       # finished: its <out>/hf complete?
-                rl_run.check_final_export(run, state.step)
-            checkpoints.export(rl_run.exportable(run), tokenizer, args.export, args.export_dtype, bf16=bf16)
+                run_setup.check_final_export(run, state.step)
+            checkpoints.export(run_setup.exportable(run), tokenizer, args.export, args.export_dtype,
+                               bf16=bf16)
     finally:
         log.close()
     return evalsets

@@ -142,7 +142,7 @@ def trl_worker(steps, out, dtype):
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    import models
+    from modeling import models
     import reward
     from data.prompts import build_prompt
 

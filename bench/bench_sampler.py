@@ -15,7 +15,7 @@ kv-vs-hf agreement, whether seeded samples survive re-batching, and max |sampled
 token_logprobs|. EOS is disabled (eos_ids=[]) so every row decodes exactly --new tokens and all
 samplers do the same amount of work.
 
---one-pass: the rollout schedule instead (slots.py). --rows seeded rows with long-tailed lengths
+--one-pass: the rollout schedule instead (sampler/kv_cache.py). --rows seeded rows with long-tailed lengths
 (--eos-count tokens of the near-uniform random model end a row: geometric lengths, mean about
 vocab / eos_count, capped at --new) decoded with room for --slots rows in the KV cache, two ways,
 each through the same decode step: in chunks of --slots rows one after another, each until its
@@ -31,10 +31,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import kv_cache
-import logprobs
+from sampler import kv_cache
+from modeling import logprobs
 import rollout as R
-import slots
 
 PRESETS = {  # Qwen2Config kwargs
     "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
@@ -83,7 +82,7 @@ def one_pass_vs_chunks(model, args, device):
     seeds = list(range(5000, 5000 + N))
     kw = dict(max_new_tokens=args.new, eos_ids=list(range(2, 2 + args.eos_count)), pad_id=0,
               temperature=args.temperature, batch_size=S)
-    steps, real = [], slots.decode_pass
+    steps, real = [], kv_cache.decode_pass
 
     def counted(*a, **k):
         d = real(*a, **k)
@@ -93,7 +92,7 @@ def one_pass_vs_chunks(model, args, device):
     def chunks():  # each chunk's rows alone: a pass without refills is the chunked loop's schedule
         return [R.sample(model, prompts[i:i + S], seeds=seeds[i:i + S], **kw) for i in range(0, N, S)]
 
-    slots.decode_pass = counted
+    kv_cache.decode_pass = counted
     try:
         timed(chunks, device)  # warm-up
         res = {}
@@ -104,7 +103,7 @@ def one_pass_vs_chunks(model, args, device):
                                                     for i, n in enumerate(ro.lengths.tolist()))],
                          sum(steps), len(steps), dt)
     finally:
-        slots.decode_pass = real
+        kv_cache.decode_pass = real
     L = torch.tensor([len(t) for t in res["one pass"][0]]).float()
     print(f"rows={N} slots={S} new={args.new} eos_count={args.eos_count}: response lengths mean {L.mean():.0f}, "
           f"median {L.median():.0f}, max {L.max():.0f}, {int((L == args.new).sum())} at the limit; "

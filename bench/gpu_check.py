@@ -14,7 +14,7 @@ yet), ~165 s in all, plus start-up:
 
 1. ragged-score/<attn>/<precision> and ragged-sample/<attn>/<precision> (ragged, ~25 s): left-padded
    prompts of different lengths with right-padded responses through `logprobs.token_logprobs`
-   (forward and backward) and through our sampler (`rollout.sample`: slots.py's one pass); attn
+   (forward and backward) and through our sampler (`rollout.sample`: sampler/kv_cache.py's one pass); attn
    sdpa -- the pad-safe SDPA train.py loads (models.attention_for: models.SDPA, on a CPU under bf16
    autocast models.SDPA_FLOAT32), never transformers' plain "sdpa" -- or flash_attention_2 (SKIP
    where flash_attn does not import, and for fp32, which flash-attn does not compute); precision
@@ -55,7 +55,7 @@ yet), ~165 s in all, plus start-up:
    the initial weights (the optimizer moved them).
 3. kv-cache (kv, ~5 s): our sampler under the training precision (`rollout.SampleSpec.make`,
    `sample_with`): the cache's buffers are in the compute dtype (bf16 under autocast on CUDA) and,
-   with a budget of 2.5 rows, the rows are decoded in ONE pass (one cache, slots.py) of 2 slots
+   with a budget of 2.5 rows, the rows are decoded in ONE pass (one cache, sampler/kv_cache.py) of 2 slots
    holding <= budget positions and exactly slots x capacity x memory_plan.Arch.kv_bytes_per_position
    bytes. On CUDA also the default budget (a share of free memory) is reported.
 4. update-mfu (mfu, ~15 s): one ERPO optimizer step (bf16 autocast over fp32 master weights, as
@@ -78,7 +78,7 @@ yet), ~165 s in all, plus start-up:
    torch's MemTracker sees (memory_measure.PhasePeaks) against the plan's CPU figures.
 5. decode-pass (decode-pass, ~15 s): decode throughput at the real widths and depth (all 28
    layers, bf16 weights: the decoding copy; train.py's attention) through train.py's path
-   (`rollout.sample` under autocast -> slots.decode_pass -> decode.LeanStep), with the paper
+   (`rollout.sample` under autocast -> kv_cache.decode_pass -> decode.LeanStep), with the paper
    config's rows per pass (memory_plan.kv_rows on 8 GPUs: 128 slots; G = 8 rows per prompt;
    prompts of 7/8 to 1x its --max-prompt-len, 1,024 tokens): a pass of --pass-steps decode steps
    (256) after a warm-up pass, the clock started once the prefill (kv_cache.admit, one for all
@@ -96,7 +96,7 @@ yet), ~165 s in all, plus start-up:
    length under autocast, as train.rollouts does; the training forward (logprobs.score_tokens
    under bf16 autocast over float32 master weights holding the copy's values, as after loading a
    bf16 checkpoint; the attention models.attention_for gives train.py) rescores the same tokens;
-   metrics.sampler_vs_old's mean |log pi_sampler - log pi_old| and k3 per response token, what
+   experience.sampler_vs_old's mean |log pi_sampler - log pi_old| and k3 per response token, what
    train.py logs as sampler_logp_gap and sampler_kl. FAIL if not finite or if the k3 exceeds
    GAP_K3_MAX (why that value: beside it). The k3 of pi_old at temperature 1.1 is printed for scale.
 """
@@ -120,13 +120,12 @@ import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-import kv_cache  # noqa: E402
-import logprobs  # noqa: E402
+from sampler import kv_cache  # noqa: E402
+from modeling import logprobs  # noqa: E402
 import losses  # noqa: E402
-import metrics  # noqa: E402
-import models  # noqa: E402
+from rl import experience  # noqa: E402
+from modeling import models  # noqa: E402
 import rollout  # noqa: E402
-import slots  # noqa: E402
 from plumbing import batching, distributed, memory_plan, optimizer, time_model  # noqa: E402
 
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
@@ -158,7 +157,7 @@ PRESETS = {
 ITEMS = ("ragged", "train", "kv", "mfu", "update-memory", "decode-pass", "decode", "sampler-gap")
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")   # float32 weights; bf16 weights; float32 under bf16 autocast
 # A row of a padded batch vs the row alone: max |log p| difference (nats) of token_logprobs and of
-# the sampler (whose decode steps are decode.py's own math and, in bf16, a bf16 KV cache), and the
+# the sampler (whose decode steps are sampler/decode.py's own math and, in bf16, a bf16 KV cache), and the
 # gradient's relative L2 difference. Measured at 7B widths (1 layer, CPU): fp32 2e-6 / 6e-6 / 3e-7;
 # bf16 and bf16-mixed 8e-3 / 5e-2 / 6e-3. Attending to the padding instead moves log-probs by ~4 nats.
 TOL = {
@@ -731,8 +730,8 @@ def kv_cache_check(a, dev):
     with patched(kv_cache, "kv_cache", recording) as base, amp():
         ro = rollout.sample_with(model, prompts, spec, temperature=1.0, seeds=list(range(len(prompts))))
     check(made, "rollout.sample_with made no kv_cache.kv_cache")
-    check(len(made) == 1 or not slots.supports(model, lockstep=False),
-          f"{len(made)} KV caches: the rows were decoded in chunks, not in one pass (slots.py)")
+    check(len(made) == 1 or not kv_cache.supports(model, lockstep=False),
+          f"{len(made)} KV caches: the rows were decoded in chunks, not in one pass (sampler/kv_cache.py)")
     want = torch.bfloat16 if bf16 and dev.type == "cuda" else dtype   # precision("auto")'s compute dtype
     bpp = arch.kv_bytes_per_position(want.itemsize)
     per_call = []
@@ -879,7 +878,7 @@ class LiveTensors:
     `tracker` around the code; what existed before is counted through `external`."""
 
     def __init__(self, *external):
-        import memory_measure
+        from rl import memory_measure
 
         self.tracker, self.external = memory_measure.PhasePeaks(), external
 
@@ -993,13 +992,13 @@ def decode_pass(a, dev, name):
     S, G = memory_plan.kv_rows(run, gpus), run.group_size
     attn = models.attention_for(dev, torch.float32, bf16=True).implementation   # train.py's (the prefill's)
     model = build(model_config(a.preset, 0), dev, torch.bfloat16, attn)  # every layer: the decoding copy
-    check(slots.supports(model, lockstep=False), "decode.LeanStep does not implement this model: no one pass")
+    check(kv_cache.supports(model, lockstep=False), "decode.LeanStep does not implement this model: no one pass")
     _, amp = precision("bf16-mixed", dev)                                # train.rollouts samples under it
     prompts = group_prompts(S // G, G, run.max_prompt_len, model.config.vocab_size, seed=6)
     mem, passes, admitted = Mem(dev), [], []
-    base_pass, base_admit = slots.decode_pass, kv_cache.admit
+    base_pass, base_admit = kv_cache.decode_pass, kv_cache.admit
 
-    def recording(*args, **kw):                     # each call's slots.Decoded: its length in tokens
+    def recording(*args, **kw):                     # each call's kv_cache.Decoded: its length in tokens
         passes.append(base_pass(*args, **kw))
         return passes[-1]
 
@@ -1010,7 +1009,7 @@ def decode_pass(a, dev, name):
         return logits
 
     def decode_seconds(n):
-        with patched(slots, "decode_pass", recording), patched(kv_cache, "admit", admit), amp():
+        with patched(kv_cache, "decode_pass", recording), patched(kv_cache, "admit", admit), amp():
             ro = rollout.sample(model, prompts, max_new_tokens=n, eos_ids=[], pad_id=0,
                                 temperature=a.temperature, seeds=list(range(S)), batch_size=S)
         mem.sync()
@@ -1070,7 +1069,7 @@ def sampler_gap(a, dev):
     def vs_sampler(temperature) -> dict:             # train.score_old: score_tokens under autocast
         with torch.no_grad(), amp():
             old = logprobs.score_tokens(master, ro.packed(), temperature).response
-        sums = metrics.sampler_vs_old(ro.logprobs, old, mask)
+        sums = experience.sampler_vs_old(ro.logprobs, old, mask)
         means = {k: float(v.sum() / mask.sum()) for k, v in sums.items()}
         return {"max": float(sums["samp_gap"].max()), **means}
 

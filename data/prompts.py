@@ -7,8 +7,6 @@ is the query q whose log-likelihood l_theta(q) the Query-KL regularizes (method.
 
 from dataclasses import dataclass
 
-import torch
-
 from plumbing.errors import DataError
 
 # The instruction appended to every problem in the paper (method.md §5).
@@ -98,14 +96,3 @@ def check_positions(name, ids, max_new_tokens, max_positions, flag="--max-new-to
     raise DataError(f"{name}: {len(over)} of {len(ids)} prompts do not fit the model's {max_positions} "
                     f"positions with {flag} {max_new_tokens} (longest prompt {longest} tokens): {fix}, "
                     "or leave the set out")
-
-
-def step_indices(n_data, step, batch, seed) -> list[int]:
-    """Indices of the problems of step `step`: an epoch-wise shuffle (drop_last), so a run is a
-    function of (seed, step) and resuming needs no data-loader state."""
-    per_epoch = n_data // batch
-    if per_epoch == 0:
-        raise ValueError(f"batch {batch} is larger than the data set ({n_data})")
-    epoch, k = divmod(step, per_epoch)
-    perm = torch.randperm(n_data, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
-    return perm[k * batch:(k + 1) * batch]

@@ -6,7 +6,7 @@
 Each stub gives its signature, its equation and the docs/method.md section that derives it. The
 tests use the hand-value cases of tests/loss_cases.py (the ones tests/test_losses.py checks the
 repo's losses.py against) and an exact toy categorical for the KL direction. Use torch only; do not
-import losses.py or surrogates.py (that is the answer). Conventions as in losses.py: B sequences,
+import losses.py (that is the answer). Conventions as in losses.py: B sequences,
 T tokens, G responses per prompt on consecutive rows; log-probs are of the tokens actually there.
 """
 

@@ -30,14 +30,13 @@ import torch
 ROOT = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) if "__file__" in globals()
         else os.path.dirname(os.getcwd()) if os.path.basename(os.getcwd()) == "labs" else os.getcwd())
 sys.path.insert(0, ROOT)
-import logprobs  # noqa: E402  (the repo's modules, from its root)
+from modeling import logprobs  # noqa: E402  (the repo's modules, from its root)
 import losses  # noqa: E402
-import models  # noqa: E402
-import query_cache  # noqa: E402
+from modeling import models  # noqa: E402
+from rl import query_reference  # noqa: E402
 import rollout  # noqa: E402
-import surrogates  # noqa: E402
 import tasks  # noqa: E402
-from data.prompts import step_indices  # noqa: E402
+from plumbing.batching import step_indices  # noqa: E402
 
 MODEL = os.path.join(ROOT, "data", "tinymath", "warmstart")
 ALGO = losses.ALGOS["erpo"]     # PG(A * w) + alpha * Query-KL; eps_low 0.2, eps_high 0.3, dual-clip c = 3
@@ -53,14 +52,14 @@ torch.manual_seed(SEED)
 # ERPO's Query-KL compares the policy's prompt log-probs with the INITIAL model's (method.md §3), and
 # the paper's query weights use the initial model's NLL s_i of each prompt and its mean s-bar over
 # the training set (method.md §4): both come from one pass of the reference over the prompts
-# (`query_cache.build`, what `--qkl-ref cache` builds before RL).
+# (`query_reference.build`, what `--qkl-ref cache` builds before RL).
 
 # %%
 policy, tokenizer = models.load_policy(MODEL)
 reference = copy.deepcopy(policy).eval().requires_grad_(False)
 data = tasks.prompt_set("tiny-train", tokenizer, "plain", "math", training=True, limit=PROBLEMS)
-prompt_logp = query_cache.build(reference, data.ids, tokenizer.pad_token_id, TEMPERATURE, "cpu")
-cache = query_cache.QueryCache.from_logp(prompt_logp)   # per prompt: log-probs, NLL s_i; s-bar
+prompt_logp = query_reference.build(reference, data.ids, tokenizer.pad_token_id, TEMPERATURE, "cpu")
+cache = query_reference.QueryCache.from_logp(prompt_logp)   # per prompt: log-probs, NLL s_i; s-bar
 print(f"{sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters; {len(data)} problems, prompt "
       f"NLL s_i from {cache.nll.min():.1f} to {cache.nll.max():.1f} nats, s-bar = {cache.nll_mean:.2f}")
 
@@ -124,7 +123,7 @@ print(f"sampler vs training forward: largest |log-prob difference| {gap:.1e} (ro
 # ## 4. Two optimizer steps on the same rollout
 # `optimizer_step` is train.py's optimizer step in miniature: a forward with gradient, ERPO's loss
 # (`losses.rl_loss`: PPO-clip on A * w, + alpha * Query-KL), clip the gradient norm to 1, one AdamW
-# step. Before it steps it records what the PPO surrogate saw (`surrogates.ppo_surrogate`): each
+# step. Before it steps it records what the PPO surrogate saw (`losses.ppo_surrogate`): each
 # token's ratio r = pi_theta / pi_old and which clip acted. The monitors `query_kl` and `policy_kl`
 # (k3, method.md §3 and §8.1) are those of the weights the forward ran on.
 
@@ -146,7 +145,7 @@ def optimizer_step() -> Step:
     loss, stats = losses.rl_loss(ALGO, logp=now.response, old_logp=old.response, ref_logp=ref.response,
                                  resp_mask=resp_mask, advantages=adv, weights=w, prompt_logp=now.prompt,
                                  prompt_ref_logp=qref, prompt_mask=prompt_mask, **denominators)
-    sur = surrogates.ppo_surrogate(now.response.detach(), old.response, adv * w, resp_mask, ALGO)
+    sur = losses.ppo_surrogate(now.response.detach(), old.response, adv * w, resp_mask, ALGO)
     opt.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)

@@ -3,7 +3,6 @@
 the real implementation (tests/test_labs.py checks it) and to fail on the stubs."""
 
 import losses
-import surrogates
 from labs import reweighting
 
 
@@ -24,7 +23,7 @@ def query_weights(nll, mean_nll=None, clip=None):
 
 
 def ppo_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.0):
-    return surrogates.ppo_loss(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
+    return losses.ppo_loss(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
 
 
 def grpo_prompt_weight(p, group_size, eps=1e-6):

@@ -13,7 +13,7 @@ config and options; no constant is fitted to a configuration. A step's phases pe
     update     + the gradients, the micro-batch's saved activations, lm_head's backward in blocks
     optimizer  weights, Adam state, reference, gradients + foreach AdamW's temporaries
 
-memory_measure.py measures the same phases by running the step's code (real tensors on a CPU, or
+rl/memory_measure.py measures the same phases by running the step's code (real tensors on a CPU, or
 fake ones at the paper's size); tests/test_memory.py holds plan and measurement within 15%.
 """
 
@@ -307,7 +307,7 @@ def report(a, gpus: int, needs_ref: bool, measured=None) -> str:
         lines.append(f"  {ph:22s} {plan[ph] / GIB:8.2f}{got}")
     if measured:
         lines.append(f"  measured: {'fake' if measured.fake else 'real'} tensors on {measured.world} "
-                     f"rank(s) running train.py's step (memory_measure.py; "
+                     f"rank(s) running train.py's step (rl/memory_measure.py; "
                      f"{measured.micro_batches} update micro-batches)")
     if skipped:
         lines.append(f"  not measured: {skipped}")

@@ -3,7 +3,7 @@
     runs/erpo/
       config.json      every setting of the run
       metrics.jsonl    one JSON line per step (the source of truth for plots and tables)
-      query_cache.pt   the initial policy's prompt log-probs (query_cache.py)
+      query_cache.pt   the initial policy's prompt log-probs (rl/query_reference.py)
       ckpt/            the checkpoint (checkpoints.py): HF folder or dcp/ shards + state.pt
       ckpt.prev/       the checkpoint before it (the fallback)
       hf/              FSDP2 runs: the final save's Hugging Face folder

@@ -3,7 +3,7 @@
 formula whose assumption is named beside its number, so a user can see which one to doubt.
 
 The step's phases, per rank (the ranks run in parallel):
-    decode   one pass over the rank's rows with S rows decoding at once (slots.py, S =
+    decode   one pass over the rank's rows with S rows decoding at once (sampler/kv_cache.py, S =
              memory_plan.kv_rows); each decode step reads the bf16 weights and the slots' KV cache up
              to the longest slot's length (memory-bound), or is bound by launching its eager
              kernels, whichever is slower
@@ -56,7 +56,7 @@ def decode_terms(arch, a, gpus, gpu: GPU, lengths) -> list[Term]:
     for L in lengths:
         # the slots stay full until the queue drains, then the last rows finish (at most L more)
         n = L if rows <= slots else math.ceil(rows * L / slots) + (a.max_new_tokens - L)
-        # each slot reads the columns up to the LONGEST slot's (slots.py): ~ prompt + L once refilled
+        # each slot reads the columns up to the LONGEST slot's (sampler/kv_cache.py): ~ prompt + L refilled
         kv = slots * (a.max_prompt_len + L) * arch.kv_bytes_per_position()
         read = (weights + kv) / (gpu.hbm_tbs * 1e12)
         launch = KERNELS_PER_LAYER * arch.layers * LAUNCH_US * 1e-6

@@ -5,7 +5,7 @@
     python -m study.walkthrough --tolerances     # re-measures tests/golden/walkthrough_tolerances.json
 
 Nothing here re-implements the step. `trace` runs train.py's own code on `argv()`: `train.parse_args`,
-`train.load_data`, `rl_run.setup_rl`, then `train.rl_step` for steps 1..TRACED + 1, with two of
+`train.load_data`, `run_setup.setup_rl`, then `train.rl_step` for steps 1..TRACED + 1, with two of
 train.py's functions wrapped to keep what they are given in the traced step: `train.rollouts` (the
 graded experience) and `train.ppo_update` (the UpdateBatch and the plan of the update). The wrapped
 update runs the real one (ERPO's optimizer step, what train.py logs), then, from the weights before
@@ -33,8 +33,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import losses
-import models
-import surrogates
+from modeling import models
 import train
 from plumbing import distributed
 from study import walkthrough_doc
@@ -88,7 +87,7 @@ class Trace:
     """What the wrapped functions of train.py saw in the traced step, and what was measured there."""
     collected: object = None           # experience.Collected
     batch: object = None               # experience.UpdateBatch
-    plan: object = None                # step_plan.StepPlan
+    plan: object = None                # experience.StepPlan
     terms: dict = field(default_factory=dict)   # "erpo" / "grpo" -> Terms
     prop1: dict = field(default_factory=dict)   # Proposition 1: gradients with the responses swapped
     after: dict = field(default_factory=dict)   # "erpo" / "grpo" -> (response, prompt) log-probs after
@@ -128,7 +127,7 @@ def loss_terms(run, algo, batch, plan) -> Terms:
     weights = None if algo.weights == "none" else batch.weights[rows]
     denom = dict(num_tokens=update.num_tokens, num_seqs=update.num_seqs, max_len=args.max_new_tokens)
     adv = batch.adv[rows] * (1.0 if weights is None else weights)
-    per_token = {"pg": surrogates.surrogate_loss(algo, now.response, old, adv, mask).loss}
+    per_token = {"pg": losses.surrogate_loss(algo, now.response, old, adv, mask).loss}
     if algo.has_policy_kl_loss:
         per_token["policy_kl"] = algo.beta * losses.policy_kl(now.response, ref, algo.kl, clamp=algo.kl_clamp)
     qkl = losses.query_kl(now.prompt, qref, pmask, algo.qkl_estimator, algo.kl_clamp)   # (B,)
@@ -180,7 +179,7 @@ def proposition_1(run, batch, plan) -> dict:
         s = train.logprobs.score_tokens(run.policy, rows, args.temperature)             # group 1: full rows
         qkl = losses.query_kl(s.prompt, qref, pmask, algo.qkl_estimator, algo.kl_clamp)
         mask = rows.attention_mask[:, rows.P:].float()
-        pg = losses.aggregate(surrogates.ppo_surrogate(s.response, s.response.detach(), adv, mask, algo).loss,
+        pg = losses.aggregate(losses.ppo_surrogate(s.response, s.response.detach(), adv, mask, algo).loss,
                               mask, algo.agg, num_tokens=mask.sum(), num_seqs=len(mask))
         q = algo.alpha * losses.aggregate(qkl, None, "seq-mean", num_seqs=update.num_seqs)
         out[name] = {"query_kl": flat_grad(q, params), "pg": flat_grad(pg, params)}
@@ -245,7 +244,7 @@ def trace(folder):
 
 
 def own_metrics(t: Trace, run) -> dict:
-    """The metrics train.py logs for the step, recomputed from the trace (metrics.rl_step's
+    """The metrics train.py logs for the step, recomputed from the trace (experience.step_metrics's
     formulas): they must equal t.metrics (checked in `main`) and metrics.jsonl (the test)."""
     b, sc = t.batch, t.batch.scores
     erpo = t.terms["erpo"]

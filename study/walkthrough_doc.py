@@ -26,7 +26,7 @@ SECTIONS = {                           # what the document cites -> the heading 
     "§5": "§5 The paper's training setup",
     "§8.1": "8.1 KL estimators (`losses.policy_kl`, `losses.kl_penalized_rewards`)",
     "§8.2": "8.2 Advantages (`losses.group_advantages`)",
-    "§8.3": "8.3 Policy-gradient surrogates (`surrogates.py`)",
+    "§8.3": "8.3 Policy-gradient surrogates (`losses.py`)",
     "§8.5": "8.5 Loss aggregation (`losses.aggregate`)",
 }
 
@@ -138,7 +138,7 @@ def intro(d, v, setup):
     d("# How ERPO works, on one real RL step",
       "",
       "Every number below comes from one run of the training code. `python -m study.walkthrough` "
-      f"runs the training code's own functions (`rl_run.setup_rl`, then `train.rl_step` for steps 1-"
+      f"runs the training code's own functions (`run_setup.setup_rl`, then `train.rl_step` for steps 1-"
       f"{setup['traced'] + 1}) and traces RL step {setup['traced']}: what went into each tensor, and "
       "what came out. Nothing "
       "is typed by hand, and `tests/test_walkthrough.py` regenerates this page and checks it against "
@@ -168,7 +168,7 @@ def batch_section(d, v):
     t, G = v.t, v.G
     d("## 1. The batch: prompts, responses, rewards",
       "",
-      f"{code('experience.collect', 'experience.py')} ({cite('§5')}) picks this step's {v.groups} "
+      f"{code('experience.collect', 'rl/experience.py')} ({cite('§5')}) picks this step's {v.groups} "
       "prompts (a function of seed and step), samples G responses to each from the rollout policy "
       f"({code('rollout.sample_with', 'rollout.py')}) and grades them with the task's verifier "
       f"({code('tasks.score_rows', 'tasks/task.py')} → `reward.py`: the last `\\boxed{{}}` against "
@@ -240,7 +240,7 @@ def weights_section(d, v):
       f"w(q) = clip(s̄ / s(q), {v.run.algo.weight_clip[0]:g}, {v.run.algo.weight_clip[1]:g}), where "
       "s(q) = −l_ref(q) is the prompt's negative log-likelihood "
       "under the reference model, read from the Query-KL cache built before step 1 "
-      f"({code('query_cache.build', 'query_cache.py')}), and s̄ = {d.num(cache.nll_mean, SEQ)} its "
+      f"({code('query_reference.build', 'rl/query_reference.py')}), and s̄ = {d.num(cache.nll_mean, SEQ)} its "
       f"mean over all {len(cache.nll)} training prompts. A prompt the reference finds likely (s below the "
       "mean) gets w > 1. GRPO has no weights (w = 1).",
       "",
@@ -410,7 +410,7 @@ def proposition_section(d, v):
       "",
       "The Query-KL gradient is the same (within float32 rounding; the driver requires ≤ 1e-6) whatever "
       "the responses, the policy gradient is not. Training computes each prompt once for its G "
-      f"responses ({code('logprobs.shared_prompt_scores', 'logprobs.py')}); that gradient differs from "
+      f"responses ({code('logprobs.shared_prompt_scores', 'modeling/logprobs.py')}); that gradient differs from "
       f"the full rows' by {d.num(rel_diff(qs, e.grads['query_kl']), ROUNDING)} (relative): the same math.",
       "")
 
@@ -478,7 +478,7 @@ def metrics_section(d, v, setup):
     m = setup["metrics"]
     d("## The step in metrics.jsonl",
       "",
-      "What `train.py` logs for this step (`metrics.rl_step`), recomputed from the tensors above: "
+      "What `train.py` logs for this step (`experience.step_metrics`), recomputed from the tensors above: "
       f"`reward` the mean of the {len(v.t.collected.rewards)} rewards, `query_kl` the rows' mean "
       "Query-KL of the rollout policy "
       "against the reference (§4's table, every prompt), `policy_kl` the token mean of §4's second "

@@ -27,7 +27,7 @@ PREMISE (what is measured; the goals are issue #35's)
    each set's laws, the 6 rare dialects included; none of their texts is in the world built from
    1234). Goal: r >= 0.6 on training and held-out problems.
 2. Spread of the paper weights (App. I): w_i = clip(s_bar / s_i, 0, 2), s_i the warm start's NLL
-   of the whole prompt i (query_cache.build, as train.py's --weights paper reads it), s_bar its
+   of the whole prompt i (query_reference.build, as train.py's --weights paper reads it), s_bar its
    mean over the WHOLE training set (losses.query_weights). Goal: >= 30% of training prompts with
    w outside [0.8, 1.2].
 Both from the shipped warm start, beside the same numbers of the tiny world's (data/tinymath).
@@ -173,7 +173,7 @@ def fresh_problems(seed=FRESH_SEED, limit=R_PROBLEMS, names=FRESH) -> dict:
     the warm start learned from), read as heldout.load_sets reads a set (task zipf)."""
     import tempfile
 
-    import heldout
+    from evaluation import heldout
     from data.tinymath.prepare import write_jsonl
     from data.zipf import prepare
 
@@ -197,12 +197,12 @@ def prompt_nll(model, tokenizer, rows):
     """(N,) the warm start's NLL of each whole prompt (the cache behind the paper weights)."""
     import torch
 
-    import query_cache
+    from rl import query_reference
     from data.prompts import encode_prompts
 
     ids = encode_prompts(tokenizer, rows, "plain")
-    logp = query_cache.build(model, ids, tokenizer.pad_token_id, 1.0, torch.device("cpu"))
-    return query_cache.QueryCache.from_logp(logp).nll
+    logp = query_reference.build(model, ids, tokenizer.pad_token_id, 1.0, torch.device("cpu"))
+    return query_reference.QueryCache.from_logp(logp).nll
 
 
 def outside_share(nll, mean_nll) -> float:
@@ -217,7 +217,7 @@ def weight_spread(model, tokenizer, train_set) -> dict:
     the share over the first SUBSET prompts with the whole set's s_bar (what the test regenerates)."""
     import torch
 
-    import heldout
+    from evaluation import heldout
     import losses
 
     rows = next(iter(heldout.load_sets([train_set]).values()))
@@ -232,7 +232,7 @@ def weight_spread(model, tokenizer, train_set) -> dict:
 
 def premise(world: str, limit=R_PROBLEMS, seeds=SEEDS) -> dict:
     """Both premise measurements of one world's warm start; the Zipf world's r also on fresh problems."""
-    import heldout
+    from evaluation import heldout
 
     path, train_set, held = WORLDS[world]
     model, tokenizer = heldout.load_model(path)
@@ -281,8 +281,8 @@ def entropy_at(model_path, temperature=HOT, limit=ENTROPY_PROBLEMS) -> dict:
     that temperature} on the first `limit` problems of each held-out set (analysis.nll_pairs' seeds)."""
     import torch
 
-    import heldout
-    import logprobs
+    from evaluation import heldout
+    from modeling import logprobs
 
     model, tokenizer = heldout.load_model(model_path)
     model.eval()

@@ -5,7 +5,7 @@ A task is one small module in this folder that builds a `Task` and registers it:
     TASK = tasks.register(tasks.Task(name="countdown", doc="...", score=score, read_row=read_row,
                                      datasets={"countdown-test": ".../test.jsonl"}, ...))
 
-Training (train.py), the held-out evaluation during training (heldout.py) and evaluate.py all
+Training (train.py), the held-out evaluation during training (evaluation/heldout.py) and evaluate.py all
 grade through `score_rows`, which hands each completion to its row's task together with the
 WHOLE row, so per-row data (Countdown's numbers) reaches the scorer. A row's task is its "task"
 field, set when the row is loaded (`read_by`): the task that owns the set by name, else the
@@ -13,7 +13,7 @@ run's --task; a row that carries another task's own fields (`Task.fields`) witho
 task is refused, never graded by the wrong task. A run may therefore mix tasks (a JSONL file
 whose rows carry "task"); metrics then report accuracy per task.
 
-The task layer sits under the entry scripts and heldout.py, above reward.py (the math verifier,
+The task layer sits under the entry scripts and evaluation/heldout.py, above reward.py (the math verifier,
 which tasks/math.py calls) and data/ (reading files, prompt templates).
 """
 

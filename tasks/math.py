@@ -11,15 +11,12 @@ from tasks.task import Scored, Task, register
 OUTCOMES = ("correct", "wrong", "no_answer", "rejected", "timeout", "error")
 
 
+score_batch = reward.grade_rows        # all at once: the verifier's pool grades distinct pairs once
+
+
 def score(completion: str, row: dict) -> Scored:
     """1.0 if the completion's last boxed answer equals row["answer"], else 0.0."""
     return score_batch([completion], [row], reward.DEFAULT_TIMEOUT)[0][0]
-
-
-def score_batch(completions, rows, timeout):
-    """All at once: the verifier's pool grades distinct (gold, answer) pairs once, in parallel."""
-    outcomes, math_verify = reward.grade_completions(completions, [r["answer"] for r in rows], timeout)
-    return [Scored(float(o == "correct"), o) for o in outcomes], {"math_verify": math_verify}
 
 
 TASK = register(Task(

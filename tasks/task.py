@@ -7,14 +7,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from data.prompts import PromptSet, load_prompt_set
+from reward import Scored
 from plumbing.errors import DataError
-
-
-@dataclass(frozen=True)
-class Scored:
-    """One completion's score."""
-    reward: float                      # what enters the advantages (before --reward's format bonus)
-    outcome: str                       # "correct" counts as accurate; every outcome is counted by name
 
 
 def keep_row(row: dict, where: str) -> dict:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import analysis
-import models
+from modeling import models
 import rollout
 from tests.rounding import assert_rounding
 

@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 
 import evaluate as E
-import heldout
-import models
+from evaluation import heldout
+from modeling import models
 from plumbing import checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,7 +174,7 @@ FSDP_SAVE = r'''
 import json, os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-import models
+from modeling import models
 from plumbing import checkpoints, distributed, optimizer, run_dir
 torch.set_num_threads(1)
 d = distributed.setup(fsdp=True)                      # world size 1: a process group of one

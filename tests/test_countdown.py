@@ -152,7 +152,7 @@ def _cd_line(answer="(3 + 5) * 2", **fields):
 def test_a_bad_row_is_named_by_its_line_in_the_file_not_its_index_among_kept_rows(tmp_path):
     """Blank lines and a training row skipped for its blank problem come before the bad row: the
     message names the file's line (1-based), in a held-out set and in a training set alike."""
-    import heldout
+    from evaluation import heldout
     from data.benchmarks import load_problems
 
     path = tmp_path / "cd.jsonl"
@@ -168,7 +168,7 @@ def test_a_bad_row_is_named_by_its_line_in_the_file_not_its_index_among_kept_row
 def test_rows_with_countdown_fields_and_no_task_are_refused_not_graded_as_math(tmp_path):
     """Graded as math, a Countdown row's bare \\boxed{target} would be correct: without a "task"
     field and without --task countdown, such rows are refused in one line that says both fixes."""
-    import heldout
+    from evaluation import heldout
 
     path = tmp_path / "mine.jsonl"
     path.write_text(_cd_line() * 2)

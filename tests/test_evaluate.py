@@ -198,7 +198,7 @@ def test_end_to_end_sweep_and_resume(tmp_path, monkeypatch, tiny_model_dir):
     assert by_key == {(r["id"], r["temperature"], r["sample"]): r["completion"] for r in samples}
 
     # A complete run resumes without generating anything (not even loading the model).
-    import models
+    from modeling import models
     monkeypatch.setattr(models, "load_policy", lambda *a, **k: pytest.fail("model loaded"))
     E.main(argv)
     assert sum(calls) == 5
@@ -274,8 +274,8 @@ def test_prompts_that_do_not_fit_the_models_positions_stop_before_any_sampling(t
 def test_heldout_sets_of_a_training_run_are_checked_against_the_positions():
     """heldout_accuracy (train.py's periodic evaluation) refuses, before sampling, a set whose prompts
     plus the rollout's new tokens exceed the model's max_position_embeddings (512 for the tiny model)."""
-    import heldout
-    import models
+    from evaluation import heldout
+    from modeling import models
     import rollout
     from data.prompts import PromptSet
     model, tok = models.load_policy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

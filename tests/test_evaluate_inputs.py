@@ -18,10 +18,11 @@ import pytest
 
 import analysis
 import evaluate as E
-import heldout
-import models
+from evaluation import heldout
+from modeling import models
 import rollout
-from plumbing import checkpoints, eval_folder
+from evaluation import eval_folder
+from plumbing import checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-import query_reference
+from rl import query_reference
 import tasks
 import train
 from tests.rounding import assert_rounding

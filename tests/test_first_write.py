@@ -4,7 +4,8 @@ go again (train.py's run lock, evaluate.py's config.json)."""
 import errno
 
 import evaluate
-from plumbing import eval_folder, run_dir
+from evaluation import eval_folder
+from plumbing import run_dir
 
 
 def full_disk(monkeypatch, module):

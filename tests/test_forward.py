@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kv_cache
-import logprobs
-import models
-import query_cache
+from sampler import kv_cache
+from modeling import logprobs
+from modeling import models
+from rl import query_reference
 from tests.rounding import assert_rounding
 
 V = 96
@@ -76,7 +76,7 @@ def forwards_that_run_sdpa(model, ids, mask):
         yield "token_logprobs", lambda: logprobs.token_logprobs(model, ids, mask)
         yield "shared prompts", lambda: logprobs.score_tokens(model, packed, 1.0, group=G)
         prompts = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
-        yield "query cache", lambda: query_cache.build(model, prompts, 0, 1.0, "cpu")
+        yield "query cache", lambda: query_reference.build(model, prompts, 0, 1.0, "cpu")
         yield "prefill", lambda: kv_cache.prefill(model, prompts, 0, 4)
         slots = list(range(len(prompts)))
         yield "admit", lambda: kv_cache.admit(model, kv_cache.slot_cache(model, len(slots), 16), prompts, slots, 0)

@@ -2,7 +2,7 @@
 
 Entry scripts (train.py, evaluate.py, analysis.py) import the floor; no module imports an entry
 script; there are no import cycles; losses.py imports only torch, the standard library and
-surrogates.py (torch-only); no
+losses.py (torch-only); no
 function outside tests/ and bench/ is longer than 60 lines; train.py keeps its story (rl_step,
 ppo_update, train_rl), and the RL step (rl_step and the train.py functions it calls) fits on two
 screens (<= 150 lines); and every option is written once (the parser is the options table). Line
@@ -56,20 +56,42 @@ def test_no_module_imports_an_entry_script():
     assert not bad, f"modules importing an entry script: {bad}"
 
 
-# The floor (plumbing, losses, surrogates) imports nothing above it; the task layer imports no entry script.
-PLUMBING = {"distributed", "run_dir", "checkpoints", "eval_folder", "optimizer", "options", "batching", "faults",
-            "plots", "mathverify_pool", "errors", "interrupts", "timer", "memory_plan", "time_model"}
-FLOOR = {"losses", "surrogates", "plumbing", *(f"plumbing.{m}" for m in PLUMBING)}
+# The layers, bottom to top: what each holds. A module may import its own layer and those below,
+# never one above; every module of the project is in exactly one layer (a new package names its own).
+LAYERS = [
+    ("the floor: loss terms (torch only) and plumbing", {"losses", "plumbing"}),
+    ("the world and the network: data, tasks, the verifier, the model", {"data", "tasks", "reward", "modeling"}),
+    ("the sampler", {"rollout", "sampler"}),
+    ("the RL step's parts, evaluation's parts, the warm start", {"rl", "evaluation", "sft"}),
+    ("entry scripts and the lab", {"train", "evaluate", "analysis", "labs"}),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a dotted module name, by its top-level name (package or root file)."""
+    top = module.split(".")[0]
+    found = [i for i, (_, names) in enumerate(LAYERS) if top in names]
+    assert len(found) == 1, f"{module}: in {len(found)} layers (add its package to one of LAYERS)"
+    return found[0]
 
 
 def test_imports_point_down_the_layers():
     graph = project_graph()
-    assert FLOOR <= set(graph), FLOOR - set(graph)
-    assert {m for m in graph if m.startswith("plumbing.")} == FLOOR - {"losses", "surrogates", "plumbing"}
-    up = {m: deps - FLOOR for m, deps in graph.items() if m in FLOOR and deps - FLOOR}
-    assert not up, f"floor modules importing the task layer or an entry script: {up}"
-    layers = {m: 0 if m in FLOOR else 2 if m in ENTRY else 1 for m in graph}
-    assert all(layers[d] <= layers[m] for m, deps in graph.items() for d in deps)
+    up = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
+                for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m))
+    assert not up, "imports pointing up the layers:\n" + "\n".join(up)
+    assert layer_of("losses") == 0 and layer_of("plumbing.checkpoints") == 0 and layer_of("train") == 4
+
+
+def test_the_root_shows_the_method():
+    """At most 12 .py files at the root, the user's five among them; every package says what it holds
+    (a docstring in its __init__.py)."""
+    root = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    assert len(root) <= 12, root
+    assert {"train.py", "rollout.py", "losses.py", "reward.py", "evaluate.py"} <= set(root)
+    for pkg in sorted({m.split(".")[0] for m in project_modules() if "." in m}):
+        init = os.path.join(ROOT, pkg, "__init__.py")
+        assert os.path.exists(init) and ast.get_docstring(ast.parse(open(init).read())), f"{pkg}/: no docstring"
 
 
 def test_no_import_cycles():
@@ -92,11 +114,10 @@ def test_no_import_cycles():
 
 
 def test_losses_imports_only_torch_and_the_standard_library():
-    """losses.py and surrogates.py (the policy-gradient terms it aggregates): torch, the standard
-    library, and losses.py the surrogates."""
-    for name, allowed in (("losses", {"torch", "surrogates"}), ("surrogates", {"torch"})):
-        roots = {i.split(".")[0] for i in imports_of(os.path.join(ROOT, name + ".py"))}
-        assert roots - allowed <= set(sys.stdlib_module_names), (name, roots)
+    """losses.py (every loss term, the policy-gradient surrogates among them): torch and the standard
+    library, so a reader can lift it into another codebase."""
+    roots = {i.split(".")[0] for i in imports_of(os.path.join(ROOT, "losses.py"))}
+    assert roots - {"torch"} <= set(sys.stdlib_module_names), roots
 
 
 def test_no_function_longer_than_60_lines():
@@ -124,7 +145,7 @@ def rl_step_and_its_callees(src):
 
 def test_the_rl_step_reads_on_two_screens():
     """rl_step and what it calls in train.py, docstrings included: <= 150 lines (the rest of the
-    step is a module of its own: experience.py, step_plan.py, losses.py, metrics.py)."""
+    step is in modules of its own: rl/experience.py, losses.py)."""
     parts = rl_step_and_its_callees(open(os.path.join(ROOT, "train.py")).read())
     assert {"rl_step", "ppo_update", "accumulate_gradient", "score_old_and_ref"} <= set(parts)
     assert sum(parts.values()) <= 150, sorted(parts.items(), key=lambda kv: -kv[1])
@@ -153,3 +174,73 @@ def test_every_option_is_written_once_and_the_parser_is_the_table():
     for name, default, *_ in train.OPTIONS:
         if name not in ("out", "lr_decay_steps"):                         # resolved by parse_args
             assert getattr(args, name) == default, name
+
+
+# ----------------------------------------------------------------------------------------------
+# One RL step, followed as a reader follows it: from train.rl_step through every call our code
+# makes (the sampler included) to the optimizer step. A call counts unless transformers' code lies
+# between it and rl_step: the model's own forward is transformers', and the hooks it calls back (the
+# attention mask of modeling/models.py) are not on the reader's path; torch's and the standard
+# library's wrappers (no_grad, autograd.Function, contextmanager) are. plumbing/ is the floor a reader trusts by
+# name (all_sum, timer, faults.point, optimizer.step, microbatches) and is listed, not counted.
+
+STEP_FILES = 10
+
+
+def files_one_rl_step_opens(out, data=None) -> dict[str, set[str]]:
+    """{file relative to ROOT: the functions of it one RL step of the tiny model calls}, by running
+    train.rl_step under sys.setprofile."""
+    import train
+
+    found, entry = {}, []
+
+    def ours(code):
+        f = code.co_filename
+        return f.startswith(ROOT + os.sep) and os.sep + ".venv" + os.sep not in f and \
+            os.sep + "tests" + os.sep not in f
+
+    def on_call(frame, event, arg):
+        if event != "call" or not ours(frame.f_code):
+            return
+        f = frame
+        while f is not None and f is not entry[0]:                       # no transformers frame above
+            if os.sep + "transformers" + os.sep in f.f_code.co_filename:
+                return
+            f = f.f_back
+        if f is not None:
+            found.setdefault(os.path.relpath(frame.f_code.co_filename, ROOT), set()).add(frame.f_code.co_name)
+
+    def traced_step(run, step):
+        entry[:] = [sys._getframe()]
+        sys.setprofile(on_call)
+        try:
+            return real_step(run, step)
+        finally:
+            sys.setprofile(None)
+
+    real_step, train.rl_step = train.rl_step, traced_step
+    try:
+        train.main(["--steps", "1", "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4",
+                    "--max-new-tokens", "32", "--eval-every", "0", "--save-every", "0", "--out", str(out),
+                    "--query-cache-dir", "", *(["--train-data", data] if data else [])])
+    finally:
+        train.rl_step = real_step
+    return found
+
+
+def test_one_rl_step_opens_at_most_ten_files(tmp_path):
+    files = files_one_rl_step_opens(tmp_path / "run")
+    read = sorted(f for f in files if not f.startswith("plumbing" + os.sep))
+    assert {"train.py", "rollout.py", "losses.py", "reward.py"} <= set(read), read
+    assert len(read) <= STEP_FILES, read
+
+
+if __name__ == "__main__":          # python -m tests.test_layout: the files, their lines and functions
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        files = files_one_rl_step_opens(os.path.join(tmp, "run"))
+    for f in sorted(files, key=lambda f: (f.startswith("plumbing"), f)):
+        n = sum(1 for _ in open(os.path.join(ROOT, f)))
+        print(f"{f:28s} {n:5d} lines  {', '.join(sorted(files[f]))[:120]}")
+    outside = [f for f in files if not f.startswith("plumbing")]
+    print(f"{len(outside)} files outside plumbing/, {len(files)} in all")

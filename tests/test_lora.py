@@ -1,4 +1,4 @@
-"""LoRA (--lora-rank, lora.py): only the adapters train, the frozen base is GRPO's reference model,
+"""LoRA (--lora-rank, modeling/lora.py): only the adapters train, the frozen base is GRPO's reference model,
 a resumed run continues exactly, and the merged export is a plain folder evaluate.py loads."""
 
 import json
@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 import evaluate
-import lora
-import models
+from modeling import lora
+from modeling import models
 import train
 from tests.rounding import assert_rounding, is_timing
 
@@ -88,7 +88,7 @@ def test_a_lora_run_folder_evaluates_and_its_damaged_export_is_rebuilt(tmp_path,
     """Issue #40: the summary names <out>/hf (ckpt/ holds adapters only); evaluate.py and analysis.py
     load the run folder or its ckpt/ as the initial model with the adapters merged (the weights of
     hf/); a finished run's hf/ cut short by a full disk is rebuilt by --resume, saying so."""
-    import heldout
+    from evaluation import heldout
     from plumbing import checkpoints
 
     out = tmp_path / "run"

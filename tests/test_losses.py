@@ -9,7 +9,7 @@ import torch
 from losses import (AGG_MODES, ALGOS, Algo, aggregate, group_advantages, kl_penalized_rewards, make_algo,
                     nonconstant_groups, overlong_penalty, policy_kl, query_kl, query_weights, rl_loss,
                     unused_fields)
-from surrogates import SURROGATES, clip_masks, ppo_loss
+from losses import SURROGATES, clip_masks, ppo_loss
 from tests.loss_cases import (ADVANTAGE_CASES, CONSTANT_GROUPS, K3_CASES, KL_PQ, KL_QP, P, PPO_CASES, Q,
                               QUERY_KL_HAND, QUERY_WEIGHT_CASES, query_kl_case)
 from tests.rounding import assert_rounding

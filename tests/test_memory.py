@@ -1,4 +1,4 @@
-"""The memory plan against the step's memory measured from its code (memory_measure.py), and the
+"""The memory plan against the step's memory measured from its code (rl/memory_measure.py), and the
 fixes that measurement found: the decoding copy freed before scoring, no unsharded FSDP2 gradient
 between micro-batches, micro-batches within --micro-tokens, the KV cache in the compute dtype,
 flash-attn only for bf16/fp16."""
@@ -11,9 +11,9 @@ import weakref
 import pytest
 import torch
 
-import memory_measure
-import models
-import kv_cache
+from rl import memory_measure
+from modeling import models
+from sampler import kv_cache
 import rollout
 from plumbing import batching, distributed, memory_plan
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import losses
-import surrogates
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +28,7 @@ def test_cispo_keeps_every_tokens_gradient_with_a_clipped_detached_weight():
     r = torch.tensor([[0.5, 1.1, 2.0]], dtype=torch.float64)               # below, inside, above the range
     logp = (old + r.log()).requires_grad_()
     A, algo = torch.tensor([2.0], dtype=torch.float64), algo_with(surrogate="cispo", eps_low=0.2, eps_high=0.28)
-    sur = surrogates.SURROGATES["cispo"].fn(logp, old, A, torch.ones_like(r), algo)
+    sur = losses.SURROGATES["cispo"].fn(logp, old, A, torch.ones_like(r), algo)
     sur.loss.sum().backward()
     weight = torch.tensor([[0.8, 1.1, 1.28]], dtype=torch.float64)
     torch.testing.assert_close(sur.loss.detach(), -weight * 2.0 * logp.detach())
@@ -37,7 +36,7 @@ def test_cispo_keeps_every_tokens_gradient_with_a_clipped_detached_weight():
     assert sur.stats["clip_frac_low"].tolist() == [[True, False, False]]
     assert sur.stats["clip_frac_high"].tolist() == [[False, False, True]]
     ppo = logp.detach().clone().requires_grad_()
-    surrogates.ppo_loss(ppo, old, A, 0.2, 0.28, None)[0].sum().backward()
+    losses.ppo_loss(ppo, old, A, 0.2, 0.28, None)[0].sum().backward()
     assert ppo.grad[0, 2] == 0 and ppo.grad[0, 0] != 0                    # PPO: the high one is cut (A > 0)
 
 
@@ -48,12 +47,12 @@ def test_sapo_is_a_soft_gate_with_pgs_gradient_on_policy():
     algo = algo_with(surrogate="sapo", sapo_tau_pos=1.0, sapo_tau_neg=2.0)
     A = torch.tensor([1.5, -0.5], dtype=torch.float64)
     logp = old.clone().requires_grad_()                                   # on-policy: r = 1
-    sur = surrogates.SURROGATES["sapo"].fn(logp, old, A, torch.ones_like(old), algo)
+    sur = losses.SURROGATES["sapo"].fn(logp, old, A, torch.ones_like(old), algo)
     sur.loss.sum().backward()
     torch.testing.assert_close(logp.grad, -A[:, None].expand(2, 3))
     torch.testing.assert_close(sur.loss.detach(), torch.tensor([[-3.0] * 3, [0.5] * 3], dtype=torch.float64))
     logp = (old + math.log(3.0)).requires_grad_()                         # r = 3
-    sur = surrogates.SURROGATES["sapo"].fn(logp, old, A, torch.ones_like(old), algo)
+    sur = losses.SURROGATES["sapo"].fn(logp, old, A, torch.ones_like(old), algo)
     sur.loss.sum().backward()
     for row, (a, tau) in enumerate(((1.5, 1.0), (-0.5, 2.0))):
         s = 1 / (1 + math.exp(-tau * 2.0))
@@ -66,7 +65,7 @@ def test_a_surrogate_declares_the_knobs_it_reads():
     assert "dual_clip" in losses.unused_fields(algo_with(surrogate="cispo"))
     assert not {"eps_low", "eps_high"} & losses.unused_fields(algo_with(surrogate="cispo"))
     assert {"sapo_tau_pos", "sapo_tau_neg"} <= losses.unused_fields(algo_with())
-    assert surrogates.off_policy_stats() >= {"clip_frac", "sapo_grad_weight"}
+    assert losses.off_policy_stats() >= {"clip_frac", "sapo_grad_weight"}
     with pytest.raises(ValueError):
         algo_with(sapo_tau_neg=0.0)
 
@@ -103,7 +102,7 @@ def test_batch_advantages_on_two_ranks_equal_one_process():
 
 
 def test_truncated_rows_carry_no_loss_but_keep_their_baseline():
-    from experience import trained_rows
+    from rl.experience import trained_rows
     from rollout import Rollout
 
     finished = torch.tensor([True, False, True, True])

@@ -126,7 +126,7 @@ def test_a_divergence_shows_when_no_signal_skips_every_later_step(tmp_path, smal
 def test_weights_diverged_names_non_finite_and_blown_up_weights():
     import torch
 
-    from rl_run import weight_norm, weights_diverged
+    from plumbing.step_guard import weight_norm, weights_diverged
     model = torch.nn.Linear(4, 4, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0)

@@ -1,4 +1,4 @@
-"""The sampler's one pass per rank (slots.py), on the tiny warm-start model (data/tinymath/warmstart).
+"""The sampler's one pass per rank (sampler/kv_cache.py), on the tiny warm-start model (data/tinymath/warmstart).
 
 The tokens pinned: seeded rows, G copies of prompts long and short, decoded with a --kv-budget that
 holds fewer rows than the call has, must give the tokens recorded in tests/golden/sampler_tokens.json,
@@ -16,11 +16,10 @@ import os
 import pytest
 import torch
 
-import decode
-import kv_cache
-import models
+from sampler import decode
+from sampler import kv_cache
+from modeling import models
 import rollout
-import slots
 from tests.rounding import assert_rounding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,13 +95,13 @@ def test_a_kv_budget_gives_one_pass_over_fewer_slots_and_changes_no_sample(warm,
                               kv_budget=budget)
     assert spec.rows_per_call(P) == 3
     passes, caches, admitted = [], [], []
-    real_pass, real_cache, real_admit = slots.decode_pass, kv_cache.slot_cache, kv_cache.admit
+    real_pass, real_cache, real_admit = kv_cache.decode_pass, kv_cache.slot_cache, kv_cache.admit
 
     def spy_cache(model, n, capacity):
         caches.append(n * capacity)
         return real_cache(model, n, capacity)
 
-    monkeypatch.setattr(slots, "decode_pass", lambda *a, **k: passes.append(k["slots"]) or real_pass(*a, **k))
+    monkeypatch.setattr(kv_cache, "decode_pass", lambda *a, **k: passes.append(k["slots"]) or real_pass(*a, **k))
     monkeypatch.setattr(kv_cache, "slot_cache", spy_cache)
     monkeypatch.setattr(kv_cache, "admit", lambda m, c, ps, free, pad: admitted.append(len(free)) or
                         real_admit(m, c, ps, free, pad))
@@ -153,7 +152,7 @@ READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "non
 
 
 def test_the_loop_reads_the_device_once_per_check(warm, monkeypatch):
-    """Which slots are done is read once every slots.CHECK_EVERY decode steps (slots.host_read);
+    """Which slots are done is read once every kv_cache.CHECK_EVERY decode steps (kv_cache.host_read);
     nothing else in the pass reads a tensor's value back -- the decode steps, token choices and
     their bookkeeping -- except the refills' prefill forwards, which run at a check."""
     model, tok = warm
@@ -175,13 +174,13 @@ def test_the_loop_reads_the_device_once_per_check(warm, monkeypatch):
                 counting.pop()
         return run
 
-    monkeypatch.setattr(slots, "decode_pass", counted(slots.decode_pass, True))
-    monkeypatch.setattr(slots, "host_read", counted(slots.host_read, False, checks))
+    monkeypatch.setattr(kv_cache, "decode_pass", counted(kv_cache.decode_pass, True))
+    monkeypatch.setattr(kv_cache, "host_read", counted(kv_cache.host_read, False, checks))
     monkeypatch.setattr(kv_cache, "admit", counted(kv_cache.admit, False))
     monkeypatch.setattr(decode.LeanStep, "__call__", counted(decode.LeanStep.__call__, True, steps))
     ro = rollout.sample_with(model, prompts, spec, seeds=seeds, temperature=1.0)
     assert reads == []
-    assert len(steps) > 3 * slots.CHECK_EVERY and 1 <= len(checks) <= len(steps) // slots.CHECK_EVERY + 1
+    assert len(steps) > 3 * kv_cache.CHECK_EVERY and 1 <= len(checks) <= len(steps) // kv_cache.CHECK_EVERY + 1
     assert responses(ro) == sample_golden(model, tok, "t1")["tokens"]   # (the spies changed nothing)
 
 

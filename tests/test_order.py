@@ -5,7 +5,7 @@ The leak: tests/test_menu.py's runs (--micro-batch 64) shared the tiny world's Q
 session's ERPO_CACHE folder; a later run of the same prompts at --micro-batch 8 (the query-cache test
 of tests/test_checkpoints.py) reused it, and rebuilding that run's cache at --micro-batch 8 did not
 give it back bit for bit: the prompts per forward set the padding, hence the last bits. The shared
-cache's meta now records them (query_cache.cache_meta's `batch`)."""
+cache's meta now records them (query_reference.cache_meta's `batch`)."""
 
 import os
 import subprocess

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from experience import Collected, deal_by_length
+from rl.experience import Collected, deal_by_length
 from plumbing import batching
 from rollout import Rollout
 
@@ -57,7 +57,7 @@ def test_deal_by_length_moves_whole_groups_within_each_update_batch(monkeypatch)
     """2 ranks, update batches of 4 prompts (2 per rank), 2 of them: rank 0 sampled all the long
     responses; after the deal each rank holds one long and one short group of each update batch, with
     their rows, rewards and tokens intact."""
-    import experience
+    from rl import experience
 
     mine, sent = {0: rank_rows(0, [30, 28, 20, 22]), 1: rank_rows(1, [2, 3, 4, 1])}, {}
 

@@ -8,8 +8,7 @@ import os
 import pytest
 import torch
 
-import query_cache
-import query_reference
+from rl import query_reference
 import train
 from tests.rounding import assert_rounding, is_timing
 
@@ -36,7 +35,7 @@ def test_released_zeros_is_k3_against_zeros(tmp_path, small_data, monkeypatch):
     (m,) = run(tmp_path, small_data, "--qkl-ref", "released-zeros")
     model, tok = train.models.load_policy(WARM)
     data = train.tasks.prompt_set(small_data, tok, "plain", "math", training=True)
-    logp = query_cache.build(model, [data.ids[i] for i in seen[0]], tok.pad_token_id, 1.0, torch.device("cpu"))
+    logp = query_reference.build(model, [data.ids[i] for i in seen[0]], tok.pad_token_id, 1.0, torch.device("cpu"))
     per_prompt = [torch.clamp(torch.exp(-lp) + lp - 1, max=10.0).mean().item() for lp in logp]
     assert_rounding("references.released_zeros_loss_query_kl", m["loss_query_kl"], sum(per_prompt) / len(per_prompt))
     assert m["loss_query_kl"] > 0.5                                 # O(1) at step 0; the monitor: pi_0's

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import evaluate
-import query_cache
+from rl import query_reference
 import train
 from plumbing import run_dir
 from tests.rounding import assert_rounding, is_exact, is_timing
@@ -424,7 +424,7 @@ def test_resume_refuses_what_fixes_the_run_applies_the_rest_and_recovers_from_a_
     # weights: the run stops and sets step 3's checkpoint aside. Which of the two divergence checks
     # fires depends on float rounding (measured: the CPU's own kernels vs ATen/MKL's AVX2 ones): the
     # next losses are not finite, or they are finite but every response scores 0, the no-signal rule
-    # skips the steps, and the weights' norm says it (rl_run.weights_diverged)
+    # skips the steps, and the weights' norm says it (step_guard.weights_diverged)
     msg = exit_line(capsys, train.main, "--out", str(out), "--resume", "--steps", "6", "--lr", "1e6",
                     "--save-every", "1")
     assert msg.startswith(("error: 3 optimizer steps in a row had a non-finite loss or gradient",
@@ -534,13 +534,13 @@ def test_a_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path, capsys, dat
 
 
 def test_a_full_query_cache_disk_does_not_stop_a_run(tmp_path, monkeypatch, capsys, data):
-    real_save, shared = query_cache.torch.save, tmp_path / "shared"
+    real_save, shared = query_reference.torch.save, tmp_path / "shared"
 
     def full_disk(obj, path, *a, **k):
         if str(path).startswith(str(shared)):     # what torch raises when the disk fills mid-write
             raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 512 vs 448")
         return real_save(obj, path, *a, **k)
-    monkeypatch.setattr(query_cache.torch, "save", full_disk)
+    monkeypatch.setattr(query_reference.torch, "save", full_disk)
     out = tmp_path / "run"
     train.main(small(out, data[0] / "train.jsonl", "--steps", "1", "--eval-every", "0", "--save-every", "0",
                      "--query-cache-dir", str(shared)))

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-import kv_cache
-import logprobs
-import models
+from sampler import kv_cache
+from modeling import logprobs
+from modeling import models
 import rollout as R
 from tests.rounding import assert_rounding
 
@@ -296,7 +296,7 @@ def _fed_tokens(n=6, seed=4):
 def _lean_steps(model, tokens, drop_at=3):
     """PROMPTS into the slots of a slot cache (kv_cache.admit), then decode.LeanStep fed `tokens`,
     slots dropped midway (compaction). -> each step's (rows, V) logits, the prefill's first."""
-    import decode
+    from sampler import decode
 
     with torch.no_grad():
         cache = kv_cache.slot_cache(model, len(PROMPTS), max(map(len, PROMPTS)) + len(tokens))
@@ -328,7 +328,7 @@ def _hf_steps(model, tokens, drop_at=3):
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_lean_decode_step_matches_the_hf_forward(arch):
-    import decode
+    from sampler import decode
 
     model = _arch_model(arch)
     assert decode.supports(model)
@@ -344,7 +344,7 @@ def test_lean_decode_under_bf16_autocast():
     """--dtype bf16-mixed on CPU: LeanStep casts its fused weight copies once (not per token) and
     attends in float32 (the cache's dtype on a CPU); its logits stay close to the HF forward's under
     the same autocast."""
-    import decode
+    from sampler import decode
 
     model, tokens = _arch_model("qwen2"), _fed_tokens()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -377,7 +377,7 @@ def test_decode_attention_scores_are_float32_on_a_bf16_cache():
     """Synthetic heads (scores of a few units, 1,024 columns, slots of different lengths): against a
     float64 reference on the same bf16 inputs, LeanStep's attention errs less than the bf16-score
     math it replaced (measured ~4-8x less) and within a few bf16 roundings of its output."""
-    import decode
+    from sampler import decode
 
     g = torch.Generator().manual_seed(0)
     S, Hkv, G, D, W = 6, 2, 4, 64, 1024
@@ -397,7 +397,7 @@ def test_lean_decode_on_bf16_weights_is_closer_to_the_hf_forward(monkeypatch):
     logits are (x1.5), and closer than with the bf16-score attention it replaced."""
     import copy
 
-    import decode
+    from sampler import decode
 
     model, tokens = _arch_model("qwen2"), _fed_tokens()
     ref = _hf_steps(copy.deepcopy(model).double(), tokens)
@@ -416,13 +416,13 @@ def test_lean_decode_on_bf16_weights_is_closer_to_the_hf_forward(monkeypatch):
 def test_models_lean_step_does_not_implement_decode_in_chunks(monkeypatch):
     """q/k norms (Qwen3) are not what LeanStep computes: the sampler decodes such a model in
     chunks through the HF forward (decode.HFStep), never through the one pass, with HF generate's tokens."""
-    import decode
-    import slots
+    from sampler import decode
+    from sampler import kv_cache
 
     model = _arch_model("qwen3")
-    assert not decode.supports(model) and not slots.supports(model, lockstep=False)
-    assert slots.supports(_arch_model("qwen2"), lockstep=False) and not slots.supports(_arch_model("qwen2"), True)
-    monkeypatch.setattr(slots, "decode_pass", lambda *a, **k: pytest.fail("one pass on an unsupported model"))
+    assert not decode.supports(model) and not kv_cache.supports(model, lockstep=False)
+    assert kv_cache.supports(_arch_model("qwen2"), lockstep=False) and not kv_cache.supports(_arch_model("qwen2"), True)
+    monkeypatch.setattr(kv_cache, "decode_pass", lambda *a, **k: pytest.fail("one pass on an unsupported model"))
     kw = dict(max_new_tokens=8, eos_ids=[1], pad_id=0, temperature=1.0, seeds=list(range(6)))
     kv, hf = R.sample(model, PROMPTS, batch_size=4, **kw), R.sample(model, PROMPTS, sampler="hf", **kw)
     assert torch.equal(kv.response_ids, hf.response_ids) and torch.equal(kv.response_mask, hf.response_mask)

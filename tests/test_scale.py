@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-import kv_cache
-import logprobs
+from sampler import kv_cache
+from modeling import logprobs
 import losses
-import models
+from modeling import models
 import rollout
 from tests.rounding import assert_rounding
 
@@ -92,7 +92,8 @@ from torch.profiler import ProfilerActivity, profile
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 sys.path.insert(0, sys.argv[1])
-import models, rollout
+from modeling import models
+import rollout
 from plumbing import distributed
 
 NEVER = 5  # "#": a token the tiny model never writes, so every row decodes the full length
@@ -218,7 +219,8 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 sys.path.insert(0, sys.argv[1])
-import models, rollout
+from modeling import models
+import rollout
 from plumbing import distributed
 
 shard = lambda m: distributed.wrap_model(m, torch.device("cpu"), fsdp=True, grad_ckpt=sys.argv[4] == "ckpt")

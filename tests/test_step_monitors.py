@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import losses
-import metrics
-import surrogates
+from rl import experience
 import train
 from tests.rounding import assert_rounding
 
@@ -24,7 +23,7 @@ SHIFT = 0.05                       # the perturbation: log pi_s = log pi_old - S
 def test_truncated_is_weights_hand_values():
     old = torch.tensor([[0.0, -1.0, -2.0]])
     sampler = torch.tensor([[-0.5, -1.0, -0.1]])
-    w = surrogates.truncated_is_weights(old, sampler, cap=1.5)
+    w = losses.truncated_is_weights(old, sampler, cap=1.5)
     assert torch.allclose(w, torch.tensor([[1.5, 1.0, math.exp(-1.9)]]))    # e^0.5 = 1.65 capped
     assert not w.requires_grad
 
@@ -41,7 +40,7 @@ def test_tis_multiplies_the_per_token_policy_gradient():
               prompt_ref_logp=None, prompt_mask=None, num_tokens=mask.sum(), num_seqs=B, max_len=T)
     loss, st = losses.rl_loss(algo, logp=logp, sampler_logp=sampler, **kw)
     w = torch.exp(old - sampler).clamp_max(1.2)
-    per_token, _ = surrogates.ppo_loss(logp, old, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
+    per_token, _ = losses.ppo_loss(logp, old, adv, algo.eps_low, algo.eps_high, algo.dual_clip)
     want = (per_token * w * mask).sum() / mask.sum()
     assert torch.allclose(loss, want)
     g, = torch.autograd.grad(loss, logp)
@@ -59,7 +58,7 @@ def test_sampler_vs_old_hand_values():
     old = torch.tensor([[-1.0, -2.0, -3.0]])
     sampler = torch.tensor([[-1.5, -2.0, -9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])                            # the third token is padding
-    s = metrics.sampler_vs_old(sampler, old, mask)
+    s = experience.sampler_vs_old(sampler, old, mask)
     assert s["samp_gap"].sum().item() == pytest.approx(0.5)
     assert s["samp_kl"].sum().item() == pytest.approx(math.exp(0.5) - 1 - 0.5)
 

@@ -6,7 +6,9 @@ code denser instead of clearer):
    module-level tables (a module-level assignment whose value is a list/tuple/dict/set literal, or
    such literals joined by an operator, as train.py's `OPTIONS = [...] + sft.OPTIONS`) and a line
    that is only a URL;
-3. no module over 600 lines;
+3. no module over 600 lines, but losses.py (800): every loss term side by side in one file, the
+   policy-gradient surrogates among them, is what the user asked for (a reader diffs GRPO and ERPO
+   there);
 4. `ruff check` passes with the settings in pyproject.toml (CI installs ruff from requirements-dev.txt).
 
 Rules 2 and 3 cover the modules tests/test_layout.py walks (tests/, bench/, study/ are drivers and
@@ -28,6 +30,7 @@ from tests.test_layout import project_modules  # noqa: E402  (the same walk as t
 
 MAX_LINE = 110     # also [tool.ruff] line-length in pyproject.toml
 MAX_MODULE = 600
+LONGER = {"losses.py": 800}   # rule 3's one exception, and why: above
 URL_ONLY = re.compile(r"""^\s*(#\s*)?[<("']?https?://\S+$""")
 
 def checked_files(extra_dirs=()):
@@ -70,7 +73,7 @@ def offenders(extra_dirs=()) -> list[str]:
         with open(path, encoding="utf-8") as f:
             src = f.read()
         bad += [f"{rel}:{i}: {n} characters" for i, n in long_lines(src)]
-        if (n := len(src.splitlines())) > MAX_MODULE:
+        if (n := len(src.splitlines())) > LONGER.get(rel, MAX_MODULE):
             bad.append(f"{rel}: {n} lines")
     return bad
 
@@ -82,8 +85,8 @@ def test_no_line_longer_than_110_characters():
 
 def test_no_module_longer_than_600_lines():
     bad = [b for b in offenders() if b.endswith(" lines")]
-    assert not bad, "modules over 600 lines (split by concept, as rollout.py / logprobs.py / models.py):\n" + \
-        "\n".join(bad)
+    assert not bad, ("modules over 600 lines (split by concept, as rollout.py / sampler/ / modeling/):\n"
+                     + "\n".join(bad))
 
 
 def test_tables_and_urls_are_the_only_exemptions():

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import losses
-import surrogates
 import train
 from plumbing import options
 from tests.rounding import assert_rounding, is_exact
@@ -55,7 +54,7 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeyp
 
     def spy(algo, **kw):                       # each optimizer step's clip statistics, micro-batches summed
         loss, st = real(algo, **kw)
-        for k in surrogates.SURROGATES['ppo'].stats:
+        for k in losses.SURROGATES['ppo'].stats:
             opt_steps[-1][k] = opt_steps[-1].get(k, 0.0) + st[k].item()
         return loss, st
 
@@ -78,7 +77,7 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeyp
     opt_steps.pop()                            # (opened by the last clip_grad)
     assert len(opt_steps) == 2 * 4 and all(v == 0 for first in opt_steps[0::2] for v in first.values())
     for m, second in zip(steps, opt_steps[1::2]):
-        assert all(m[k] == pytest.approx(second[k], abs=1e-12) for k in surrogates.SURROGATES['ppo'].stats)
+        assert all(m[k] == pytest.approx(second[k], abs=1e-12) for k in losses.SURROGATES['ppo'].stats)
     assert max(m["clip_frac"] for m in steps) > 0 and max(m["clip_frac_high"] for m in steps) > 0
     assert_rounding("train.step1_query_kl", steps[0]["query_kl"], 0.0)  # step 1 samples from the reference itself
     assert steps[-1]["query_kl"] > 0            # ... and the queries drift once it trains
@@ -200,7 +199,7 @@ def test_every_algorithm_trains(tmp_path, small_data, algo):
 
 
 def test_a_surrogate_registered_from_outside_trains(tmp_path, small_data, monkeypatch):
-    """A new policy-gradient surrogate is a function and a row of surrogates.SURROGATES: registered
+    """A new policy-gradient surrogate is a function and a row of losses.SURROGATES: registered
     here, --surrogate picks it (the flag's choices are the table), its loss is the one trained, its
     statistic is logged, and the knobs it does not read are inert (an error on the command line)."""
     calls = []
@@ -208,8 +207,8 @@ def test_a_surrogate_registered_from_outside_trains(tmp_path, small_data, monkey
     def vanilla_pg(logp, old_logp, advantages, mask, algo):   # REINFORCE with the ratio, unclipped
         calls.append(logp.shape)
         ratio = torch.exp(logp - old_logp)
-        return surrogates.Surrogate(-advantages[:, None] * ratio, ratio.detach(), {"big_ratio": ratio > 2})
-    monkeypatch.setitem(surrogates.SURROGATES, "vanilla", surrogates.SurrogateRow(vanilla_pg, frozenset(),
+        return losses.Surrogate(-advantages[:, None] * ratio, ratio.detach(), {"big_ratio": ratio > 2})
+    monkeypatch.setitem(losses.SURROGATES, "vanilla", losses.SurrogateRow(vanilla_pg, frozenset(),
                                                                                   ("big_ratio",)))
     ms = run(tmp_path, small_data, "--algo", "grpo", "--surrogate", "vanilla", "--eval-every", "0",
              "--no-signal", "step", steps=1)

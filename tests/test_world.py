@@ -95,7 +95,7 @@ def test_levels_get_harder():
 def test_shipped_checkpoint_loads_through_the_real_path():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import models
+    from modeling import models
     import rollout
     from data.prompts import build_prompt
 

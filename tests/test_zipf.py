@@ -213,7 +213,7 @@ def test_the_premise_holds_on_fresh_problems():
     for c in committed["tiny"]["coupling"].values():       # the floor separates a world without the premise
         assert c["hi"] < CLAIM_FLOOR, c
     torch.set_num_threads(1)
-    import heldout
+    from evaluation import heldout
 
     path = study.WORLDS["zipf"][0]
     fresh = study.fresh_problems(limit=CLAIM_PROBLEMS)

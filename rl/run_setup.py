@@ -4,22 +4,21 @@ reference model where one is needed, the Query-KL reference and its cache, the o
 schedule, the sampler's spec. train.py's story (rl_step and the loop) starts from a Run.
 """
 
-import math
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 import losses
-import lora
-import models
-import query_cache
-import query_reference
+from modeling import lora
+from modeling import models
+from rl import query_reference
 import rollout
 import tasks
 from data.prompts import PromptSet
-from plumbing import batching, checkpoints, distributed, optimizer, timer
+from plumbing import batching, checkpoints, distributed, optimizer, step_guard, timer
 from plumbing.distributed import print0
 
 
@@ -36,69 +35,15 @@ class Run:
     sched: object
     data: PromptSet                     # the training problems (each row's "task" scores it)
     qref: query_reference.QueryReference  # the Query-KL reference (--qkl-ref)
-    cache: query_cache.QueryCache | None  # the initial policy's prompt log-probs, where needed:
+    cache: query_reference.QueryCache | None  # the initial policy's prompt log-probs, where needed:
                                         # --qkl-ref cache, the paper's weights, the monitor
     spec: rollout.SampleSpec
     timer: timer.Phases                 # seconds per phase of a step (time_gen, time_update, ...)
     task_names: tuple = ()              # the tasks of the training rows (train_acc per task if > 1)
-    bad_streak: int = 0                 # optimizer steps skipped in a row (non-finite loss or gradient)
-    ckpt_checked: bool = True           # the latest checkpoint's weights have given a finite loss
-    idle_streak: int = 0                # RL steps in a row that applied no optimizer step
-    start_norm: float | None = None     # the weights' norm where the run started (weights_diverged)
-
-    def finite_step(self):
-        """An optimizer step's loss and gradient were finite on every rank: the streak of skipped
-        steps ends, and the latest checkpoint, whose weights gave this loss, is trusted."""
-        self.bad_streak = self.idle_streak = 0
-        if not self.ckpt_checked:
-            checkpoints.mark_checked(self.args.out)
-            self.ckpt_checked = True
-
-    def bad_step(self):
-        """An optimizer step whose loss or gradient is not finite is not applied; --max-bad-steps of
-        them in a row end the run (checkpoints.diverged sets the checkpoint of the diverged weights
-        aside)."""
-        self.opt.zero_grad(set_to_none=True)                             # the weights stay as they were
-        self.bad_streak += 1
-        if self.bad_streak >= self.args.max_bad_steps:
-            raise SystemExit(checkpoints.diverged(self.args.out, self.bad_streak, checked=self.ckpt_checked))
-
-    def no_step(self, step):
-        """An RL step that applied no optimizer step (no signal, --no-signal skip; or non-finite):
-        no loss says whether the weights are sound, so their norm does (weights_diverged); a run
-        whose every step is skipped never shows a divergence otherwise."""
-        self.idle_streak += 1
-        why = weights_diverged(self.policy, self.start_norm)
-        if why:
-            why = (f"the policy diverged by step {step + 1}: {why} (the step applied no optimizer step, "
-                   "whose loss would have shown it)")
-            raise SystemExit(checkpoints.diverged(self.args.out, 0, checked=self.ckpt_checked, why=why))
-
-
-# A run's weights move by a few percent at most; an update that destroys them (--lr 1e6: weights of
-# ~1e6, norm x1e7) or a non-finite weight is a divergence, found by the norm where no loss is computed.
-DIVERGED_NORM_GROWTH = 100
-
-
-def weight_norm(model) -> float:
-    """The L2 norm of all of the policy's parameters (FSDP2: over every rank's shards), on the host;
-    inf or nan where a weight is not finite (or the norm is beyond float32)."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    sq = torch.stack([torch.linalg.vector_norm(p.detach()).double() ** 2 for p in local]).sum()
-    sharded = distributed.is_fsdp(model)
-    return float(distributed.all_sum(sq) if sharded else sq) ** 0.5
-
-
-def weights_diverged(model, start) -> str | None:
-    """Why the weights have diverged (non-finite, or a norm DIVERGED_NORM_GROWTH times `start`'s,
-    the norm where the run started), or None."""
-    now = weight_norm(model)
-    if not math.isfinite(now):
-        return "a weight is not finite"
-    if start and now > DIVERGED_NORM_GROWTH * start:
-        return (f"the weights' norm is {now:.3g}, {now / start:.3g} times the {start:.3g} the run started "
-                f"from (more than {DIVERGED_NORM_GROWTH} times)")
-    return None
+    guard: step_guard.StepGuard = None  # non-finite steps, idle steps, the trusted checkpoint
+    # (policy, dtype) -> a context giving the model the sampler decodes with, freed on exit: a LoRA
+    # policy's merged copy (lora.decoding_copy), else the policy itself (FSDP2: its gathered copy)
+    decoding_copy: Callable = distributed.gathered
 
 
 def old_rows(args, algo) -> float:
@@ -142,14 +87,14 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
     dtype, amp = distributed.precision(args.dtype, dist.device)
     policy, ref = policy_and_reference(args, algo, dist, model, state)
 
-    def cache() -> query_cache.QueryCache:                               # the initial policy's, before RL
+    def cache() -> query_reference.QueryCache:                               # the initial policy's, before RL
         with amp():                                                      # the training forward's numerics
-            return query_cache.for_run(args, dist, policy, data.ids, tokenizer.pad_token_id,
+            return query_reference.cache_for_run(args, dist, policy, data.ids, tokenizer.pad_token_id,
                                        resuming=state is not None)
 
     def score_prompts() -> list[torch.Tensor]:                          # the current policy's (a moving
         with amp(), phases("qkl_ref"):                                   # Query-KL reference's forward)
-            return query_cache.build(distributed.unwrap(policy), data.ids, tokenizer.pad_token_id,
+            return query_reference.build(distributed.unwrap(policy), data.ids, tokenizer.pad_token_id,
                                      args.temperature, dist.device, args.micro_batch)
     phases = timer.Phases(dist.device)
     qref, cached = query_reference.for_run(args.qkl_ref, cache, algo.weights, ref is not None, state, args,
@@ -164,10 +109,13 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
         optimizer.set_hyperparameters(opt, sched, args.lr, args.weight_decay)
     spec = rollout.SampleSpec.make(model, tokenizer, args.max_new_tokens, args.sampler, args.gen_batch,
                                    args.kv_budget, bf16, opt)
-    start_norm = (state and state.extra.get("weight_norm")) or weight_norm(policy)  # (an older checkpoint:
-    return Run(args, algo, dist, policy, ref, tokenizer, opt, sched, data, qref, cached, spec,  # its own)
-               phases, task_names=tuple(tasks.task_names_in(data.rows)),
-               ckpt_checked=state is None or checkpoints.is_checked(args.out), start_norm=start_norm)
+    start_norm = ((state and state.extra.get("weight_norm"))               # (an older checkpoint: its own)
+                  or step_guard.weight_norm(policy))
+    guard = step_guard.StepGuard(args.out, args.max_bad_steps, start_norm,
+                                 ckpt_checked=state is None or checkpoints.is_checked(args.out))
+    return Run(args, algo, dist, policy, ref, tokenizer, opt, sched, data, qref, cached, spec, phases,
+               task_names=tuple(tasks.task_names_in(data.rows)), guard=guard,
+               decoding_copy=lora.decoding_copy if args.lora_rank else distributed.gathered)
 
 
 def exportable(run):

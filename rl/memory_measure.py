@@ -13,7 +13,7 @@ everything alive at once, not a sum of named tensors. Two ways to run it:
 - fake tensors (FakeTensorMode: shapes and dtypes, no data, no arithmetic) with a fake process
   group of N ranks: the paper's widths on a laptop, in seconds. Fake tensors have no values, so
   every host-side decision of the step is planned first from the (small, real) masks
-  (step_plan.plan_step), and the two reads of values after backward -- the step's scalars
+  (experience.plan_step), and the two reads of values after backward -- the step's scalars
   (distributed.read_scalars) and their cross-rank sums (distributed.all_sums) -- are stubbed
   (stub_scalar_reads; tests/test_memory.py lists them). Fake tensors stand for a GPU's: the
   KV cache takes the compute dtype and LeanStep fuses no weights (what CPU tensors would do).
@@ -31,14 +31,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-import decode
-import experience
-import kv_cache
-import models
+from sampler import decode
+from rl import experience
+from sampler import kv_cache
+from modeling import models
 import rollout
-import slots
-import step_plan
-from plumbing import batching, distributed, memory_plan, optimizer, timer
+from plumbing import batching, distributed, memory_plan, optimizer, step_guard, timer
 
 
 class PhasePeaks(MemTracker):
@@ -297,7 +295,7 @@ def worst_case_step(a, world: int, vocab: int) -> WorstCase:
 
 def decode_once(policy, spec: rollout.SampleSpec, prompts: list[list[int]], max_new_tokens: int):
     """The rollout phase's largest moment: the decoding copy (distributed.gathered), the one pass's
-    slot cache (slots.py: rows_per_call slots of the longest prompt + max_new_tokens columns) with
+    slot cache (sampler/kv_cache.py: rows_per_call slots of the longest prompt + max_new_tokens columns) with
     a full set of rows prefilled into it, and one decode step reading every column. (The rest of
     the pass writes into that cache and refills fewer slots at once: no new memory, but it needs
     real values.) Models the pass does not decode: the chunked loop's first chunk, prefilled, and
@@ -305,12 +303,12 @@ def decode_once(policy, spec: rollout.SampleSpec, prompts: list[list[int]], max_
     rows = min(spec.rows_per_call(max(map(len, prompts))) or len(prompts), len(prompts))
     # (rollout.sample is no-grad)
     with torch.no_grad(), distributed.gathered(policy, spec.weights_dtype) as decoder:
-        if spec.sampler == "kv" and slots.supports(decoder, lockstep=False):
+        if spec.sampler == "kv" and kv_cache.supports(decoder, lockstep=False):
             columns = max(map(len, prompts)) + max_new_tokens
             cache = kv_cache.slot_cache(decoder, rows, columns)
             tok = kv_cache.admit(decoder, cache, prompts[:rows], list(range(rows)), spec.pad_id).argmax(-1)
             last = torch.full((rows,), columns - 1, dtype=torch.long, device=tok.device)
-            decode.LeanStep(decoder, cache)(tok, last, columns)   # (slots.py drops the logits first too)
+            decode.LeanStep(decoder, cache)(tok, last, columns)   # (kv_cache.py drops the logits first too)
             del cache
         else:
             pre = kv_cache.prefill(decoder, prompts[:rows], spec.pad_id, max_new_tokens)
@@ -351,11 +349,12 @@ def measure_step(a, algo, code: StepCode, needs_ref: bool, world=1, fake=True,
         m = step_models(a, needs_ref, d.device, bf16, fake, mesh)
         sched = optimizer.warmup_then_constant(m.opt, a.warmup)
         run = code.run(a, algo, d, m.policy, m.ref, None, m.opt, sched, data=None, qref=None, cache=None,
-                       spec=m.spec, timer=timer.Phases("cpu"))
+                       spec=m.spec, timer=timer.Phases("cpu"),
+                       guard=step_guard.StepGuard(a.out, a.max_bad_steps))
         with real_tensors():                                             # the host-side plan: from real masks
             w = worst_case_step(a, d.world, distributed.unwrap(m.policy).config.vocab_size)
             B, fresh = len(w.ro.finished), code.on_policy_rows(run, w.update_rows)
-            plan = step_plan.plan_step(a, w.packed, [1.0] * B, w.update_rows, fresh, m.ref is not None)
+            plan = experience.plan_step(a, w.packed, [1.0] * B, w.update_rows, fresh, m.ref is not None)
             for mbs in (plan.old, plan.ref, plan.updates[0].micro_batches):  # the longest come first
                 del mbs[max_micro_batches:]
         tracker = PhasePeaks()

@@ -8,7 +8,7 @@ a small GPU batch. `LeanStep` does the same math in ~20 ops per layer: q/k/v and
 matmul each (CPU: the weights concatenated once per sampler call), one rotary for q and k
 together, attention against the slots of the preallocated KV cache (kv_cache.SlotLayer), whose
 prompts the HF forward filled (kv_cache.admit). Each slot has its own length: a step writes each
-slot's K/V at its own column and masks the columns beyond it (slots.py refills finished slots).
+slot's K/V at its own column and masks the columns beyond it (sampler/kv_cache.py refills finished slots).
 
 Attention scores and their softmax are float32 whatever the cache's dtype: a float32 cache (CPU)
 goes through two batched matmuls as before; a bf16/fp16 cache through scaled_dot_product_attention

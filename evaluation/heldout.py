@@ -18,8 +18,8 @@ from collections import Counter
 import torch
 from safetensors import SafetensorError
 
-import lora
-import models
+from modeling import lora
+from modeling import models
 import reward
 import rollout
 import tasks

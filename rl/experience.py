@@ -1,0 +1,364 @@
+"""One RL step's experience: this rank's prompts, G responses to each from the rollout policy,
+graded by their tasks, and (DAPO) more sampling rounds where groups carry no signal (`collect` ->
+Collected); then, once train.py has scored the rows, the rollout policy's and the reference's
+log-probs (OldScores) and everything the PPO update reads (UpdateBatch).
+
+train.rl_step calls `collect` once per step, on the decoding copy of the policy
+(distributed.gathered). What a row is worth is its task's business (tasks.score_rows, which sees
+the whole row); what enters the advantages here is that reward, plus DAPO's overlong penalty.
+
+The step's plan (`plan_step` -> StepPlan): which rows go into which micro-batch of each forward, at
+what trimmed width, and the global counts every loss term is divided by. Made once per step from
+the rollout's host lengths (logprobs.Packed.lengths), so the forward loops of train.py read nothing
+back from the device until the step's scalars; that is also what lets memory_measure run the same
+loops on fake tensors. Every rank runs as many micro-batches as the rank with the most (FSDP2
+gathers the weights once per forward, a collective).
+
+The step's metrics (`step_metrics`): what an RL step logs (metrics.jsonl), reduced over ranks. The
+monitors are measured on the rollout (pre-update) policy for every algorithm, whatever its
+loss, so GRPO and ERPO runs compare line by line (paper Fig. 1, Table 3): Query-KL (k3, prompt
+tokens against the initial policy, method.md §2), Policy-KL (k3 against the reference model, when
+one is loaded), the released code's prompt / response / all-token KL, entropy; then rewards,
+lengths, the update's statistics (`update_statistics`) and query weights. Arguments come from
+train.rl_step: `c` its experience.Collected, `batch` its experience.UpdateBatch.
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+import losses
+import rollout
+import tasks
+from modeling import logprobs
+from plumbing import batching, distributed
+from plumbing.distributed import all_max, all_sum, all_sums
+
+
+@dataclass
+class Collected:
+    """This rank's share of one RL step's rollouts: rows of a group are consecutive."""
+    ro: rollout.Rollout
+    rewards: torch.Tensor               # (B,) the rewards that enter the advantages
+    valid: torch.Tensor                 # (B,) 0 where a row carries no loss: trained_rows
+    prompt_idx: list[int]               # (B / G,) training-set index of each group's prompt
+    first_rewards: torch.Tensor         # the first sampling round's rewards and accuracies:
+    first_acc: torch.Tensor             # what reward / train_acc report
+    info: dict                          # grader outcome counts, zero_var_frac, resampling
+
+
+def my_prompts(run, step, round_=0) -> list[int]:
+    """Training-set indices of this rank's prompts of an RL step (a sampling round of it): a
+    function of (seed, step, round), so a resumed run samples what the uninterrupted one would."""
+    args = run.args
+    order = batching.step_indices(len(run.data.ids), step if round_ == 0 else step * 7919 + round_, args.rollout_batch,
+                         args.seed + round_)
+    return batching.rank_share(order, run.dist.rank, run.dist.world, args.rollout_batch, args.update_batch)
+
+
+def sample_and_score(run, decoder, prompt_idx, step, round_) -> rollout.Graded:
+    """G responses per prompt (consecutive rows), each graded by its row's task against the whole
+    row; DAPO's overlong penalty enters the rewards, not the accuracies."""
+    args, G = run.args, run.args.group_size
+    with run.timer("gen"):
+        seeds = [rollout.row_seed(args.seed, step, round_, i, j) for i in prompt_idx for j in range(G)]
+        ro = rollout.sample_with(decoder, [run.data.ids[i] for i in prompt_idx for _ in range(G)], run.spec,
+                                 temperature=args.temperature, top_p=args.top_p, seeds=seeds)
+    with run.timer("reward"):
+        rows = [run.data.rows[i] for i in prompt_idx for _ in range(G)]
+        scores, correct, counts = tasks.score_rows(rollout.decode_responses(run.tokenizer, ro), rows,
+                                                   format_reward=args.reward == "acc+format")
+    rewards = torch.tensor(scores)
+    if run.algo.overlong:
+        L = args.max_new_tokens
+        rewards += losses.overlong_penalty(ro.response_mask.sum(1).float(), L, run.algo.overlong_cache_len(L))
+    acc, counts["new_turn"] = torch.tensor(correct).float(), rollout.new_turns(run.tokenizer, ro)
+    return rollout.Graded(ro, rewards, acc, prompt_idx, counts, keep=losses.nonconstant_groups(acc, G))
+
+
+def collect(run, decoder, step) -> Collected:
+    """Sample and grade this rank's prompts. DAPO's dynamic sampling then drops groups whose
+    accuracies are all equal and samples more prompts (at most --max-resample-rounds extra rounds)
+    until this rank's share is full; unfilled slots become zero-weight filler groups, so every rank
+    still runs the same number of micro-batches (DDP and FSDP2 need that)."""
+    G, mine = run.args.group_size, my_prompts(run, step)
+    first = sample_and_score(run, decoder, mine, step, 0)
+    info = {"zero_var_frac": 1 - first.keep.float().mean().item(), "resample_rounds": 0, **first.counts}
+    if not run.algo.dynamic_sampling:
+        everyone = trained_rows(torch.ones(len(mine) * G), first.ro, run.algo)
+        return Collected(first.ro, first.rewards, everyone, mine, first.rewards, first.acc, info)
+    rounds, have = [first], int(first.keep.sum())
+    for r in range(1, run.args.max_resample_rounds + 1):
+        if all_sum(torch.tensor(float(have < len(mine)))).item() == 0:  # every rank full (they
+            break                                                      # sample together: FSDP2)
+        rounds.append(sample_and_score(run, decoder, my_prompts(run, step, r), step, r))
+        have += int(rounds[-1].keep.sum())
+        info["resample_rounds"] = r
+    kept = rollout.fill_groups(rounds, len(mine), G, run.tokenizer.pad_token_id)
+    info["kept_groups"] = int(kept.valid.sum()) // G
+    valid = trained_rows(kept.valid, kept.ro, run.algo)
+    return Collected(kept.ro, kept.rewards, valid, kept.prompt_idx, first.rewards, first.acc, info)
+
+
+def trained_rows(valid, ro: rollout.Rollout, algo) -> torch.Tensor:
+    """(B,) 1 where a row carries loss: not DAPO filler, and with algo.mask_truncated not cut at the
+    length limit (its reward still enters its group's baseline: the advantages use every row)."""
+    return valid * ro.finished.to(valid.dtype).cpu() if algo.mask_truncated else valid
+
+
+@dataclass
+class Group:
+    """One prompt's G rows, as deal_by_length moves them between ranks (on the CPU, trimmed)."""
+    ro: rollout.Rollout
+    rewards: torch.Tensor               # (G,)
+    valid: torch.Tensor                 # (G,)
+    prompt_idx: int
+    tokens: int                         # prompt + response tokens of its G rows: what scoring it costs
+
+
+def deal_by_length(run, c: Collected) -> Collected:
+    """Whole groups dealt to the ranks by length (batching.deal) within each update batch: the same
+    groups make each optimizer step as before, on the same number of rows per rank, but no rank
+    gets all the long responses. One all-gather of the step's groups; nothing on one process. The
+    first sampling round's rewards (reward / train_acc) stay where they were: they are summed."""
+    if run.dist.world == 1:
+        return c
+    world, G = run.dist.world, run.args.group_size
+    ro, per = c.ro.to("cpu"), run.args.update_batch // world       # groups of an update batch, per rank
+    mine = []
+    for k, idx in enumerate(c.prompt_idx):
+        rows = slice(k * G, (k + 1) * G)
+        g = trimmed(ro.take(rows))
+        tokens = int(g.prompt_mask.sum() + g.response_mask.sum())
+        mine.append(Group(g, c.rewards[rows].cpu(), c.valid[rows].cpu(), idx, tokens))
+    everyone = distributed.all_gather_list([mine])                     # [rank][group]
+    kept = []
+    for u in range(0, len(mine), per):                                 # each update batch
+        pool = [g for groups in everyone for g in groups[u:u + per]]
+        kept += [pool[i] for i in batching.deal([g.tokens for g in pool], world)[run.dist.rank]]
+    return replace(c, ro=rollout.cat_rollouts([g.ro for g in kept], run.tokenizer.pad_token_id),
+                   rewards=torch.cat([g.rewards for g in kept]), valid=torch.cat([g.valid for g in kept]),
+                   prompt_idx=[g.prompt_idx for g in kept])
+
+
+def trimmed(ro: rollout.Rollout) -> rollout.Rollout:
+    """Rows without their all-padding columns (prompts are left-padded, responses right-padded)."""
+    left = ro.prompt_ids.shape[1] - int(ro.prompt_mask.sum(1).max())   # padding columns on the left
+    R = int(ro.response_mask.sum(1).max())
+    return rollout.Rollout(ro.prompt_ids[:, left:], ro.prompt_mask[:, left:], ro.response_ids[:, :R],
+                           ro.response_mask[:, :R], ro.logprobs[:, :R], ro.finished)
+
+
+# ----------------------------------------------------------------------------------------------
+# After scoring: pi_old's and the reference's log-probs of the rows, and what the update reads
+
+
+@dataclass
+class OldScores:
+    """The rollout policy's log-probs over the rollout rows (B rows), before any update."""
+    old: torch.Tensor                   # (B, R) response log-probs of the rollout policy (PPO's pi_old)
+    prompt: torch.Tensor                # (B, P-1) its prompt log-probs (Query-KL monitor, code weights)
+    entropy: torch.Tensor               # (B, R)
+    ref: torch.Tensor | None            # (B, R) reference response log-probs, if a reference is loaded
+    ref_prompt: torch.Tensor | None     # (B, P-1) and its prompt log-probs (--qkl-ref live)
+    fresh: slice                        # rows whose old/prompt/entropy the first update forward fills in
+
+    @classmethod
+    def empty(cls, packed: logprobs.Packed, fresh: slice, has_ref: bool) -> "OldScores":
+        B, P, R = packed.input_ids.shape[0], packed.P, packed.input_ids.shape[1] - packed.P
+
+        def zeros(n):
+            return torch.zeros(B, n, device=packed.input_ids.device)
+        return cls(zeros(R), zeros(P - 1), zeros(R), zeros(R) if has_ref else None,
+                   zeros(P - 1) if has_ref else None, fresh)
+
+    def record(self, rows, prompt_cols, resp_cols, s: logprobs.TokenScores):
+        """pi_old's scores of some rows (a micro-batch's, at its trimmed columns)."""
+        self.old[rows, resp_cols], self.prompt[rows, prompt_cols] = s.response.detach(), s.prompt.detach()
+        self.entropy[rows, resp_cols] = s.entropy
+
+
+@dataclass
+class UpdateBatch:
+    """What the PPO update needs, per rollout row (B rows on this rank)."""
+    packed: logprobs.Packed
+    resp_mask: torch.Tensor             # (B, R) response tokens of valid rows
+    prompt_mask: torch.Tensor           # (B, P-1) prompt tokens of valid rows
+    valid: torch.Tensor                 # (B,)
+    scores: OldScores                   # old, ref (B, R); the first update forward fills in rows scores.fresh
+    qref: torch.Tensor                  # (B, P-1) the Query-KL reference's prompt log-probs
+    adv: torch.Tensor                   # (B,)
+    weights: torch.Tensor | None        # (B,) query weights
+    sampler: torch.Tensor | None = None  # (B, R) the sampler's log-probs of the tokens (rollout.Rollout's)
+
+
+# ----------------------------------------------------------------------------------------------
+# The step's plan: its optimizer steps and the micro-batches of each forward, planned on the host
+
+@dataclass
+class UpdatePlan:
+    """One optimizer step: its micro-batches and the global counts its loss is divided by."""
+    micro_batches: list[logprobs.MicroBatch]
+    num_tokens: float                   # valid response tokens of the update batch, all ranks (>= 1)
+    num_seqs: float                     # valid rows of the update batch, all ranks (0: DAPO filler only)
+    num_signal: float                   # of those, rows of a group whose rewards differ (0: no signal)
+
+    def takes_step(self, no_signal: str) -> bool:
+        """An update batch in which every group's rewards are equal (every advantage 0), or of DAPO
+        filler only, takes no optimizer step unless no_signal is "step" (--no-signal; method.md
+        §8.6): its loss would be the KL terms alone, whose gradient is ~0 near the reference, and
+        AdamW would normalise that into a full lr-sized step in every weight. Skipped, the moments,
+        weight decay and the LR schedule wait too. Filler only: nothing in the loss, never a step."""
+        return self.num_seqs > 0 and (self.num_signal > 0 or no_signal == "step")
+
+
+@dataclass
+class StepPlan:
+    """Every host-side decision of a step's forwards."""
+    old: list[logprobs.MicroBatch]      # no-grad pi_old forwards: the rows after the on-policy ones
+    fresh: list[logprobs.MicroBatch]    # the on-policy rows, which the first update forward scores as pi_old
+    ref: list[logprobs.MicroBatch]      # reference forwards, all rows (none without a reference)
+    updates: list[UpdatePlan]           # one per update batch (each PPO epoch repeats them)
+    group: int                          # G where each prompt runs once for its G rows, else 1
+
+
+def micro_batches(args, packed: logprobs.Packed, rows: range) -> list[logprobs.MicroBatch]:
+    """Rows as micro-batches, longest first: <= --micro-batch rows, <= --micro-tokens padded
+    tokens, whole groups if prompts are shared, as many on every rank."""
+    lengths, group = [packed.lengths[i] for i in rows], batching.prompt_group(args)
+
+    def plan(count=0):
+        return batching.microbatch_plan(lengths, args.micro_batch, args.micro_tokens, count, group)
+    most = int(distributed.all_max(torch.tensor(len(plan()))))
+    return [packed.micro_batch([rows.start + i for i in mb]) for mb in plan(most)]
+
+
+def plan_step(args, packed: logprobs.Packed, valid: list[float], update_rows: list[slice], fresh: slice,
+              has_ref: bool, rewards: torch.Tensor | None = None) -> StepPlan:
+    """The step's plan from the host lengths and validity of its rows: one collective for the
+    global counts, one per forward loop (the most micro-batches any rank runs), one host read
+    (do a group's rows share their prompt?). fresh: the on-policy rows (train.on_policy_rows);
+    rewards: (B,) as they enter the advantages, for UpdatePlan.num_signal (None: every row counts)."""
+    B, G = len(packed.lengths), args.group_size
+    signal = [True] * B if rewards is None else \
+        losses.nonconstant_groups(rewards, G).repeat_interleave(G).tolist()     # the group's rewards differ
+    local = {}
+    for u, rows in enumerate(update_rows):
+        lengths, ok = packed.lengths[rows], valid[rows]
+        local[f"tokens{u}"] = sum(r * v for (_, r), v in zip(lengths, ok))   # valid response tokens
+        local[f"seqs{u}"] = sum(ok)
+        local[f"signal{u}"] = sum(v for v, s in zip(ok, signal[rows]) if s)
+    counts = distributed.all_sums(local)
+    updates = [UpdatePlan(micro_batches(args, packed, range(rows.start, rows.stop)),
+                          max(1.0, counts[f"tokens{u}"]), counts[f"seqs{u}"], counts[f"signal{u}"])
+               for u, rows in enumerate(update_rows)]
+    group = batching.prompt_group(args)
+    group = group if group > 1 and logprobs.shares_prompts(packed, G) else 1
+    return StepPlan(old=micro_batches(args, packed, range(fresh.stop, B)),
+                    fresh=micro_batches(args, packed, range(fresh.start, fresh.stop)),
+                    ref=micro_batches(args, packed, range(B)) if has_ref else [],
+                    updates=updates, group=group)
+
+
+# ----------------------------------------------------------------------------------------------
+# The step's metrics: its line of metrics.jsonl
+
+def released_kl_terms(sc, qmask, resp_mask, agg) -> dict:
+    """The released code's monitors prompt_kl / response_kl / all_kl: k3 (clamped as in the loss) of
+    the pi_old forward against the reference model over the prompt tokens, the response tokens and
+    both, per row; -> {name: (sum, count)} to be summed over ranks. agg "seq-mean-token-mean" (the
+    released recipe's) averages per-row token means over rows; any other agg, tokens."""
+    def k3(logp, ref):
+        return losses.policy_kl(logp, ref, "k3", clamp=losses.K3_CLAMP)
+    parts = {"prompt_kl": (k3(sc.prompt, sc.ref_prompt), qmask),
+             "response_kl": (k3(sc.old, sc.ref), resp_mask)}
+    parts["all_kl"] = tuple(torch.cat([p, r], 1) for p, r in zip(parts["prompt_kl"], parts["response_kl"]))
+    out = {}
+    for name, (kl, mask) in parts.items():
+        tokens = mask.sum(1)
+        if agg == "seq-mean-token-mean":                    # a row counts once, whatever its length
+            rows = tokens > 0
+            out[name] = (((kl * mask).sum(1) / tokens.clamp_min(1))[rows].sum(), rows.sum())
+        else:
+            out[name] = ((kl * mask).sum(), tokens.sum())
+    return out
+
+
+def sampler_vs_old(sampler, old, mask) -> dict:
+    """How far the sampler is from pi_old (method.md §3): the tokens were drawn from the decoding
+    step's log-probs `sampler`, which the trainer's forward recomputes as `old` (B, R) in other
+    kernels. Per valid response token (mask): |log pi_s - log pi_old| and k3 of KL(pi_s || pi_old),
+    log r = log pi_old - log pi_s (the tokens are pi_s's samples); sums, for the step's line."""
+    log_r = (old - sampler) * mask
+    return {"samp_gap": log_r.abs(), "samp_kl": losses.policy_kl(sampler, old, "k3") * mask}
+
+
+def update_statistics(applied: list[dict]) -> dict:
+    """The applied optimizer steps' statistics (each a dict of this rank's sums, grad_norm global),
+    summed over ranks: rl_loss's averaged over the steps; the clip fractions over those that can
+    clip (until one step is applied the policy is the rollout's: ratio 1, nothing clipped);
+    grad_norm (None: every step was skipped). Every rank applies the same steps."""
+    stats, clip_stats, norms, off_policy = {}, {}, [], losses.off_policy_stats()
+    for i, host in enumerate(applied):
+        norms.append(host.pop("grad_norm"))
+        for key, v in host.items():
+            into = clip_stats if key in off_policy else stats
+            if into is stats or i > 0:                                   # an earlier step moved the policy
+                into[key] = into.get(key, 0.0) + v
+    n_opt, n_clip = max(1, len(norms)), len(norms) - 1
+    sums = distributed.all_sums({**stats, **clip_stats})  # (the module's: memory_measure stubs it)
+    out = {k: v / (n_clip if k in off_policy else n_opt) for k, v in sums.items()}
+    out["grad_norm"] = sum(norms) / n_opt if norms else None
+    return out
+
+
+def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
+    """One metrics line of train.rl_step. Sums go over ranks in one collective; rates divide by
+    global counts. c: the step's experience.Collected; batch: its experience.UpdateBatch (masks, pi_old
+    scores, weights); qref: (B, P-1) the initial policy's prompt log-probs (the query_kl monitor's
+    reference); upd: the update's statistics. With more than one task among the training rows,
+    train_acc/<task> too (the same keys on every rank)."""
+    sc, qmask, resp_mask, w = batch.scores, batch.prompt_mask, batch.resp_mask, batch.weights
+    world, seconds = run.dist.world, run.timer.seconds                  # seconds per phase on this rank
+    update_tokens = batch.packed.attention_mask.sum() * run.args.ppo_epochs  # the update's forwards
+    per_task = list(run.task_names) if len(run.task_names) > 1 else []
+    released = {} if sc.ref_prompt is None else released_kl_terms(sc, qmask, resp_mask, run.algo.agg)
+    info, mask = c.info, ro.response_mask                               # mask: (B, R) response tokens
+    kl = 0.0 if sc.ref is None else losses.policy_kl(sc.old, sc.ref, "k3") * resp_mask  # k3 of KL(pi || ref)
+    sampler = sampler_vs_old(batch.sampler, sc.old, resp_mask)
+    s = all_sums({
+        "rows": len(c.first_rewards), "tok": mask.sum(), "valid": c.valid, "kl_tok": resp_mask.sum(),
+        "reward": c.first_rewards, "acc": c.first_acc,                  # the first sampling round's
+        "qkl": losses.query_kl(sc.prompt, qref, qmask),                 # (B,) per-row Query-KL (k3)
+        "ent": sc.entropy * mask, "kl": kl, "w": 0.0 if w is None else w,
+        "trunc": (~ro.finished).float(), "new_turn": info["new_turn"], "zero_var": info["zero_var_frac"],
+        "kept_groups": info.get("kept_groups", 0), "update_tokens": update_tokens, **sampler,
+        **{f"reward_{k}": info.get(k, 0) for k in ("timeout", "error", "no_answer")},
+        **{f"{k}/{t}": info.get(f"{k}/{t}", 0) for t in per_task for k in ("total", "correct")},
+        **{f"{k}_{part}": v for k, pair in released.items() for part, v in zip(("sum", "n"), pair)}})
+    n = s["rows"]
+    m = {"step": step + 1, "reward": s["reward"] / n, "train_acc": s["acc"] / n,
+         "query_kl": s["qkl"] / max(1.0, s["valid"]), "entropy": s["ent"] / s["tok"],
+         "sampler_logp_gap": s["samp_gap"] / max(1.0, s["kl_tok"]),
+         "sampler_kl": s["samp_kl"] / max(1.0, s["kl_tok"]),
+         "response_len": s["tok"] / n, "response_tokens": s["tok"], "truncated_frac": s["trunc"] / n,
+         "new_turn_frac": s["new_turn"] / n, "zero_var_frac": s["zero_var"] / world,
+         # every statistic of the update (losses.rl_loss's, grad_norm, skipped_steps); its KL terms are
+         # named loss_* (the loss's own, over the update's policies; the monitors above are pi_old's)
+         **{f"loss_{k}" if k in ("policy_kl", "query_kl") else k: v for k, v in upd.items() if k != "lr"},
+         "lr": upd["lr"], "gen_tok_per_s": s["tok"] / seconds["gen"],
+         "update_tok_per_s": s["update_tokens"] / seconds["update"],
+         **{k: s[k] for k in ("reward_timeout", "reward_error", "reward_no_answer")}}
+    for k in released:
+        m[k] = s[f"{k}_sum"] / max(1.0, s[f"{k}_n"])
+    for t in per_task:                                                  # (the first sampling round's)
+        m[f"train_acc/{t}"] = s[f"correct/{t}"] / max(1.0, s[f"total/{t}"])
+    if sc.ref is not None:
+        m["policy_kl"] = s["kl"] / max(1.0, s["kl_tok"])
+    if w is not None:
+        m.update(weight_mean=s["w"] / n, weight_min=-all_max(-w.min()).item(),
+                 weight_max=all_max(w.max()).item())
+    if run.algo.dynamic_sampling:
+        m["resample_rounds"] = all_max(torch.tensor(float(info["resample_rounds"]))).item()
+        m["kept_groups"] = s["kept_groups"]
+    return m
