@@ -1,0 +1,98 @@
+"""The one extension pattern: every extension point is a table, a dict from the name a flag chooses
+to a row, in the module of its concept --
+
+    losses.ADVANTAGES    --adv          how a group's rewards become advantages
+    losses.SURROGATES    --surrogate    the policy-gradient surrogate
+    losses.CONTROLLERS   (own options)  a per-step rule for a loss coefficient (--entropy-target)
+    query_reference.REFERENCES  --qkl-ref   whose prompt log-probs Query-KL compares with
+    tasks.TASKS          --task         what a row asks and how a completion is scored
+
+-- and a change from outside the repo is one row, added with one call:
+
+    extension.register(losses.ADVANTAGES, "mine", MyAdvantage(...))
+
+A row may declare, next to what it does (each attribute optional; absent means none):
+
+    doc       one line for --help
+    OPTIONS   options of its own, rows as train.py's OPTIONS (name, default, help[, choices]); they
+              become flags, and act only where the row is chosen: given for another row, an error
+              (the inertness rule beside the knob). knobs: the losses.Algo fields it reads, where
+              the table's rows share Algo's knobs (surrogates, advantages)
+    needs     what it needs from the run: "model" (a model of its own loaded for it; the reference
+              model), "prompt_ids" (the training prompts' token ids)
+    state_dict() / load_state_dict(state)   per-step state: the checkpoint saves it under the
+              table's name and --resume restores it (the framework does; the row does not)
+    after_step(...)   a per-step hook, called once per RL step after the update
+
+losses.py stays torch-only: its rows follow the pattern by these attribute names, they do not
+import this file.
+"""
+
+# Tables by the option that chooses their row ("controllers" rows act when their own options are
+# given); filled by the modules that own them (train.py wires them: extension.TABLES is read, never
+# imported by losses.py).
+TABLES: dict[str, dict] = {}
+
+
+def declare(option: str, table: dict) -> dict:
+    """Make `table` an extension table chosen by --`option` (its module calls this once)."""
+    TABLES[option] = table
+    return table
+
+
+def register(table: dict, name: str, row, *, replace: bool = False):
+    """Add `row` to `table` under `name` -> the row. A name already there is an error unless
+    replace=True; so is an option name another row of any table already declares."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an extension's name is a non-empty string, got {name!r}")
+    if name in table and not replace:
+        raise ValueError(f"{name!r} is already a row of this table (replace=True to replace it)")
+    mine = {opt[0] for opt in getattr(row, "OPTIONS", ())}
+    taken = {opt[0] for t in TABLES.values() for n, r in t.items() if not (t is table and n == name)
+             for opt in getattr(r, "OPTIONS", ())}
+    if mine & taken:
+        raise ValueError(f"{name!r}: options {sorted(mine & taken)} are already another row's")
+    table[name] = row
+    return row
+
+
+def unregister(table: dict, name: str):
+    """Remove a row (a test's extension, once the test is done)."""
+    table.pop(name, None)
+
+
+def own_options(table: dict | None = None) -> list:
+    """The option rows every row of `table` (default: of every table) declares, each once."""
+    tables = [table] if table is not None else list(TABLES.values())
+    seen, out = set(), []
+    for t in tables:
+        for row in t.values():
+            for opt in getattr(row, "OPTIONS", ()):
+                if opt[0] not in seen:
+                    seen.add(opt[0])
+                    out.append(opt)
+    return out
+
+
+def inert_options(table: dict, chosen, given: set) -> set:
+    """The options of `table`'s rows other than the `chosen` one(s) among `given` (set on the
+    command line): they cannot act, which is an error."""
+    chosen = {chosen} if isinstance(chosen, str) else set(chosen)
+    own = {opt[0] for name in chosen if name in table for opt in getattr(table[name], "OPTIONS", ())}
+    return {opt[0] for opt in own_options(table)} & set(given) - own
+
+
+def needs(row) -> frozenset:
+    return frozenset(getattr(row, "needs", ()))
+
+
+def state_of(rows: dict) -> dict:
+    """{name: row.state_dict()} of the rows that keep state (what a checkpoint saves)."""
+    return {name: row.state_dict() for name, row in rows.items() if hasattr(row, "state_dict")}
+
+
+def load_state(rows: dict, saved: dict | None):
+    """Restore what state_of saved (a row absent from `saved` starts fresh)."""
+    for name, row in rows.items():
+        if saved and name in saved and hasattr(row, "load_state_dict"):
+            row.load_state_dict(saved[name])
