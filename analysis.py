@@ -1,11 +1,15 @@
 """Look at what training did: KL and accuracy curves of runs, and the paper's Appendix D study.
 
     python analysis.py runs runs/grpo runs/erpo --out results/tiny        # Fig. 1/4, Tables 4-5
+    python analysis.py compare runs/grpo runs/erpo --last 10              # one table, B - A
     python analysis.py nll --model data/tinymath/warmstart --benchmarks tiny-test \\
         --max-new-tokens 96 --out results/nll                             # Appendix D
 
 `runs` plots Query-KL vs Policy-KL over steps (kl.png) and training vs held-out accuracy
-(train_eval_gap.png) from each run's metrics.jsonl, and prints the mean train - held-out gap.
+(train_eval_gap.png, with 95% Wilson intervals) from each run's metrics.jsonl, and prints the mean
+train - held-out gap. `compare` prints one table of runs side by side: the last held-out accuracy
+per set with its 95% Wilson interval, train accuracy, Query-KL, Policy-KL and entropy averaged over
+the last --last steps, the steps, and each run minus the first (B - A).
 `nll` samples one response per problem and relates the query's mean per-token NLL to the
 response's (one forward over [prompt | response]): their Pearson correlation is the paper's
 motivation for query weights (method.md §4).
@@ -23,17 +27,41 @@ from tqdm import tqdm
 from evaluation import heldout
 from modeling import logprobs
 import rollout
+from data import benchmarks
 from plumbing import errors, interrupts, plots, run_dir
 
 # ----------------------------------------------------------------------------- training runs
 
 
-def read_metrics(run):
-    """Rows of a training run's metrics.jsonl (RUN_DIR or the file itself)."""
+def read_metrics(run, need_rows=False):
+    """Rows of a training run's metrics.jsonl (RUN_DIR or the file itself); `need_rows`: an empty
+    file is an error too."""
     path = os.path.join(run, "metrics.jsonl") if os.path.isdir(run) else run
     if not os.path.isfile(path):
-        raise ValueError(f"no metrics.jsonl in {run}")
-    return run_dir.read_jsonl(path)
+        raise ValueError(f"no metrics.jsonl in {run}" + ("" if os.path.exists(run) else " (no such folder)"))
+    rows = run_dir.read_jsonl(path)
+    if need_rows and not any("step" in r for r in rows):
+        raise ValueError(f"{path} has no step logged yet (an empty run)")
+    return rows
+
+
+def heldout_problems(run) -> dict:
+    """{held-out set: problems per evaluation} of a run, from its config.json (--eval-data,
+    --eval-limit, --task): the set's size up to the limit; a hub benchmark (not read here) or a set
+    that no longer loads counts --eval-limit problems, or is left out (no interval) without one."""
+    cfg = run_dir.read_config(run if os.path.isdir(run) else os.path.dirname(run)) or {}
+    limit, out = cfg.get("eval_limit") or None, {}
+    for name in cfg.get("eval_data", []):
+        key = benchmarks.canonical_name(name)
+        try:
+            if key in benchmarks.HUB or key in benchmarks.HUB_FILES:
+                raise ValueError("a hub benchmark")
+            rows = next(iter(heldout.load_sets([name], limit, None, cfg.get("task", "math")).values()))
+            out[name] = len(rows)
+        except (OSError, ValueError):
+            if limit:
+                out[name] = limit
+    return out
 
 
 def train_eval_gap(rows):
@@ -46,15 +74,93 @@ def train_eval_gap(rows):
 def analyze_runs(runs, out_dir):
     label = plots.short_labels([os.path.normpath(r) for r in runs])
     data = {label[os.path.normpath(r)]: read_metrics(r) for r in runs}
+    first_set = {label[os.path.normpath(r)]: next(iter(heldout_problems(r).values()), None) for r in runs}
     os.makedirs(out_dir, exist_ok=True)
     paths = [p for p in (plots.kl_over_steps(data, os.path.join(out_dir, "kl.png")),
-                         plots.train_vs_heldout(data, os.path.join(out_dir, "train_eval_gap.png"))) if p]
+                         plots.train_vs_heldout(data, os.path.join(out_dir, "train_eval_gap.png"),
+                                                {k: v for k, v in first_set.items() if v})) if p]
     for name, rows in data.items():
         gap = train_eval_gap(rows)
         print(f"{name}: mean train - held-out accuracy gap = "
               f"{'-' if gap is None else f'{100 * gap:.2f} pts'}")
     print("wrote " + (", ".join(paths) if paths else "no plots (no KL or accuracy keys logged)"))
     return paths
+
+
+# ----------------------------------------------------------------------------- two runs, one table
+
+MONITORS = (("train_acc", "train accuracy %", 100), ("query_kl", "Query-KL", 1),
+            ("policy_kl", "Policy-KL", 1), ("entropy", "entropy", 1))
+
+
+def last_steps_mean(rows, key, last):
+    """(mean of `key` over the steps last_step - last + 1 .. last_step that logged it, (first, last
+    step averaged)), or (None, None)."""
+    steps = [r["step"] for r in rows if "step" in r]
+    top = max(steps, default=0)
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None and r.get("step", 0) > top - last
+           and r.get("step", 0) > 0]
+    if not pts:
+        return None, None
+    return sum(v for _, v in pts) / len(pts), (min(s for s, _ in pts), max(s for s, _ in pts))
+
+
+def final_heldout(rows, name):
+    """(accuracy, step) of the last evaluation of held-out set `name`, or (None, None)."""
+    pts = [(r[f"eval_acc/{name}"], r["step"]) for r in rows if r.get(f"eval_acc/{name}") is not None]
+    return pts[-1] if pts else (None, None)
+
+
+def newcombe(p1, n1, p2, n2):
+    """95% interval of p2 - p1 from the two Wilson intervals (Newcombe's hybrid score method, for
+    independent samples: the same problems in both runs make it conservative)."""
+    (l1, u1), (l2, u2) = plots.wilson(p1, n1), plots.wilson(p2, n2)
+    d = p2 - p1
+    return d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2), d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2)
+
+
+def compare_table(runs, last=10) -> str:
+    """One markdown table: a column per run, then each later run minus the first (B - A)."""
+    label = plots.short_labels([os.path.normpath(r) for r in runs])
+    names = [label[os.path.normpath(r)] for r in runs]
+    data = [read_metrics(r, need_rows=True) for r in runs]
+    sizes = [heldout_problems(r) for r in runs]
+    sets = list(dict.fromkeys(k[len("eval_acc/"):] for rows in data for r in rows for k in r
+                              if k.startswith("eval_acc/") and "/L" not in k[len("eval_acc/"):]))
+    head = names + [f"{b} - {names[0]}" for b in names[1:]]
+    table = []
+    for name in sets:
+        vals = [final_heldout(rows, name) for rows in data]
+        ns = [sz.get(name) for sz in sizes]
+        cells = [_acc_cell(p, n, st) for (p, st), n in zip(vals, ns)]
+        (p0, _), n0 = vals[0], ns[0]
+        for (p, _), n in zip(vals[1:], ns[1:]):
+            cells.append("-" if p is None or p0 is None else f"{100 * (p - p0):+.1f}" + (
+                " [{:+.1f}, {:+.1f}]".format(*(100 * x for x in newcombe(p0, n0, p, n))) if n and n0 else ""))
+        table.append([f"held-out {name} %, last eval [95% interval]"] + cells)
+    for key, what, scale in MONITORS:
+        got = [last_steps_mean(rows, key, last) for rows in data]
+        cells = ["-" if m is None else f"{_num(scale * m)} (steps {a}-{b})" for m, (a, b) in
+                 [(m, span or (None, None)) for m, span in got]]
+        cells += ["-" if m is None or got[0][0] is None else _num(scale * (m - got[0][0]), sign=True)
+                  for m, _ in got[1:]]
+        table.append([f"{what}, mean of the last {last} steps"] + cells)
+    steps = [max((r["step"] for r in rows if "step" in r), default=0) for rows in data]
+    table.append(["steps"] + [str(s) for s in steps] + [f"{s - steps[0]:+d}" for s in steps[1:]])
+    lines = ["| | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in table])
+
+
+def _acc_cell(p, n, step):
+    if p is None:
+        return "-"
+    lo, hi = plots.wilson(p, n)
+    return f"{100 * p:.1f}" + (f" [{100 * lo:.1f}, {100 * hi:.1f}] of {n}" if n else "") + f" (step {step})"
+
+
+def _num(x, sign=False):
+    return format(x, "+.3g" if sign else ".3g") if abs(x) >= 1e-3 or x == 0 else \
+        format(x, "+.2e" if sign else ".2e")
 
 
 # ----------------------------------------------------------------------------- Appendix D
@@ -82,6 +188,15 @@ def pearson(xs, ys):
     sxx = sum((x - mx) ** 2 for x in xs)
     syy = sum((y - my) ** 2 for y in ys)
     return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+
+
+def pearson_interval(r, n, z=1.96):
+    """95% interval of a Pearson r over n pairs (Fisher's z: atanh(r) +- z / sqrt(n - 3)); nan for
+    n < 4 or an undefined r."""
+    if n < 4 or not math.isfinite(r) or abs(r) >= 1:
+        return float("nan"), float("nan")
+    f, half = math.atanh(r), z / math.sqrt(n - 3)
+    return math.tanh(f - half), math.tanh(f + half)
 
 
 def nll_pairs(model, tokenizer, key, bench, rows, args):
@@ -116,15 +231,17 @@ def analyze_nll(args):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "nll_pairs.jsonl"), "w") as f:
         f.writelines(json.dumps(p) + "\n" for p in pairs)
-    lines, groups = [], {}
+    lines, groups = [], {}   # r's 95% interval: Fisher's z
     for key in dict.fromkeys(p["model"] for p in pairs):
         for bench in benches:
             sel = [p for p in pairs if p["model"] == key and p["benchmark"] == bench]
             xs, ys = [p["query_nll"] for p in sel], [p["response_nll"] for p in sel]
             rho = pearson(xs, ys)
+            lo, hi = pearson_interval(rho, len(sel))
             lines.append(f"{key} on {bench}: Pearson r(query NLL, response NLL) = {rho:.3f} "
-                         f"over {len(sel)} problems")
-            groups[f"{plots.short_labels([key])[key]} / {bench} (r={rho:.2f})"] = (xs, ys)
+                         f"[95%: {lo:.3f}, {hi:.3f}] over {len(sel)} problems")
+            name = f"{plots.short_labels([key])[key]} / {bench}"
+            groups[f"{name} (r={rho:.2f} [{lo:.2f}, {hi:.2f}])"] = (xs, ys)
     plots.nll_scatter(groups, os.path.join(args.out, "nll_scatter.png"))
     print("\n".join(lines))
     with open(os.path.join(args.out, "nll_correlation.txt"), "w") as f:
@@ -142,10 +259,16 @@ def parse_args(argv=None):
     r = sub.add_parser("runs", help="KL and train vs held-out accuracy plots of training runs")
     r.add_argument("runs", nargs="+", metavar="RUN_DIR")
     r.add_argument("--out", default="results/runs")
+    c = sub.add_parser("compare", help="one table of runs side by side, each minus the first (B - A)")
+    c.add_argument("runs", nargs="+", metavar="RUN_DIR", help="two or more run folders; the first is A")
+    c.add_argument("--last", type=int, default=10, help="monitors: mean over the last N steps (default 10)")
     n = sub.add_parser("nll", help="Appendix D: query NLL vs response NLL per problem")
     heldout.add_sampling_args(n, benchmarks=["tiny-test"], out="results/nll")
     n.add_argument("--temperature", type=float, default=1.0)
     args = p.parse_args(argv)
+    if args.cmd == "compare" and (len(args.runs) < 2 or args.last < 1):
+        fail("compare needs two or more run folders" if len(args.runs) < 2 else
+             f"--last must be >= 1, got {args.last}")
     if args.cmd == "nll":
         try:
             check_nll_args(args)
@@ -175,6 +298,10 @@ def main(argv=None):
     try:
         if args.cmd == "runs":
             return analyze_runs(args.runs, args.out)
+        if args.cmd == "compare":
+            text = compare_table(args.runs, args.last)
+            print(text)
+            return text
         kept = "nothing written (the results are written at the end); rerun the command"
         with interrupts.exit_when_interrupted(lambda: kept, "analysis.py"):
             return analyze_nll(args)

@@ -273,6 +273,13 @@ def missing_samples(problems, done, model, benchmark, temperature, n):
     return todo
 
 
+def planned_samples(benches, temperatures, n, model_keys, done=frozenset()) -> int:
+    """How many samples a sweep draws: every model x benchmark x temperature x problem x sample not
+    yet in `done` (record keys). With nothing done: models x sets' problems x n x temperatures."""
+    return sum(len(v) for key in model_keys for b, rows in benches.items() for t in temperatures
+               for v in missing_samples(rows, done, key, b, t, n).values())
+
+
 def evaluate_model(model, tokenizer, model_key, benches, temperatures, n, out_file, done, *,
                    template, max_new_tokens, top_p=1.0, batch_size=64, seed=0, sampler="kv",
                    timeout=1.0, progress=True):
@@ -351,8 +358,7 @@ def run_sweep(args, benches, d: distributed.Dist):
     share = {b: rows[d.rank::d.world] for b, rows in benches.items()}
     with open(mine, "a") as f:
         for model_path, key in zip(args.model, keys):
-            todo = sum(len(v) for b, rows in share.items() for t in args.temperatures
-                       for v in missing_samples(rows, done, key, b, t, args.n).values())
+            todo = planned_samples(share, args.temperatures, args.n, [key], done)
             if todo == 0:
                 distributed.print0(f"{key}: all samples already in {path}")
                 continue

@@ -1,5 +1,6 @@
 """Figures: accuracy vs temperature (the paper's Figs 5-6), Query-KL / Policy-KL and train vs
 held-out accuracy over training steps (Figs 1 and 4), and the query/response NLL scatter (App. D).
+Every figure has a title; an accuracy over n problems is drawn with its 95% Wilson interval.
 
 matplotlib is imported on first use (Agg backend: files only, no display needed).
 """
@@ -13,6 +14,25 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def wilson(p, n, z=1.96):
+    """95% Wilson score interval (lo, hi) of a proportion p observed over n trials; (p, p) when n is
+    unknown (None or 0). For a mean of per-problem accuracies in [0, 1] (avg@n with n > 1 samples per
+    problem) over n problems it is conservative: such a mean's variance is at most p(1 - p) / n."""
+    if not n:
+        return p, p
+    d = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(max(p * (1 - p), 0.0) / n + z * z / (4 * n * n)) / d
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _error_bars(values, ns, scale=100):
+    """matplotlib yerr (2 x len) of Wilson intervals of `values` over `ns` trials, times `scale`."""
+    lo_hi = [wilson(v, n) for v, n in zip(values, ns)]
+    return [[scale * (v - lo) for v, (lo, _) in zip(values, lo_hi)],
+            [scale * (hi - v) for v, (_, hi) in zip(values, lo_hi)]]
 
 
 def short_labels(names):
@@ -40,8 +60,10 @@ def accuracy_vs_temperature(summary, path, metric=None, avg_key="Avg."):
         for m in summary["models"]:
             by_t = summary["results"][m].get(b, {}).get("by_temperature", {})
             ts = sorted(by_t, key=float)
-            ax.plot([float(t) for t in ts], [100 * by_t[t][metric] for t in ts], marker="o",
-                    ms=3, label=label[m])
+            ys = [by_t[t][metric] for t in ts]
+            yerr = _error_bars(ys, [by_t[t].get("num_problems") for t in ts]) if b != avg_key else None
+            ax.errorbar([float(t) for t in ts], [100 * y for y in ys], yerr=yerr, marker="o", ms=3,
+                        capsize=2, label=label[m])
         ax.set_title(b)
         ax.set_xlabel("temperature")
         ax.set_ylabel(f"{metric} (%)")
@@ -50,6 +72,8 @@ def accuracy_vs_temperature(summary, path, metric=None, avg_key="Avg."):
     for ax in list(axes.flat)[len(benches):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"{metric} vs sampling temperature (bars: 95% Wilson interval over the problems; "
+                 f"{avg_key}: mean over benchmarks)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -62,7 +86,8 @@ def series(rows, key):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _save_step_plot(fig, ax, ylabel, path):
+def _save_step_plot(fig, ax, ylabel, path, title):
+    ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -86,23 +111,32 @@ def kl_over_steps(runs: dict, path):
     out = None
     if ax.lines:
         ax.set_yscale("log", nonpositive="mask")
-        out = _save_step_plot(fig, ax, "KL", path)
+        out = _save_step_plot(fig, ax, "KL", path,
+                              "Query-KL (solid) and Policy-KL (dashed) per training step")
     plt.close(fig)
     return out
 
 
-def train_vs_heldout(runs: dict, path):
-    """runs: {label: metric rows}. Training accuracy (line) and held-out accuracy (markers)."""
+def train_vs_heldout(runs: dict, path, problems: dict | None = None):
+    """runs: {label: metric rows}. Training accuracy (line) and held-out accuracy (markers), the
+    latter with its 95% Wilson interval where `problems` ({label: problems in the held-out set})
+    says over how many problems it was measured."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
+    problems = problems or {}
     for i, (name, rows) in enumerate(runs.items()):
         x, y = series(rows, "train_acc")
         if x:
             ax.plot(x, y, "-", color=f"C{i}", alpha=0.6, label=f"{name} train")
         x, y = series(rows, "eval_acc")
         if x:
-            ax.plot(x, y, "o--", color=f"C{i}", ms=4, label=f"{name} held-out")
-    out = _save_step_plot(fig, ax, "accuracy", path) if ax.lines else None
+            n = problems.get(name)
+            ax.errorbar(x, y, yerr=_error_bars(y, [n] * len(y), scale=1) if n else None, fmt="o--",
+                        color=f"C{i}", ms=4, capsize=2,
+                        label=f"{name} held-out" + (f" ({n} problems)" if n else ""))
+    title = "Training vs held-out accuracy" + \
+        (" (bars: 95% Wilson interval over the held-out problems)" if problems else "")
+    out = _save_step_plot(fig, ax, "accuracy", path, title) if ax.lines or ax.containers else None
     plt.close(fig)
     return out
 
@@ -113,6 +147,7 @@ def nll_scatter(groups: dict, path):
     fig, ax = plt.subplots(figsize=(5, 4))
     for name, (xs, ys) in groups.items():
         ax.scatter(xs, ys, s=6, alpha=0.5, label=name)
+    ax.set_title("Query NLL vs response NLL, one point per problem (r: Pearson, 95% interval)", fontsize=9)
     ax.set_xlabel("query NLL (mean per token)")
     ax.set_ylabel("response NLL (mean per token)")
     ax.legend(fontsize=7)

@@ -531,7 +531,7 @@ def ablation_table(study) -> list[str]:
 
 
 def tables(study) -> str:
-    """The markdown tables of the README's long-run section, from long_run.json alone."""
+    """The markdown tables of docs/studies.md's long-run section, from long_run.json alone."""
     long, ab = long_tables(study), ablation_table(study)
     return "\n".join(long + ([""] if long and ab else []) + ab) + "\n"
 

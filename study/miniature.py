@@ -37,7 +37,7 @@ seed's value. Paired: erpo - grpo per seed, mean +- the same t interval over the
 anything else is reported as not distinguishable at this size.
 
 Output: study/results/study.json (every number the tables and figures use), tables.md,
-drift.png, temperature.png, gap.png. The README's study section is built from study.json
+drift.png, temperature.png, gap.png. docs/studies.md's study section is built from study.json
 (tests/test_study.py checks it).
 """
 
@@ -237,7 +237,7 @@ ROWS = [  # (table row label, scalar key, scale, digits)
 
 
 def tables(study) -> str:
-    """The markdown tables of the README's study section, from study.json alone."""
+    """The markdown tables of docs/studies.md's study section, from study.json alone."""
     algos = list(study["algos"])
     head = "| measure | " + " | ".join(f"{a} (n={study['algos'][a]['final_avg']['n']})" for a in algos) + \
         " | ERPO - GRPO, paired |"

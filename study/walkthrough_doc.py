@@ -464,8 +464,9 @@ def after_section(d, v) -> dict:
        "gradient is a small fraction of the policy gradient's (§5), too small to hold the prompts in "
        "place against it in one step." if rose else
        f"The updates moved the prompts' Query-KL, ERPO's {how}.")
-      + " Its effect builds up over a run: the README's \"Does it reproduce in miniature?\" compares "
-      "the Query-KL of whole GRPO and ERPO runs.",
+      + " Its effect builds up over a run: [\"Does it reproduce in miniature?\"]"
+      "(studies.md#does-it-reproduce-in-miniature) in docs/studies.md compares the Query-KL of whole GRPO "
+      "and ERPO runs.",
       "",
       "![change of each response's log-likelihood against the advantage the loss gave it]"
       "(img/walkthrough_update.png)",

@@ -1,16 +1,22 @@
-"""analysis.py: training-run plots and the train - held-out gap; the Appendix D query/response NLL
-from one forward against the NLL of each part computed separately."""
+"""analysis.py: training-run plots and the train - held-out gap; `compare`'s table of two runs on
+hand-written metrics; the `next:` lines a run ends with, their sample counts against evaluate.py's
+own; the Appendix D query/response NLL from one forward against the NLL of each part computed
+separately."""
 
 import json
 import math
 import os
+import shlex
 
 import pytest
 import torch
 
 import analysis
+import evaluate
+from evaluation import heldout
 from modeling import models
 import rollout
+from plumbing import plots, run_dir
 from tests.rounding import assert_rounding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,6 +40,97 @@ def test_run_plots_and_gap(tmp_path, capsys):
     with pytest.raises(SystemExit):
         analysis.main(["runs", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def write_run(folder, rows, **config):
+    folder.mkdir(parents=True)
+    cfg = {"task": "math", "eval_limit": 200, "eval_temperatures": [1.0], **config}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder)
+
+
+def test_wilson_interval_by_hand():
+    # p = 0.5, n = 200: centre 0.5, half = 1.96 sqrt(0.25/200 + 1.96^2/160000) / (1 + 1.96^2/200)
+    lo, hi = plots.wilson(0.5, 200)
+    half = 1.96 * math.sqrt(0.25 / 200 + 1.96 ** 2 / 160000) / (1 + 1.96 ** 2 / 200)
+    assert (lo, hi) == pytest.approx((0.5 - half, 0.5 + half))
+    assert (lo, hi) == pytest.approx((0.4314, 0.5686), abs=1e-4)      # 100 of 200, as tabulated
+    assert plots.wilson(0.0, 10)[0] == 0.0 and plots.wilson(0.4, None) == (0.4, 0.4)
+
+
+def test_compare_two_runs_by_hand(tmp_path, capsys):
+    """Two hand-made runs of 20 steps: the table's numbers, worked out by hand."""
+    def rows(qkl, acc_test, acc_hard):
+        out = [{"step": 0, "eval_acc": 0.3, "eval_acc/tiny-test": 0.3, "eval_acc/tiny-hard": 0.1,
+                "eval_acc/tiny-test/L3": 0.5}]
+        for s in range(1, 21):
+            out.append({"step": s, "train_acc": 0.01 * s, "query_kl": qkl * s, "policy_kl": 0.02,
+                        "entropy": 0.04})
+        out[-1].update({"eval_acc": acc_test, "eval_acc/tiny-test": acc_test, "eval_acc/tiny-hard": acc_hard})
+        return out
+    a = write_run(tmp_path / "runs" / "grpo", rows(0.001, 0.5, 0.25), eval_data=["tiny-test", "tiny-hard"])
+    b = write_run(tmp_path / "runs" / "erpo", rows(0.0005, 0.55, 0.20), eval_data=["tiny-test", "tiny-hard"])
+    analysis.main(["compare", a, b, "--last", "5"])
+    table = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in
+             capsys.readouterr().out.splitlines()[2:]}
+    # eval_limit 200 of tiny-test's 500 and tiny-hard's 300 problems: n = 200 for both
+    lo, hi = plots.wilson(0.5, 200)
+    assert table["held-out tiny-test %, last eval [95% interval]"][0] == \
+        f"50.0 [{100 * lo:.1f}, {100 * hi:.1f}] of 200 (step 20)"
+    assert table["held-out tiny-test %, last eval [95% interval]"][2].startswith("+5.0 [")
+    assert table["held-out tiny-hard %, last eval [95% interval]"][2].startswith("-5.0 [")
+    # steps 16-20: train_acc 0.16 .. 0.20, mean 0.18; Query-KL 0.001 * 18 = 0.018 vs 0.009
+    assert table["train accuracy %, mean of the last 5 steps"][:2] == ["18 (steps 16-20)", "18 (steps 16-20)"]
+    assert table["Query-KL, mean of the last 5 steps"][:2] == ["0.018 (steps 16-20)", "0.009 (steps 16-20)"]
+    assert table["Query-KL, mean of the last 5 steps"][2].rstrip(" |") == "-0.009"
+    assert table["Policy-KL, mean of the last 5 steps"][2].rstrip(" |") == "+0"
+    assert table["steps"][0] == "20"
+    assert analysis.newcombe(0.5, 200, 0.5, 200)[0] == pytest.approx(-(0.5 - lo) * math.sqrt(2))
+    # one-line errors: a missing folder, a folder without metrics.jsonl, an empty metrics.jsonl
+    (tmp_path / "bare").mkdir()
+    empty = write_run(tmp_path / "empty", [])
+    for bad, why in ((str(tmp_path / "nope"), "no such folder"), (str(tmp_path / "bare"), "no metrics.jsonl"),
+                     (empty, "no step logged yet")):
+        with pytest.raises(SystemExit) as e:
+            analysis.main(["compare", a, bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and why in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit):
+        analysis.main(["compare", a])
+    assert "two or more run folders" in capsys.readouterr().err
+
+
+def test_next_lines_count_what_evaluate_would_sample(tmp_path):
+    """The `next:` evaluate.py commands a run ends with: each says how many samples it draws, and
+    evaluate.py's own count for exactly those flags (parsed by its parser, its benchmarks loaded as it
+    loads them) is that number; the paper-protocol note names evaluate.py's defaults."""
+    sets = ["tiny-test", "tiny-ood", "tiny-hard"]
+    out = write_run(tmp_path / "run", [{"step": 0, "eval_acc": 0.3, "eval_acc/tiny-test": 0.3},
+                                       {"step": 1, "query_kl": 0.0, "entropy": 0.1}], eval_data=sets)
+    os.makedirs(os.path.join(out, "ckpt"))
+    open(os.path.join(out, "ckpt", "state.pt"), "w").close()
+    text = run_dir.summary(out, 60, sets, "plain")
+    cmds = [line.split("#") for line in text.splitlines() if line.strip().startswith("python evaluate.py")]
+    assert len(cmds) == 2 and "quick" in cmds[0][1] and "sized like the run" in cmds[1][1]
+    counts = []
+    for cmd, note in cmds:
+        args = evaluate.parse_args(shlex.split(cmd)[2:])
+        benches = evaluate.load_benchmarks(args.benchmarks, args.limit, args.data_dir, args.task)
+        keys = heldout.model_keys(args)
+        counts.append(evaluate.planned_samples(benches, args.temperatures, args.n, keys))
+        assert f"{counts[-1]:,} samples" in note
+    assert counts == [3 * 200 * 1 * 1, 3 * 200 * 8 * 3]
+    assert f"python analysis.py compare OTHER_RUN {out}" in text
+    # the paper's protocol: evaluate.py's defaults, 492,800 samples on the tiny world (docs/evaluation.md)
+    args = evaluate.parse_args(["--model", os.path.join(out, "ckpt"), "--out", str(tmp_path / "e")])
+    assert (args.n, len(args.temperatures)) == (run_dir.PAPER_N, run_dir.PAPER_TEMPERATURES)
+    benches = evaluate.load_benchmarks(args.benchmarks, None, None)
+    full = evaluate.planned_samples(benches, args.temperatures, args.n, ["m"])
+    assert full == 492_800
+    assert f"{run_dir.PAPER_N} samples x {run_dir.PAPER_TEMPERATURES} temperatures" in text
+    with open(os.path.join(ROOT, "docs", "evaluation.md")) as f:
+        assert "492,800" in f.read()
 
 
 def test_query_response_nll_matches_separate_forwards():

@@ -52,6 +52,50 @@ def test_every_relative_link_and_anchor_resolves(page):
     assert not bad, bad
 
 
+# A page or a docstring that names a README section by its title (the README's "Results"; README,
+# "Quickstart"): the title must still be one of the README's headings (sections move to docs/).
+SECTION_MENTION = re.compile(r"""README(?:'s|,)\s*\\?"([^"\\]+)\\?\"""")
+SOURCE_DIRS = (ROOT, *(os.path.join(ROOT, d)
+                       for d in ("docs", "study", "labs", "plumbing", "tasks", "data", "bench")))
+SOURCES = [os.path.join(d, f) for d in SOURCE_DIRS if os.path.isdir(d)
+           for f in sorted(os.listdir(d)) if f.endswith((".md", ".py"))]
+
+
+def test_every_named_readme_section_exists():
+    headings = {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", text(README), re.M)}
+    bad = [f"{os.path.relpath(path, ROOT)}: README section {name!r}" for path in SOURCES
+           for name in SECTION_MENTION.findall(text(path)) if name.strip() not in headings]
+    assert not bad, f"named README sections that are no README heading: {bad}"
+    sample = """the README's "Results", (README, "Quickstart") and the README's \\"X\\" """
+    assert SECTION_MENTION.findall(sample) == ["Results", "Quickstart", "X"]
+
+
+def test_commands_assume_the_active_environment():
+    """One convention: the README says once that commands assume `. .venv/bin/activate`; no page
+    calls .venv/bin/python, pip or torchrun by path."""
+    assert ". .venv/bin/activate" in text(README)
+    bad = [f"{os.path.relpath(p, ROOT)}: {line.strip()}" for p in PAGES for line in text(p).splitlines()
+           if re.search(r"\.venv/bin/(python|pip|torchrun|pytest)", line)]
+    assert not bad, bad
+
+
+def test_the_lab_says_how_to_get_pytest():
+    with open(os.path.join(ROOT, "requirements-dev.txt")) as f:
+        assert re.search(r"^pytest\b", f.read(), re.M)
+    assert "pip install -r requirements-dev.txt" in text(os.path.join(ROOT, "docs", "teaching.md"))
+
+
+def test_the_rl_loss_snippet_adds_its_terms():
+    """The README's abridged losses.rl_loss: the PG term, then each KL term added to it, as in the code."""
+    snippet = text(README).split("and `losses.rl_loss` reads them:")[1].split("```", 2)[1]
+    assigns = [line.split("=", 1)[1].strip() for line in snippet.splitlines()
+               if line.strip().startswith("loss =")]
+    assert len(assigns) == 3 and all(a.startswith("loss + ") for a in assigns[1:]), assigns
+    with open(os.path.join(ROOT, "losses.py")) as f:
+        code = f.read()
+    assert "loss = loss + algo.beta * kl" in code and "loss = loss + algo.alpha * qkl" in code
+
+
 def readme_commands():
     """Every command line of the README's indented code blocks that runs one of the repository's
     scripts: (script, its arguments)."""
