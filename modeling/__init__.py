@@ -1,2 +1,2 @@
-"""The policy network: loading a model and its attention kernel (modeling/models.py), the training
-forward's log-probs (modeling/logprobs.py), LoRA adapters (modeling/lora.py)."""
+"""The policy network: loading a model and its attention kernel (models.py), the training
+forward's log-probs (logprobs.py), LoRA adapters (lora.py)."""

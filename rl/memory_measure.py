@@ -308,7 +308,7 @@ def decode_once(policy, spec: rollout.SampleSpec, prompts: list[list[int]], max_
             cache = kv_cache.slot_cache(decoder, rows, columns)
             tok = kv_cache.admit(decoder, cache, prompts[:rows], list(range(rows)), spec.pad_id).argmax(-1)
             last = torch.full((rows,), columns - 1, dtype=torch.long, device=tok.device)
-            decode.LeanStep(decoder, cache)(tok, last, columns)   # (sampler/kv_cache.py drops the logits first too)
+            decode.LeanStep(decoder, cache)(tok, last, columns)   # (kv_cache.py drops the logits first too)
             del cache
         else:
             pre = kv_cache.prefill(decoder, prompts[:rows], spec.pad_id, max_new_tokens)

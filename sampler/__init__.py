@@ -1,2 +1,2 @@
 """The KV-cache sampler behind rollout.py: the cache, its slots and one decoding pass over them
-(sampler/kv_cache.py), the lean decode step of the supported architectures (sampler/decode.py)."""
+(kv_cache.py), the lean decode step of the supported architectures (decode.py)."""
