@@ -248,7 +248,7 @@ def _load_sharded(path, device, dtype, attn_implementation, shard):
     return model
 
 
-TINY_WORLD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
+TINY_WORLD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tinymath")
 
 
 def load_for_training(path, device, dtype, shard=None, bf16=False, attention: Attention | None = None):

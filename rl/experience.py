@@ -51,8 +51,8 @@ def my_prompts(run, step, round_=0) -> list[int]:
     """Training-set indices of this rank's prompts of an RL step (a sampling round of it): a
     function of (seed, step, round), so a resumed run samples what the uninterrupted one would."""
     args = run.args
-    order = batching.step_indices(len(run.data.ids), step if round_ == 0 else step * 7919 + round_, args.rollout_batch,
-                         args.seed + round_)
+    order = batching.step_indices(len(run.data.ids), step if round_ == 0 else step * 7919 + round_,
+                                  args.rollout_batch, args.seed + round_)
     return batching.rank_share(order, run.dist.rank, run.dist.world, args.rollout_batch, args.update_batch)
 
 

@@ -41,6 +41,7 @@ COMMANDS = {
     "labs/drift_pair.py": [["--help"]],
     "labs/reweighting.py": [["--help"]],
     "tests/test_style.py": [["--help"]],
+    "tests/test_layout.py": [["--help"]],
 }
 # `python plumbing/mathverify_pool.py --server N` is the grader pool's own child process, not a command;
 # tests/test_docs.py's main guard runs pytest.

@@ -235,8 +235,12 @@ def test_one_rl_step_opens_at_most_ten_files(tmp_path):
     assert len(read) <= STEP_FILES, read
 
 
-if __name__ == "__main__":          # python -m tests.test_layout: the files, their lines and functions
+def main(argv=None):
+    """python -m tests.test_layout: the files one RL step opens, their lines and functions."""
+    import argparse
     import tempfile
+    argparse.ArgumentParser(description="The files one RL step of the tiny model opens (traced), with "
+                            "their lines and the functions it calls in each.").parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         files = files_one_rl_step_opens(os.path.join(tmp, "run"))
     for f in sorted(files, key=lambda f: (f.startswith("plumbing"), f)):
@@ -244,3 +248,7 @@ if __name__ == "__main__":          # python -m tests.test_layout: the files, th
         print(f"{f:28s} {n:5d} lines  {', '.join(sorted(files[f]))[:120]}")
     outside = [f for f in files if not f.startswith("plumbing")]
     print(f"{len(outside)} files outside plumbing/, {len(files)} in all")
+
+
+if __name__ == "__main__":
+    main()
