@@ -321,7 +321,8 @@ def score_with_model(path: str, ctx: Context) -> "QueryCache":
     same_vocabulary(path, tokenizer, a.model)
     model = load_like_policy(path, a, d, f"--qkl-ref-model {path}")
     meta = cache_meta(path, a.train_data, a.template, a.temperature, prompt_ids,
-                      weights=weights_fingerprint(model), numerics=numerics_of(a, d, model), batch=a.micro_batch)
+                      weights=weights_fingerprint(model), numerics=numerics_of(a, d, model),
+                      batch=a.micro_batch)
     with distributed.precision(a.dtype, d.device)[1]():                  # the training forward's numerics
         logp = shared_or_built(meta, model, prompt_ids, tokenizer.pad_token_id, a.temperature, d.device,
                                a.query_cache_dir)
@@ -343,8 +344,8 @@ def same_vocabulary(path: str, tokenizer, policy_path: str):
     if theirs != mine:
         differ = len(set(theirs.items()) ^ set(mine.items()))
         raise SystemExit(f"error: --qkl-ref-model {path}: its tokenizer is not the policy's (--model "
-                         f"{policy_path}; {len(theirs)} against {len(mine)} tokens, {differ} entries differ): "
-                         "Query-KL compares the log-probs of the same token ids")
+                         f"{policy_path}; {len(theirs)} against {len(mine)} tokens, {differ} entries "
+                         "differ): Query-KL compares the log-probs of the same token ids")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -567,7 +568,8 @@ def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, sh
     return QueryCache.from_logp(logp, meta)
 
 
-def shared_or_built(meta, model, prompt_ids, pad_id, temperature, device, shared_dir="") -> list[torch.Tensor]:
+def shared_or_built(meta, model, prompt_ids, pad_id, temperature, device,
+                    shared_dir="") -> list[torch.Tensor]:
     """The prompts' log-probs under `model`: a shared cache's with the same meta (paths aside) in
     `shared_dir`, else built (in forwards of meta["batch"] prompts) and shared there."""
     shared = _shared_path(shared_dir, meta) if shared_dir else None

@@ -92,7 +92,8 @@ def test_a_reference_registered_from_outside_trains_and_resumes(tmp_path, small_
         ms = run(out, small_data, "--algo", "erpo", "--qkl-ref", "ema-test", "--save-every", "1", steps=1)
         assert math.isfinite(ms[-1]["loss"])
         assert_rounding("extensions.ema_step1_query_kl", ms[-1]["query_kl"], 0.0)   # still pi_0 at step 1
-        saved = torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=False)["extra"]["query_reference"]
+        state = torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=False)
+        saved = state["extra"]["query_reference"]
         assert len(saved["avg"]) == 8                                   # the step's 8 prompts
         EmaReference.loaded.clear()
         ms = run(out, small_data, "--resume", "--steps", "2")
@@ -148,8 +149,8 @@ def own_module(tmp_path, name, text):
     return module
 
 
-FOLDER_REFERENCE = '''"""A Query-KL reference kept outside the repo: the training prompts' log-probs under the model
-in FOLDER (a stronger model, an earlier checkpoint), scored once when the run starts."""
+FOLDER_REFERENCE = '''"""A Query-KL reference kept outside the repo: the training prompts' log-probs under
+the model in FOLDER (a stronger model, an earlier checkpoint), scored once when the run starts."""
 from modeling import models
 from rl import query_reference
 
@@ -158,7 +159,7 @@ FOLDER = {folder!r}
 
 class FolderReference(query_reference.TableReference):
     doc = "the prompts' log-probs under the model in FOLDER"
-    needs = frozenset({{"prompt_ids"}})      # its Context: the training prompts, their tokenizer, the device
+    needs = frozenset({{"prompt_ids"}})      # its Context: the training prompts, tokenizer, device
     scored = []
 
     @classmethod
