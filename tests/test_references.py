@@ -4,6 +4,7 @@ anchors that move with the policy (ema, refresh), which keep their state across 
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -101,7 +102,8 @@ def test_a_reference_read_from_another_model_folder(tmp_path, small_data, other_
     only the query_kl monitor comes from another forward (the reference model's over [prompt |
     response] rows: the same weights, other shapes, so float32 rounding apart, and the monitor is ~0
     at step 1 either way). Given another model, Query-KL is far from 0 at step 1, while the monitor
-    still measures the drift from the initial policy; its checkpoint keeps the weights' fingerprint."""
+    still measures the drift from the initial policy; its checkpoint keeps the weights' fingerprint,
+    which --resume checks (another model in the folder since: refused)."""
     args = ("--algo", "erpo", "--rollout-batch", "8")
     cached = run(tmp_path / "cache", small_data, *args)
     own = run(tmp_path / "own", small_data, *args, "--qkl-ref", "model", "--qkl-ref-model", WARM)
@@ -111,12 +113,18 @@ def test_a_reference_read_from_another_model_folder(tmp_path, small_data, other_
     assert own[0]["loss_query_kl"] == cached[0]["loss_query_kl"]
     for m in (cached[0], own[0]):                       # pi_0 against itself: 0 up to float32 rounding
         torch.testing.assert_close(m["query_kl"], 0.0, atol=1e-6, rtol=0)
-    other = run(tmp_path / "other", small_data, *args, "--qkl-ref", "model", "--qkl-ref-model", other_model,
-                steps=2)
+    phi = str(tmp_path / "phi")
+    shutil.copytree(other_model, phi)
+    out = tmp_path / "other"
+    other = run(out, small_data, *args, "--qkl-ref", "model", "--qkl-ref-model", phi, steps=2)
     assert other[0]["loss_query_kl"] > 0.01 and all(math.isfinite(m["loss"]) for m in other)
     torch.testing.assert_close(other[0]["query_kl"], 0.0, atol=1e-6, rtol=0)
-    saved = torch.load(os.path.join(tmp_path / "other", "ckpt", "state.pt"), weights_only=False)
-    assert saved["extra"]["query_reference"]["model"] == other_model
+    saved = torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=False)
+    assert saved["extra"]["query_reference"]["model"] == phi
+    assert run(out, small_data, *args, "--resume", steps=3)[-1]["step"] == 3   # scored again: same weights
+    shutil.copy(os.path.join(WARM, "model.safetensors"), phi)             # the folder now holds others
+    with pytest.raises(SystemExit, match=f"--qkl-ref-model {phi} no longer holds the weights"):
+        run(out, small_data, *args, "--resume", steps=4)
 
 
 @NEEDS_CONTEXT
