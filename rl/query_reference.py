@@ -16,16 +16,24 @@ Chosen by --qkl-ref:
 - "ema" and "refresh": a Query-KL anchor that moves with the policy (TRL's sync_ref_model, verl's
   moving references): a per-prompt exponential average of the policy's prompt log-probs, or the
   policy itself re-scored over the training set every --qkl-ref-every steps.
+- "model" (--qkl-ref-model PATH): another model's prompt log-probs (a stronger model, an earlier
+  checkpoint), scored once before RL as the cache is, then read from that table.
 
-A new reference is a subclass and a line in REFERENCES: it maps a step's `PromptBatch` to
-reference log-probs of the same shape; may run its own forward of the current policy over training
-prompts (`Context.score_prompts`, timed as the phase qkl_ref); may declare options of its own
-(`OPTIONS`, rows as train.py's; one given on the command line for another reference is an error);
-may keep state, which the checkpoint saves and --resume restores (`state_dict` / `load_state_dict`,
-one slot of state.pt); and may update itself after each step (`after_step`). The metric `query_kl`
-always measures the drift from the initial policy: a reference that is not the initial policy
-(`initial_policy = False`) leaves the monitor on the reference model's prompt forward, or on the
-cache when no reference model is loaded.
+REFERENCES is an extension table (plumbing/extension.py, chosen by --qkl-ref): a new reference is a
+QueryReference subclass, one row, added from anywhere with one call,
+
+    extension.register(query_reference.REFERENCES, "mine", MyReference)
+
+It maps a step's `PromptBatch` to reference log-probs of the same shape, and may declare:
+`OPTIONS` (its own options, rows as train.py's; given for another reference, an error); `needs`
+("model": the reference model is loaded and its prompt forward is `PromptBatch.model_prompt`;
+"prompt_ids": the Context carries the training prompts, their tokenizer and the run's device, to
+score them with a model of its own); state, which the checkpoint saves and --resume restores
+(`state_dict` / `load_state_dict`, one slot of state.pt); `after_step`, a hook after each update.
+`Context.score_prompts` runs a forward of the current policy over the training prompts (timed as
+the phase qkl_ref). The metric `query_kl` always measures the drift from the initial policy: a
+reference that is not the initial policy (`initial_policy = False`) leaves the monitor on the
+reference model's prompt forward, or on the cache when no reference model is loaded.
 
 The cache (`QueryCache`, the second half of this file): per-token log-probs of every training prompt
 under the reference (= initial) policy, computed once before RL. With it, ERPO needs no reference model:
@@ -51,7 +59,7 @@ import torch
 from tqdm import tqdm
 
 from modeling import logprobs, models
-from plumbing import checkpoints, distributed, faults, run_dir
+from plumbing import checkpoints, distributed, extension, faults, run_dir
 from sampler import kv_cache
 
 
@@ -70,9 +78,19 @@ class PromptBatch:
 
 class QueryReference:
     """The interface: `prompt_logp` is the only method an RL step needs."""
-    needs_model = False                # a reference model must be loaded (its prompt forward)
+    doc = ""                           # one line, for --help
+    needs: frozenset = frozenset()     # "model": a reference model is loaded (PromptBatch.model_prompt);
+    #                                    "prompt_ids": Context's prompts, tokenizer and device are set
     initial_policy = True              # it is the initial policy: the query_kl monitor can use it
     OPTIONS: list = []                 # its own options, rows as train.OPTIONS (names start qkl_ref_)
+    needs_model = False                # "model" in needs (set from `needs`; the older spelling, kept)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.__dict__.get("needs_model"):                            # a subclass in the older spelling
+            cls.needs = frozenset(cls.needs) | {"model"}
+        cls.needs = frozenset(cls.needs)
+        cls.needs_model = "model" in cls.needs
 
     @classmethod
     def build(cls, ctx: "Context") -> "QueryReference":
@@ -96,6 +114,7 @@ class QueryReference:
 
 class CachedReference(QueryReference):
     """The paper's: each prompt's log-probs under the initial policy, computed before RL."""
+    doc = "the initial policy's prompt log-probs, cached before RL (the paper)"
 
     def __init__(self, cache: "QueryCache"):
         self.cache = cache
@@ -111,7 +130,8 @@ class CachedReference(QueryReference):
 
 class LiveReference(QueryReference):
     """What the released code means: the reference model's forward over this step's prompts."""
-    needs_model = True
+    doc = "the reference model's forward over each step's prompts (what the released code means)"
+    needs = frozenset({"model"})
 
     def prompt_logp(self, batch):
         return batch.model_prompt
@@ -122,6 +142,7 @@ class ReleasedZerosReference(QueryReference):
     mask as the attention mask and multiplies its log-probs by it, so the prompt tokens' reference
     log-probs are 0. k3 against 0 is min(e^NLL_t - NLL_t - 1, 10) per prompt token, NLL_t the
     policy's own; its gradient raises every prompt token's likelihood. Not the paper's method."""
+    doc = "zeros: k3 against log-prob 0 (what the released code computes; not the paper's method)"
     initial_policy = False
 
     def prompt_logp(self, batch):
@@ -157,6 +178,7 @@ class EmaReference(TableReference):
     sampled, ref <- decay * ref + (1 - decay) * log pi_old (the rollout policy's prompt log-probs
     of this step, no forward of its own). A slowly moving anchor: Query-KL penalises fast drift,
     not drift itself."""
+    doc = "an anchor that moves: each sampled prompt's log-probs averaged toward the policy's"
     OPTIONS = [("qkl_ref_decay", 0.99, "--qkl-ref ema: the anchor's decay per step in which a prompt "
                 "is sampled (1 - decay of the way to the policy)", "(0,1)")]
 
@@ -171,6 +193,7 @@ class EmaReference(TableReference):
 class RefreshReference(TableReference):
     """Every --qkl-ref-every RL steps the anchor becomes the current policy: its prompt log-probs
     over the whole training set, from a forward of its own (Context.score_prompts)."""
+    doc = "an anchor that moves: the policy's prompt log-probs, re-scored every --qkl-ref-every steps"
     OPTIONS = [("qkl_ref_every", 50, "--qkl-ref refresh: RL steps between refreshes of the anchor "
                 "(the policy's prompt log-probs over the training set)", ">=1")]
 
@@ -179,30 +202,78 @@ class RefreshReference(TableReference):
             self.logp = self.ctx.score_prompts()
 
 
+class ModelReference(TableReference):
+    """Another model's prompt log-probs (--qkl-ref-model PATH, an HF folder with the policy's
+    tokenizer: a stronger model, an earlier checkpoint): loaded as the policy is, it scores every
+    training prompt once before RL, as the initial policy scores the cache (and shared like it, by
+    its weights' fingerprint, in --query-cache-dir), and is freed; each step reads that table. Fixed
+    for the run: its state is the fingerprint, which --resume checks (it scores the prompts again)."""
+    doc = "another model's prompt log-probs (--qkl-ref-model PATH), scored once before RL"
+    needs = frozenset({"prompt_ids"})
+    OPTIONS = [("qkl_ref_model", None, "--qkl-ref model: the HF folder whose prompt log-probs are the "
+                "Query-KL reference (a stronger model, an earlier checkpoint; the policy's tokenizer)")]
+
+    def __init__(self, table: "QueryCache", ctx: "Context"):
+        super().__init__(table.logp, ctx)
+        self.meta = table.meta
+
+    @classmethod
+    def build(cls, ctx):
+        if not ctx.args.qkl_ref_model:
+            raise SystemExit("error: --qkl-ref model needs --qkl-ref-model PATH: the model folder whose "
+                             "prompt log-probs are the Query-KL reference")
+        return cls(score_with_model(ctx.args.qkl_ref_model, ctx), ctx)
+
+    def state_dict(self):
+        return {"model": self.meta["model"], "weights": self.meta["weights"]}
+
+    def load_state_dict(self, state):
+        if state.get("weights") not in (None, self.meta["weights"]):
+            raise SystemExit(f"error: --resume: --qkl-ref-model {self.meta['model']} no longer holds the "
+                             "weights the run started with (their fingerprint differs): put that model "
+                             "back, or start a new run (another --out)")
+
+
+class ContextError(RuntimeError):
+    """A reference needs what the run did not put into its Context (rl/run_setup.py passes it)."""
+
+
 @dataclass
 class Context:
-    """What building a reference may use."""
+    """What building a reference may use (the run fills it in: rl/run_setup.py, via for_run)."""
     cache: Callable                    # () -> query_reference.QueryCache: the initial policy's, once
     args: object = None                # the run's options (a reference's own among them)
     score_prompts: Callable | None = None  # () -> the current policy's prompt log-probs over the
     #                                       training set, as the cache holds them (timed: qkl_ref)
+    # what a reference that needs "prompt_ids" scores them with a model of its own by:
+    dist: object = None                # distributed.Dist: the run's device and world
+    prompt_ids: list | None = None     # the training prompts' token ids (PromptSet.ids)
+    tokenizer: object = None           # the policy's tokenizer (its pad token; its vocabulary)
+
+    def need(self, name: str):
+        """The field `name`, or ContextError where the run left it unset."""
+        value = getattr(self, name)
+        if value is None:
+            raise ContextError(f"query_reference.Context.{name} is not set: the run must pass it to "
+                               "query_reference.for_run (rl/run_setup.py)")
+        return value
 
 
-# --qkl-ref name -> QueryReference class. A new reference registers here, or from outside
-# (REFERENCES["mine"] = MyReference: --qkl-ref's choices are this dict).
-REFERENCES = {"cache": CachedReference, "live": LiveReference, "released-zeros": ReleasedZerosReference,
-              "ema": EmaReference, "refresh": RefreshReference}
+# --qkl-ref name -> QueryReference class: an extension table (plumbing/extension.py). A new reference
+# is a row: extension.register(REFERENCES, "mine", MyReference); --qkl-ref's choices are this dict.
+REFERENCES = extension.declare("qkl_ref", {
+    "cache": CachedReference, "live": LiveReference, "released-zeros": ReleasedZerosReference,
+    "ema": EmaReference, "refresh": RefreshReference, "model": ModelReference})
 
 
 def reference_options() -> list:
     """Every registered reference's own options (rows as train.OPTIONS)."""
-    return [row for ref in REFERENCES.values() for row in ref.OPTIONS]
+    return extension.own_options(REFERENCES)
 
 
 def inert_options(chosen: str, given: set) -> set:
     """The options of other references than `chosen` among `given` (an error on the command line)."""
-    own = {row[0] for row in REFERENCES[chosen].OPTIONS}
-    return {row[0] for row in reference_options()} & given - own
+    return extension.inert_options(REFERENCES, chosen, given)
 
 
 def monitor_logp(reference: QueryReference, loss_ref: torch.Tensor, batch: PromptBatch,
@@ -216,26 +287,65 @@ def monitor_logp(reference: QueryReference, loss_ref: torch.Tensor, batch: Promp
     return CachedReference(cache).prompt_logp(batch)
 
 
-def for_run(name: str, cache, weights: str, has_model: bool, state, args=None,
-            score_prompts=None) -> tuple[QueryReference, object]:
+def for_run(name: str, cache, weights: str, has_model: bool, state, args=None, score_prompts=None, *,
+            dist=None, prompt_ids=None, tokenizer=None) -> tuple[QueryReference, object]:
     """The run's reference (--qkl-ref `name`) and the Query-KL cache if anything needs it: the
     reference itself, the paper's query weights (`weights` "paper": its NLLs), or the query_kl
     monitor of a reference that is not the initial policy when no reference model is loaded
     (`has_model`). cache: () -> query_reference.QueryCache, built or loaded on the first call. state:
     the checkpoint's (checkpoints.TrainState) on --resume, whose "query_reference" it restores.
-    args, score_prompts: Context's, for references with options or forwards of their own."""
+    The rest: Context's, for references with options, forwards or models of their own."""
     built = []
 
     def once():
         if not built:
             built.append(cache())
         return built[0]
-    reference = REFERENCES[name].build(Context(once, args, score_prompts))
+    ctx = Context(once, args, score_prompts, dist=dist, prompt_ids=prompt_ids, tokenizer=tokenizer)
+    reference = REFERENCES[name].build(ctx)
     if weights == "paper" or (not reference.initial_policy and not has_model):
         once()
     if state is not None:
         reference.load_state_dict(state.extra.get("query_reference", {}))
     return reference, built[0] if built else None
+
+
+def score_with_model(path: str, ctx: Context) -> "QueryCache":
+    """The training prompts' log-probs under the model in `path` (ModelReference's table): its
+    tokenizer checked against the policy's, loaded as the policy is (dtype, device, attention,
+    sharding), scored under the run's autocast in forwards of --micro-batch prompts, as the cache is;
+    shared in --query-cache-dir by its meta (the weights' fingerprint among it); then freed."""
+    a, d, prompt_ids, tokenizer = ctx.args, ctx.need("dist"), ctx.need("prompt_ids"), ctx.need("tokenizer")
+    if (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):   # (else a hub id)
+        raise SystemExit(f"error: --qkl-ref-model {path}: model folder not found")
+    same_vocabulary(path, tokenizer, a.model)
+    model = load_like_policy(path, a, d, f"--qkl-ref-model {path}")
+    meta = cache_meta(path, a.train_data, a.template, a.temperature, prompt_ids,
+                      weights=weights_fingerprint(model), numerics=numerics_of(a, d, model),
+                      batch=a.micro_batch)
+    with distributed.precision(a.dtype, d.device)[1]():                  # the training forward's numerics
+        logp = shared_or_built(meta, model, prompt_ids, tokenizer.pad_token_id, a.temperature, d.device,
+                               a.query_cache_dir)
+    del model
+    if d.device.type == "cuda":
+        torch.cuda.empty_cache()
+    distributed.print0(f"query-KL reference: {len(logp)} prompts scored by --qkl-ref-model {path}")
+    return QueryCache.from_logp(logp, meta)
+
+
+def same_vocabulary(path: str, tokenizer, policy_path: str):
+    """SystemExit with one line unless the tokenizer in `path` maps every token as the policy's does
+    (Query-KL compares the two models' log-probs of the same token ids)."""
+    try:
+        theirs = models.load_tokenizer(path).get_vocab()
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --qkl-ref-model {path}: {_first_line(e)}") from None
+    mine = tokenizer.get_vocab()
+    if theirs != mine:
+        differ = len(set(theirs.items()) ^ set(mine.items()))
+        raise SystemExit(f"error: --qkl-ref-model {path}: its tokenizer is not the policy's (--model "
+                         f"{policy_path}; {len(theirs)} against {len(mine)} tokens, {differ} entries "
+                         "differ): Query-KL compares the log-probs of the same token ids")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,8 +449,7 @@ def cache_for_run(a, d, policy, prompt_ids, pad_id, resuming) -> QueryCache:
     """train.py's cache (options `a`, distributed.Dist `d`, the wrapped policy): the run folder's
     on --resume (`resumed`); else a shared one with the same meta (--query-cache-dir); else built,
     and shared."""
-    numerics = (f"{d.device.type} {a.dtype} {distributed.unwrap(policy).config._attn_implementation} "
-                f"{'fsdp' if a.fsdp else 'ddp'} world {d.world}")
+    numerics = numerics_of(a, d, policy)
     path = os.path.join(a.out, "query_cache.pt")
     if resuming:
         meta = cache_meta(a.model, a.train_data, a.template, a.temperature, prompt_ids, weights=None,
@@ -349,6 +458,13 @@ def cache_for_run(a, d, policy, prompt_ids, pad_id, resuming) -> QueryCache:
     meta = cache_meta(a.model, a.train_data, a.template, a.temperature, prompt_ids,
                       weights=weights_fingerprint(policy), numerics=numerics, batch=a.micro_batch)
     return load_or_build(path, meta, policy, prompt_ids, pad_id, a.temperature, d.device, a.query_cache_dir)
+
+
+def numerics_of(a, d, model) -> str:
+    """What of the run sets the last bits of a cache's log-probs: device, precision, attention kernel,
+    wrapper, world size (cache_meta's `numerics`)."""
+    return (f"{d.device.type} {a.dtype} {distributed.unwrap(model).config._attn_implementation} "
+            f"{'fsdp' if a.fsdp else 'ddp'} world {d.world}")
 
 
 def resumed(path, meta, a, d, prompt_ids, pad_id) -> QueryCache:
@@ -408,13 +524,25 @@ def rebuild_exactly(path, why, meta, a, d, prompt_ids, pad_id) -> QueryCache:
 
 def initial_policy(a, d, refuse):
     """The run's initial model, loaded as train.py loads a policy (sharded under FSDP2)."""
+    try:
+        return load_like_policy(a.model, a, d)
+    except SystemExit as e:
+        refuse(f"its initial model does not load ({str(e.code).removeprefix('error: ')})")
+
+
+def load_like_policy(path, a, d, who=None):
+    """The model in `path`, loaded as train.py loads the policy (options `a`, distributed.Dist `d`): its
+    dtype, device and attention kernel, sharded under FSDP2; in eval mode. A folder that is missing or
+    does not load: SystemExit with one line (naming the option `who`, where given)."""
     bf16 = distributed.uses_bf16(a.dtype, d.device)
     dtype, _ = distributed.precision(a.dtype, d.device)
     shard = distributed.sharder(a.fsdp, d.device, bf16)
     try:
-        model, _ = models.load_for_training(a.model, d.device, dtype, shard, bf16)
+        model, _ = models.load_for_training(path, d.device, dtype, shard, bf16)
     except SystemExit as e:
-        refuse(f"its initial model does not load ({str(e.code).removeprefix('error: ')})")
+        if who is None:
+            raise
+        raise SystemExit(f"error: {who}: {str(e.code).removeprefix('error: ')}") from None
     return model.eval()
 
 
@@ -427,20 +555,7 @@ def _first_line(e) -> str:
 def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, shared_dir="") -> QueryCache:
     """A fresh run's cache (or one `rebuild_exactly` makes): a shared one with the same meta, else
     built (in forwards of meta["batch"] prompts) and shared; written to `path`."""
-    shared = _shared_path(shared_dir, meta) if shared_dir else None
-    found = _load_shared(shared) if shared and os.path.exists(shared) else None
-    if found is not None and {k: v for k, v in found["meta"].items() if k not in ("model", "data")} == \
-            {k: v for k, v in meta.items() if k not in ("model", "data")}:
-        logp = found["logp"]
-        distributed.print0(f"query-KL reference cache: reused {shared}")
-    else:
-        logp = build(distributed.unwrap(model), prompt_ids, pad_id, temperature, device, meta["batch"])
-        if shared and distributed.is_main():
-            try:
-                _save({"meta": meta, "logp": logp}, shared)
-            # a read-only or full disk (torch.save raises RuntimeError then) is no reason to stop a run
-            except (OSError, RuntimeError) as e:
-                distributed.print0(f"query-KL reference cache: not shared ({str(e).splitlines()[0]})")
+    logp = shared_or_built(meta, model, prompt_ids, pad_id, temperature, device, shared_dir)
     failed = None
     if distributed.is_main():
         try:
@@ -451,3 +566,23 @@ def load_or_build(path, meta, model, prompt_ids, pad_id, temperature, device, sh
     if failed:
         raise SystemExit(failed)
     return QueryCache.from_logp(logp, meta)
+
+
+def shared_or_built(meta, model, prompt_ids, pad_id, temperature, device,
+                    shared_dir="") -> list[torch.Tensor]:
+    """The prompts' log-probs under `model`: a shared cache's with the same meta (paths aside) in
+    `shared_dir`, else built (in forwards of meta["batch"] prompts) and shared there."""
+    shared = _shared_path(shared_dir, meta) if shared_dir else None
+    found = _load_shared(shared) if shared and os.path.exists(shared) else None
+    if found is not None and {k: v for k, v in found["meta"].items() if k not in ("model", "data")} == \
+            {k: v for k, v in meta.items() if k not in ("model", "data")}:
+        distributed.print0(f"query-KL reference cache: reused {shared}")
+        return found["logp"]
+    logp = build(distributed.unwrap(model), prompt_ids, pad_id, temperature, device, meta["batch"])
+    if shared and distributed.is_main():
+        try:
+            _save({"meta": meta, "logp": logp}, shared)
+        # a read-only or full disk (torch.save raises RuntimeError then) is no reason to stop a run
+        except (OSError, RuntimeError) as e:
+            distributed.print0(f"query-KL reference cache: not shared ({str(e).splitlines()[0]})")
+    return logp

@@ -5,6 +5,11 @@ A task is one small module in this folder that builds a `Task` and registers it:
     TASK = tasks.register(tasks.Task(name="countdown", doc="...", score=score, read_row=read_row,
                                      datasets={"countdown-test": ".../test.jsonl"}, ...))
 
+TASKS is an extension table (plumbing/extension.py): a task defined outside the repo (a notebook, a
+module of one's own) is added with the pattern's one call, `extension.register(tasks.TASKS,
+task.name, task)` (`tasks.register(task)` is its shorthand), and removed with
+`extension.unregister(tasks.TASKS, task.name)`; --task then picks it.
+
 Training (train.py), the held-out evaluation during training (evaluation/heldout.py) and evaluate.py all
 grade through `score_rows`, which hands each completion to its row's task together with the
 WHOLE row, so per-row data (Countdown's numbers) reaches the scorer. A row's task is its "task"

@@ -1,5 +1,11 @@
 """The task record and its registry (tasks/__init__.py tells the story; the built-in tasks,
-tasks/math.py and tasks/countdown.py, register themselves with `register`)."""
+tasks/math.py, tasks/countdown.py and tasks/zipf.py, register themselves with `register`).
+
+TASKS is an extension table (plumbing/extension.py, chosen by --task): a task from outside the repo
+is one row, added with the pattern's one call, under its own name,
+
+    extension.register(tasks.TASKS, task.name, task)     # or its shorthand: tasks.register(task)
+"""
 
 
 import os
@@ -8,6 +14,7 @@ from typing import Callable
 
 from data.prompts import PromptSet, load_prompt_set
 from reward import Scored
+from plumbing import extension
 from plumbing.errors import DataError
 
 
@@ -47,13 +54,14 @@ class Task:
 MISFIT = 1.5
 
 
-TASKS: dict[str, Task] = {}
+# --task name -> Task: an extension table (plumbing/extension.py); a row's name is its task's own
+TASKS: dict[str, Task] = extension.declare("task", {})
 
 
-def register(task: Task) -> Task:
-    """Add a task to TASKS (a name registered again is replaced: a test's or a notebook's)."""
-    TASKS[task.name] = task
-    return task
+def register(task: Task, replace: bool = True) -> Task:
+    """extension.register(TASKS, task.name, task), the task modules' shorthand: a name registered
+    again is replaced (a module or a notebook cell run twice), unless replace=False."""
+    return extension.register(TASKS, task.name, task, replace=replace)
 
 
 def get(name: str) -> Task:

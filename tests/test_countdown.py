@@ -12,6 +12,7 @@ import pytest
 
 import tasks
 from data.countdown import prepare
+from plumbing import extension
 from plumbing.errors import DataError
 from tasks import countdown
 
@@ -185,14 +186,17 @@ def test_rows_with_countdown_fields_and_no_task_are_refused_not_graded_as_math(t
     assert [r["task"] for r in heldout.load_sets([str(path)], task="math")["mine"]] == ["countdown", "math"]
 
 
-def test_the_rule_is_any_tasks_own_fields(tmp_path, monkeypatch):
+def test_the_rule_is_any_tasks_own_fields():
     """Not Countdown's alone: a task registered with fields of its own claims rows that carry them."""
-    monkeypatch.setitem(tasks.TASKS, "color", tasks.Task("color", "name a color", lambda c, r: None,
-                                                         fields=("color",)))
-    rows = [{"id": "0", "problem": "Name a color.", "answer": "red", "color": "red"}]
-    with pytest.raises(DataError, match=re.escape("row 1: the row has color's fields (color) but no")):
-        tasks.load_rows(rows, "colors.jsonl", "colors.jsonl", "math")
-    assert tasks.load_rows(rows, "colors.jsonl", "colors.jsonl", "color")[0]["task"] == "color"
+    extension.register(tasks.TASKS, "color", tasks.Task("color", "name a color", lambda c, r: None,
+                                                        fields=("color",)))
+    try:
+        rows = [{"id": "0", "problem": "Name a color.", "answer": "red", "color": "red"}]
+        with pytest.raises(DataError, match=re.escape("row 1: the row has color's fields (color) but no")):
+            tasks.load_rows(rows, "colors.jsonl", "colors.jsonl", "math")
+        assert tasks.load_rows(rows, "colors.jsonl", "colors.jsonl", "color")[0]["task"] == "color"
+    finally:
+        extension.unregister(tasks.TASKS, "color")
 
 
 # ----------------------------------------------------------------------------- the generated sets

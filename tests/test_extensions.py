@@ -1,8 +1,10 @@
 """The extension points, used as a researcher would: a task, a Query-KL reference (and a
-surrogate: tests/test_train.py) registered from inside a test, with no other file edited, each
-training a real step of the tiny model; the live reference against the paper's cache; the
-Countdown task end to end and a run that mixes tasks."""
+surrogate: tests/test_train.py) registered from outside the repo with the extension pattern's one
+call (plumbing/extension.py), with no other file edited, each training a real step of the tiny
+model; the live reference against the paper's cache; the Countdown task end to end and a run that
+mixes tasks."""
 
+import importlib.util
 import json
 import math
 import os
@@ -13,6 +15,7 @@ import torch
 from rl import query_reference
 import tasks
 import train
+from plumbing import extension
 from tests.rounding import assert_rounding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +55,7 @@ class EmaReference(query_reference.QueryReference):
     """A toy reference that follows the policy: an exponential moving average of each prompt's
     log-probs under the rollout policy, started at the reference model's. State: one tensor per
     prompt seen, saved in the checkpoint and restored on --resume."""
-    needs_model = True
+    needs = frozenset({"model"})                                        # the reference model's forward
     initial_policy = False                                              # query_kl stays on pi_0
     loaded = []
 
@@ -79,28 +82,33 @@ class EmaReference(query_reference.QueryReference):
         self.avg = dict(state.get("avg", {}))
 
 
-def test_a_reference_registered_from_outside_trains_and_resumes(tmp_path, small_data, monkeypatch):
-    """A new Query-KL reference is a class and a row of query_reference.REFERENCES: --qkl-ref picks
-    it, its state goes into the checkpoint's one slot and comes back on --resume, and the query_kl
-    monitor still measures the drift from the initial policy."""
-    monkeypatch.setitem(query_reference.REFERENCES, "ema", EmaReference)
-    out = tmp_path / "ema"
-    ms = run(out, small_data, "--algo", "erpo", "--qkl-ref", "ema", "--save-every", "1", steps=1)
-    assert math.isfinite(ms[-1]["loss"])
-    assert_rounding("extensions.ema_step1_query_kl", ms[-1]["query_kl"], 0.0)   # still pi_0 at step 1
-    saved = torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=False)["extra"]["query_reference"]
-    assert len(saved["avg"]) == 8                                       # the step's 8 prompts
-    EmaReference.loaded.clear()
-    ms = run(out, small_data, "--resume", "--steps", "2")
-    assert ms[-1]["step"] == 2 and math.isfinite(ms[-1]["loss"])
-    assert [set(s["avg"]) for s in EmaReference.loaded] == [set(saved["avg"])]
+def test_a_reference_registered_from_outside_trains_and_resumes(tmp_path, small_data):
+    """A new Query-KL reference is a class and one row of query_reference.REFERENCES, added with the
+    pattern's one call: --qkl-ref picks it, its state goes into the checkpoint's one slot and comes
+    back on --resume, and the query_kl monitor still measures the drift from the initial policy."""
+    extension.register(query_reference.REFERENCES, "ema-test", EmaReference)
+    try:
+        out = tmp_path / "ema"
+        ms = run(out, small_data, "--algo", "erpo", "--qkl-ref", "ema-test", "--save-every", "1", steps=1)
+        assert math.isfinite(ms[-1]["loss"])
+        assert_rounding("extensions.ema_step1_query_kl", ms[-1]["query_kl"], 0.0)   # still pi_0 at step 1
+        state = torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=False)
+        saved = state["extra"]["query_reference"]
+        assert len(saved["avg"]) == 8                                   # the step's 8 prompts
+        EmaReference.loaded.clear()
+        ms = run(out, small_data, "--resume", "--steps", "2")
+        assert ms[-1]["step"] == 2 and math.isfinite(ms[-1]["loss"])
+        assert [set(s["avg"]) for s in EmaReference.loaded] == [set(saved["avg"])]
+    finally:
+        extension.unregister(query_reference.REFERENCES, "ema-test")
     with pytest.raises(SystemExit):                                     # unregistered: an argparse error
-        train.main(["--qkl-ref", "nope", "--out", str(tmp_path / "x")])
+        train.main(["--qkl-ref", "ema-test", "--out", str(tmp_path / "x")])
 
 
-def test_a_task_registered_from_outside_scores_whole_rows(tmp_path, monkeypatch):
-    """A new task is a Task and its registration: --task picks it, its rows' own fields reach the
-    scorer (training and the held-out evaluation), and its accuracy is what train_acc reports."""
+def test_a_task_registered_from_outside_scores_whole_rows(tmp_path):
+    """A new task is a Task and its registration (the pattern's one call): --task picks it, its rows'
+    own fields reach the scorer (training and the held-out evaluation), and its accuracy is what
+    train_acc reports."""
     seen = []
 
     def score(completion, row):                     # reward: the completion names the row's color
@@ -112,20 +120,138 @@ def test_a_task_registered_from_outside_scores_whole_rows(tmp_path, monkeypatch)
         if not isinstance(row.get("color"), str):
             raise tasks.task.DataError(f"{where}: a color row needs a 'color' string")
         return row
-    monkeypatch.setitem(tasks.TASKS, "color", tasks.Task("color", "name a color", score, read_row))
     data = tmp_path / "colors.jsonl"
     data.write_text("".join(json.dumps({"id": str(i), "problem": f"Name a color, number {i}.", "answer": "x",
                                         "color": c}) + "\n" for i, c in enumerate(["red", "blue"] * 8)))
     held = tmp_path / "held.jsonl"                  # (held out: not the training problems)
     held.write_text(data.read_text().replace("Name a color, number", "Name a color, held-out number"))
-    ms = run(tmp_path / "run", str(data), "--task", "color", "--algo", "grpo", "--eval-data", str(held),
-             "--eval-every", "1", "--eval-limit", "4")
-    assert set(seen) == {"red", "blue"} and len(seen) == 8 * 4 + 2 * 4   # 8 prompts x G; 4 held-out rows
-                                                                         # at step 0 and after step 1
-    assert ms[-1]["train_acc"] == 0 and "eval_acc" in ms[-1]             # the tiny math model names none
-    data.write_text(json.dumps({"id": "0", "problem": "Name a color.", "answer": "x"}) + "\n")
-    with pytest.raises(SystemExit, match="color"):                      # its row check: one line
-        run(tmp_path / "bad", str(data), "--task", "color", "--overwrite")
+    extension.register(tasks.TASKS, "color", tasks.Task("color", "name a color", score, read_row))
+    try:
+        ms = run(tmp_path / "run", str(data), "--task", "color", "--algo", "grpo", "--eval-data", str(held),
+                 "--eval-every", "1", "--eval-limit", "4")
+        assert set(seen) == {"red", "blue"} and len(seen) == 8 * 4 + 2 * 4   # 8 prompts x G; 4 held-out
+                                                                             # rows at step 0 and step 1
+        assert ms[-1]["train_acc"] == 0 and "eval_acc" in ms[-1]         # the tiny math model names none
+        data.write_text(json.dumps({"id": "0", "problem": "Name a color.", "answer": "x"}) + "\n")
+        with pytest.raises(SystemExit, match="color"):                  # its row check: one line
+            run(tmp_path / "bad", str(data), "--task", "color", "--overwrite")
+    finally:
+        extension.unregister(tasks.TASKS, "color")
+
+
+def own_module(tmp_path, name, text):
+    """A module of one's own, outside the repo: written to tmp_path and imported from that file."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FOLDER_REFERENCE = '''"""A Query-KL reference kept outside the repo: the training prompts' log-probs under
+the model in FOLDER (a stronger model, an earlier checkpoint), scored once when the run starts."""
+from modeling import models
+from rl import query_reference
+
+FOLDER = {folder!r}
+
+
+class FolderReference(query_reference.TableReference):
+    doc = "the prompts' log-probs under the model in FOLDER"
+    needs = frozenset({{"prompt_ids"}})      # its Context: the training prompts, tokenizer, device
+    scored = []
+
+    @classmethod
+    def build(cls, ctx):
+        device, prompts = ctx.need("dist").device, ctx.need("prompt_ids")
+        model, _ = models.load_policy(FOLDER, device=device)
+        logp = query_reference.build(model.eval(), prompts, ctx.need("tokenizer").pad_token_id,
+                                     ctx.args.temperature, device)
+        cls.scored.append(len(logp))
+        return cls(logp, ctx)
+'''
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    """Another model with the warm start's tokenizer: its weights perturbed."""
+    model, tok = train.models.load_policy(WARM)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    out = tmp_path_factory.mktemp("other") / "model"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+# rl/run_setup.py passes the Context's prompts, tokenizer and device once issue #41's branches meet:
+# until then the reference stops with exactly ContextError (strict: wired, the test fails until the
+# marker goes).
+NEEDS_CONTEXT = pytest.mark.xfail(raises=query_reference.ContextError, strict=True,
+                                  reason="rl/run_setup.py does not pass dist, prompt_ids, tokenizer yet")
+
+
+@NEEDS_CONTEXT
+def test_a_reference_from_another_model_folder_defined_outside_the_repo(tmp_path, small_data, other_model):
+    """A reference of one's own, in a module of one's own (written here to tmp_path), registered with
+    the pattern's one call and nothing else: the prompts scored once by another model folder, far
+    from the policy at step 1 (Query-KL > 0), while the query_kl monitor stays on pi_0 (~0: the same
+    weights in two forwards of other shapes, float32 rounding apart)."""
+    mine = own_module(tmp_path, "folder_reference", FOLDER_REFERENCE.format(folder=other_model))
+    extension.register(query_reference.REFERENCES, "mine", mine.FolderReference)
+    try:
+        (m,) = run(tmp_path / "run", small_data, "--algo", "erpo", "--qkl-ref", "mine")
+    finally:
+        extension.unregister(query_reference.REFERENCES, "mine")
+    assert mine.FolderReference.scored == [64] and math.isfinite(m["loss"])   # every training prompt, once
+    assert m["loss_query_kl"] > 0.01
+    torch.testing.assert_close(m["query_kl"], 0.0, atol=1e-6, rtol=0)
+    assert "mine" not in query_reference.REFERENCES
+
+
+SCALED_TASK = '''"""A per-task reward scale, kept outside the repo: a task whose rows are graded by another
+task, every reward times a factor (the outcome, so the accuracy, stays the other task's)."""
+import dataclasses
+
+import tasks
+
+
+def scaled(base, factor, name):
+    inner = tasks.get(base)
+
+    def rescale(s):
+        return tasks.Scored(factor * s.reward, s.outcome)
+
+    def score(completion, row):
+        return rescale(inner.score(completion, row))
+
+    def score_batch(completions, rows, timeout):
+        got, extra = inner.score_batch(completions, rows, timeout)
+        return [rescale(s) for s in got], extra
+
+    return dataclasses.replace(inner, name=name, doc=f"{base}'s rewards x {factor}", score=score,
+                               score_batch=score_batch if inner.score_batch else None,
+                               datasets={}, train_data=None, heldout=())     # its sets stay the base's
+'''
+
+
+def test_a_task_from_outside_scales_another_tasks_rewards(tmp_path, small_data):
+    """A task of one's own (a module written to tmp_path), built from the math task with a factor
+    (a constructor argument) and registered with the pattern's one call: the same samples as a math
+    run (the first step's sampling does not depend on rewards), graded the same, each reward halved
+    in metrics.jsonl."""
+    mine = own_module(tmp_path, "scaled_task", SCALED_TASK)
+    extension.register(tasks.TASKS, "half-math", mine.scaled("math", 0.5, "half-math"))
+    try:
+        (half,) = run(tmp_path / "half", small_data, "--task", "half-math", "--algo", "grpo")
+    finally:
+        extension.unregister(tasks.TASKS, "half-math")
+    (full,) = run(tmp_path / "full", small_data, "--task", "math", "--algo", "grpo")
+    assert full["reward"] > 0 and half["reward"] == 0.5 * full["reward"]      # (0/1 means: exact)
+    assert half["train_acc"] == full["train_acc"] and "half-math" not in tasks.TASKS
 
 
 def test_countdown_is_graded_by_its_own_scorer():
