@@ -98,7 +98,7 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
                                      args.temperature, dist.device, args.micro_batch)
     phases = timer.Phases(dist.device)
     qref, cached = query_reference.for_run(args.qkl_ref, cache, algo.weights, ref is not None, state, args,
-                                           score_prompts)
+                                           score_prompts, dist=dist, prompt_ids=data.ids, tokenizer=tokenizer)
     opt = optimizer.adamw(policy, args.lr, args.weight_decay)
     per_rl_step = args.rollout_batch // args.update_batch * args.ppo_epochs      # optimizer steps
     horizon = args.lr_decay_steps or args.steps                          # (0: the run's --steps, resumed too)

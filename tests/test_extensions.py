@@ -190,11 +190,8 @@ def other_model(tmp_path_factory):
 # rl/run_setup.py passes the Context's prompts, tokenizer and device once issue #41's branches meet:
 # until then the reference stops with exactly ContextError (strict: wired, the test fails until the
 # marker goes).
-NEEDS_CONTEXT = pytest.mark.xfail(raises=query_reference.ContextError, strict=True,
-                                  reason="rl/run_setup.py does not pass dist, prompt_ids, tokenizer yet")
 
 
-@NEEDS_CONTEXT
 def test_a_reference_from_another_model_folder_defined_outside_the_repo(tmp_path, small_data, other_model):
     """A reference of one's own, in a module of one's own (written here to tmp_path), registered with
     the pattern's one call and nothing else: the prompts scored once by another model folder, far

@@ -22,8 +22,6 @@ WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
 # query_reference.for_run (issue #41: wired when the branches meet). Until then such a run stops with
 # ContextError, and these tests are expected to, with exactly that; strict, so they fail once it is
 # wired until this marker goes.
-NEEDS_CONTEXT = pytest.mark.xfail(raises=query_reference.ContextError, strict=True,
-                                  reason="rl/run_setup.py does not pass dist, prompt_ids, tokenizer yet")
 
 
 def run(out, data, *extra, steps=1):
@@ -94,7 +92,6 @@ def other_model(tmp_path_factory):
     return str(out)
 
 
-@NEEDS_CONTEXT
 def test_a_reference_read_from_another_model_folder(tmp_path, small_data, other_model):
     """--qkl-ref model --qkl-ref-model PATH: the training prompts scored once by the model in PATH.
     Given the run's own starting model, it is the paper's cache bit for bit (the same weights,
@@ -127,7 +124,6 @@ def test_a_reference_read_from_another_model_folder(tmp_path, small_data, other_
         run(out, small_data, *args, "--resume", steps=4)
 
 
-@NEEDS_CONTEXT
 def test_qkl_ref_model_says_what_is_wrong_in_one_line(tmp_path, small_data, capsys):
     """--qkl-ref model without --qkl-ref-model, with a folder that is not there or whose tokenizer
     is another (the Zipf world's), and --qkl-ref-model given for another reference: one line each."""
