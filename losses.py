@@ -220,11 +220,10 @@ def maxrl_advantages(x):
 
 def passk_advantages(x):
     """Pass@k in closed form (Chen et al., "Pass@k Training for Adaptively Balancing Exploration and
-    Exploitation of Large Reasoning Models", arXiv:2508.10751, the analytical derivation; method.md
-    §8.2). Binary rewards; a group of N = G rows, N_neg of them incorrect, k = passk_k:
-        mean = 1 - C(N_neg, k) / C(N, k),   std = sqrt(mean (1 - mean))
-        A_pos = (1 - mean) / std,   A_neg = (1 - mean - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) / std
-    (k = 1: GRPO with the population std); std = 0: every row 0."""
+    Exploitation of Large Reasoning Models", arXiv:2508.10751, the analytical derivation, as its code
+    computes it: RUCAIBox/Passk_Training calc_adv; method.md §8.2). Binary rewards, N = G rows, N_neg
+    incorrect, k = passk_k: mean = 1 - C(N_neg, k) / C(N, k), std = sqrt(mean (1 - mean)), A_pos =
+    (1 - mean) / (std + eps), A_neg = (1 - mean - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) / (std + eps)."""
     r, k = x.rewards, int(x.options["passk_k"])
     G = r.shape[1]
     if not 1 <= k <= G:
@@ -238,7 +237,7 @@ def passk_advantages(x):
     mean = 1.0 - fail[neg][:, None]
     std = (mean * (1.0 - mean)).sqrt()
     adv = torch.where(r > 0, 1.0 - mean, 1.0 - mean - alone[neg][:, None])
-    return torch.where(std > 0, adv / std.clamp_min(1e-30), 0.0).to(r.dtype)
+    return torch.where(std > 0, adv / (std + x.eps), 0.0).to(r.dtype)
 
 
 # The advantage estimators (--adv; §8.2). A new one: a function, a row (extension.register from outside)
@@ -250,7 +249,7 @@ ADVANTAGES: dict[str, AdvantageRow] = {
     "batch-std": AdvantageRow(batch_std_advantages, "(R - mean) / batch std", _EPS, batch=True),
     "reinforce++": AdvantageRow(reinforce_pp_advantages, "R - mean, whitened over the batch", _EPS, batch=True),
     "maxrl": AdvantageRow(maxrl_advantages, "(R - mean) / mean: MaxRL", _EPS, success_rewards=True),
-    "passk": AdvantageRow(passk_advantages, "pass@k in closed form (--passk-k)", success_rewards=True,
+    "passk": AdvantageRow(passk_advantages, "pass@k in closed form (--passk-k)", _EPS, success_rewards=True,
                           OPTIONS=(("passk_k", 4, "--adv passk: k of pass@k, <= --group-size", ">=1"),)),
 }
 BATCH_ADVANTAGES = tuple(k for k, row in ADVANTAGES.items() if row.batch)   # (the built-in ones)
@@ -562,7 +561,8 @@ class Algo:
                      "group std; drgrpo = R - mean; rloo = R - leave-one-out mean; batch-std = (R - mean) / "
                      "batch std; reinforce++ = R - mean, whitened over the batch; maxrl = (R - mean) / mean, "
                      "MaxRL's grad log p(success); passk = pass@k in closed form (--passk-k)", ADVANTAGES)
-    adv_eps: float = _knob(1e-6, "epsilon of GRPO's (R - mean) / (std + eps) and MaxRL's / (mean + eps)")
+    adv_eps: float = _knob(1e-6, "epsilon of GRPO's (R - mean) / (std + eps) (batch-std's, reinforce++'s, "
+                           "passk's too) and MaxRL's / (mean + eps)")
     kl: str | None = _knob("k3", "Policy-KL estimator, r = pi_ref / pi_theta (method.md §8): k1 = -log r; "
                            "k2 = (log r)^2 / 2; k3 = r - 1 - log r; k3-ratio = k3 * pi_theta / pi_old, "
                            "the importance-ratio bias correction (DeepSeek-V3.2, TRL's "

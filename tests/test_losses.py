@@ -633,9 +633,9 @@ def test_unused_fields_and_weight_clip():
 def test_every_advantage_is_a_row_of_the_table_and_its_knobs_are_beside_it():
     assert set(losses.ADVANTAGES) == {"grpo", "drgrpo", "rloo", "batch-std", "reinforce++", "maxrl", "passk"}
     assert losses.BATCH_ADVANTAGES == ("batch-std", "reinforce++")
-    for kind in ("drgrpo", "rloo", "passk"):                              # they read no epsilon
+    for kind in ("drgrpo", "rloo"):                                       # they read no epsilon
         assert "adv_eps" in unused_fields(make_algo("grpo", adv=kind))
-    for kind in ("grpo", "batch-std", "reinforce++", "maxrl"):
+    for kind in ("grpo", "batch-std", "reinforce++", "maxrl", "passk"):
         assert "adv_eps" not in unused_fields(make_algo("grpo", adv=kind))
     for name in ("dapo", "rloo"):                                          # success rewards: no shaping
         with pytest.raises(ValueError, match="passk"):
@@ -649,13 +649,15 @@ def test_passk_advantages_by_hand():
     R = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1])
     s = 5 ** -0.5
     want = torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, s, s, -s, -s] + [0.0] * 12)
-    got = group_advantages(R, 4, "passk", options={"passk_k": 2})
+    got = group_advantages(R, 4, "passk", eps=0.0, options={"passk_k": 2})
     torch.testing.assert_close(got, want)
+    A_pos = group_advantages(R[:4], 4, "passk", options={"passk_k": 2})[0].item()   # eps 1e-6, as the
+    assert A_pos == pytest.approx(0.5 / (0.5 + 1e-6), rel=1e-6)                     # released code
     assert (got[8:] == 0).all()
     for g in got.view(-1, 4):                                             # c A_pos + N_neg A_neg = 0
         assert abs(g.sum().item()) < 1e-6
     pop = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.75 * 0.25) ** 0.5  # k = 1: GRPO, population std
-    torch.testing.assert_close(group_advantages(R[:4], 4, "passk", options={"passk_k": 1}), pop)
+    torch.testing.assert_close(group_advantages(R[:4], 4, "passk", 0.0, options={"passk_k": 1}), pop)
     assert (group_advantages(R, 4, "passk", options={"passk_k": 4}) == 0).all()  # k = G: one correct = 1
     torch.testing.assert_close(group_advantages(R[:4], 4, "passk"),                # the default k is 4
                                group_advantages(R[:4], 4, "passk", options={"passk_k": 4}))
