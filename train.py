@@ -107,8 +107,8 @@ OPTIONS = [
                                                                query_reference.REFERENCES),
     ("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)"),
     ("measure_policy_kl", True,                                "keep a reference model to log Policy-KL even when the loss has none"),
-    ("no_signal",         "skip",                              "an update batch whose groups all have equal rewards "
-                                                               "(every advantage 0): skip its optimizer step (no AdamW "
+    ("no_signal",         "skip",                              "an update batch whose every advantage is ~0 (its "
+                                                               "groups' rewards all equal): skip its step (no AdamW "
                                                                "update, no weight decay, the LR schedule waits), or "
                                                                "step on the KL terms alone (method.md §8.6)",
                                                                ["skip", "step"]),
@@ -411,7 +411,7 @@ def train_rl(run, evalsets, log, start, amp):
                 raise stop.exit(f"saved the checkpoint of step {step + 1} ({ckpt}/); continue with --resume")
 
 
-NO_SIGNAL = ("no signal: an update batch whose groups all have equal rewards (every advantage 0) took no "
+NO_SIGNAL = ("no signal: an update batch whose every advantage is ~0 (its groups' rewards all equal) took no "
              "optimizer step (no_signal_steps in metrics.jsonl; method.md §8.6); --no-signal step takes such "
              "steps on the KL terms alone")
 

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
 SIZES = ["--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--eval-every", "0",
          "--save-every", "0"]                                   # 2 optimizer steps per RL step
-SAID = "no signal: an update batch whose groups all have equal rewards (every advantage 0) took no"
+SAID = "no signal: an update batch whose every advantage is ~0 (its groups' rewards all equal) took no"
 
 
 def run(out, *extra, steps=2):
