@@ -174,7 +174,7 @@ class AdvantageRow:
     knobs: frozenset = frozenset()      # the Algo fields fn reads (the table's others: unused_fields)
     batch: bool = False                 # reads the whole rollout batch's moments (inputs.moments)
     constant_is_zero: bool = True       # a group whose rewards are all equal gets exactly 0
-    success_rewards: bool = False       # rewards are success indicators: no reward shaping (validate_algo)
+    rewards: str = "any"                # "success" (>= 0) or "binary" (0/1): no reward shaping (validate_algo)
     OPTIONS: tuple = ()                 # its own options (rows as train.OPTIONS), inert for other rows
 
 
@@ -248,8 +248,8 @@ ADVANTAGES: dict[str, AdvantageRow] = {
     "rloo": AdvantageRow(rloo_advantages, "R - leave-one-out mean"),
     "batch-std": AdvantageRow(batch_std_advantages, "(R - mean) / batch std", _EPS, batch=True),
     "reinforce++": AdvantageRow(reinforce_pp_advantages, "R - mean, whitened over the batch", _EPS, batch=True),
-    "maxrl": AdvantageRow(maxrl_advantages, "(R - mean) / mean: MaxRL", _EPS, success_rewards=True),
-    "passk": AdvantageRow(passk_advantages, "pass@k in closed form (--passk-k)", _EPS, success_rewards=True,
+    "maxrl": AdvantageRow(maxrl_advantages, "(R - mean) / mean: MaxRL", _EPS, rewards="success"),
+    "passk": AdvantageRow(passk_advantages, "pass@k in closed form (--passk-k)", _EPS, rewards="binary",
                           OPTIONS=(("passk_k", 4, "--adv passk: k of pass@k, <= --group-size", ">=1"),)),
 }
 BATCH_ADVANTAGES = tuple(k for k, row in ADVANTAGES.items() if row.batch)   # (the built-in ones)
@@ -671,7 +671,7 @@ def validate_algo(algo):
         raise ValueError("kl 'k3-ratio' weights k3 by pi_theta / pi_old in the loss; in the reward (pi_old's "
                          "own tokens and log-probs) the ratio is 1: use kl 'k3' there")
     shaped = algo.overlong or (algo.kl_in == "reward" and algo.kl is not None and algo.beta > 0)
-    if getattr(ADVANTAGES[algo.adv], "success_rewards", False) and shaped:      # (the row says so)
+    if getattr(ADVANTAGES[algo.adv], "rewards", "any") != "any" and shaped:     # (the row says so)
         raise ValueError(f"adv {algo.adv!r} needs success rewards (maxrl: >= 0, it estimates grad log "
                          "p(success); passk: 0/1): no overlong punishment, no KL penalty in the reward")
     return algo

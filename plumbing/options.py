@@ -427,6 +427,9 @@ def check_extension_options(parsed, algo, controllers: dict):
             row = extension.owner(table, name)
             check_acts(parsed, name, False, f"it is an option of {row!r} ({table[row].doc}), which this "
                        "run does not use")
+    if algo is not None and getattr(losses.ADVANTAGES[algo.adv], "rewards", "any") == "binary" and \
+            getattr(args, "reward", "acc") != "acc":
+        parsed.error(f"--adv {algo.adv} needs 0/1 rewards: --reward acc, not {args.reward}")
     if algo is not None:
         own = extension.option_values(losses.ADVANTAGES[algo.adv], args)
         try:

@@ -185,6 +185,20 @@ def test_resume_continues_from_the_saved_step(tmp_path, small_data):
                     assert_rounding(f"train.resume.{k}", b[k], a[k])
 
 
+def test_passk_options_are_checked_when_parsed(capsys, tmp_path):
+    """--adv passk: --passk-k is its own option (inert for another --adv), k <= --group-size, 0/1
+    rewards (--reward acc); all refused with one line before anything runs."""
+    out = ["--out", str(tmp_path / "x")]
+    args, algo = train.parse_args(["--adv", "passk", "--passk-k", "2", "--group-size", "4", *out])
+    assert algo.adv == "passk" and args.passk_k == 2
+    for bad, said in ((["--adv", "passk", "--passk-k", "5", "--group-size", "4"], "passk_k must be in [1, G = 4]"),
+                      (["--adv", "passk", "--reward", "acc+format"], "needs 0/1 rewards"),
+                      (["--passk-k", "2"], "--passk-k 2 cannot act"),
+                      (["--adv", "passk", "--algo", "dapo"], "success rewards")):
+        with pytest.raises(SystemExit):
+            train.parse_args([*bad, *out])
+        assert said in capsys.readouterr().err
+
 def test_adaptive_entropy_coefficient_by_hand():
     """Skywork-OR1: c += delta below the target, -= above, clipped to [0, cap]."""
     from rl import controllers
