@@ -30,11 +30,10 @@ losses.py stays torch-only: its rows follow the pattern by these attribute names
 import this file.
 """
 
-from dataclasses import replace
+import dataclasses
 
-# Tables by the option that chooses their row ("controllers" rows act when their own options are
-# given); filled by the modules that own them (train.py wires them: extension.TABLES is read, never
-# imported by losses.py).
+# Tables by the option that chooses their row ("controllers" rows act when their own options switch
+# them on), declared by train.py (losses.py, which owns two of them, never imports this file).
 TABLES: dict[str, dict] = {}
 
 
@@ -104,7 +103,7 @@ def start(table: dict, args, *context) -> dict:
 
 def steer(algo, rules: dict):
     """`algo` (a frozen dataclass) with the field each active rule sets (rule.knob) at its value now."""
-    return replace(algo, **{r.knob: r.value() for r in rules.values()}) if rules else algo
+    return dataclasses.replace(algo, **{r.knob: r.value() for r in rules.values()}) if rules else algo
 
 
 def after_step(rules: dict, metrics: dict) -> dict:
