@@ -174,7 +174,7 @@ class AdvantageRow:
     knobs: frozenset = frozenset()      # the Algo fields fn reads (the table's others: unused_fields)
     batch: bool = False                 # reads the whole rollout batch's moments (inputs.moments)
     constant_is_zero: bool = True       # a group whose rewards are all equal gets exactly 0
-    rewards: str = "any"                # "success" (>= 0) or "binary" (0/1): no reward shaping (validate_algo)
+    rewards: str = "any"                # "success" (>= 0) or "binary" (0/1): no shaping (validate_algo)
     OPTIONS: tuple = ()                 # its own options (rows as train.OPTIONS), inert for other rows
 
 
