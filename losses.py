@@ -21,6 +21,7 @@ here but GSPO; CISPO, SAPO). This file imports only torch and the standard libra
 to docs/method.md, which writes out every equation implemented here.
 """
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, NamedTuple
 
@@ -28,8 +29,6 @@ import torch
 
 KL_KINDS = ("k1", "k2", "k3")
 POLICY_KL_KINDS = (*KL_KINDS, "k3-ratio")   # k3-ratio reads pi_old's log-probs: the Policy-KL in the loss only
-ADVANTAGES = ("grpo", "drgrpo", "rloo", "batch-std", "reinforce++", "maxrl")
-BATCH_ADVANTAGES = ("batch-std", "reinforce++")        # they need the whole rollout batch's moments
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 WEIGHT_KINDS = ("none", "paper", "code")
 KL_PLACEMENTS = ("loss", "reward")
@@ -55,17 +54,11 @@ def policy_kl(logp, ref_logp, kind="k3", clamp=None, old_logp=None):
                                 As a loss its expected gradient is grad KL(pi_ref||pi_theta):
                                 the *other* direction, since E_pi[(1 - r) grad log pi]
                                 = -sum_x pi_ref(x) grad log pi(x).
-      k3-ratio = (pi_theta / pi_old) * k3, for tokens sampled from pi_old (not pi_theta): the
-                                importance-ratio bias correction of DeepSeek-V3.2 (DeepSeek-AI,
-                                "DeepSeek-V3.2: Pushing the Frontier of Open Large Language
-                                Models", arXiv:2512.02556, Sec. 3.1 "Scaling GRPO", Eq. 7) and
-                                TRL's GRPOConfig(use_bias_correction_kl=True) (off by default
-                                there), which multiplies k3 by coef_1 = exp(logp - old_logp).
-                                The ratio is NOT detached (as in TRL): E_{pi_old}[ratio * k3] =
-                                KL(pi_theta||pi_ref) as a function of theta, so its expected
-                                gradient as a loss is grad KL(pi_theta||pi_ref), the direction k3
-                                estimates, also on-policy (old_logp = logp.detach(): value = k3,
-                                gradient k3 * grad log pi + grad k3).
+      k3-ratio = (pi_theta / pi_old) * k3, for tokens sampled from pi_old: the importance-ratio bias
+                                correction of DeepSeek-V3.2 (arXiv:2512.02556, Sec. 3.1, Eq. 7) and
+                                TRL's use_bias_correction_kl. The ratio is NOT detached (as in TRL),
+                                so its expected gradient is grad KL(pi_theta||pi_ref), the direction
+                                k3 estimates, on-policy too (method.md §8.1).
     The sign of log r matters: building it as logp - ref_logp silently makes k1 and k3 estimate
     something else (tests/test_losses.py checks the direction on an exact toy categorical).
 
@@ -146,61 +139,128 @@ def _groups(x, group_size):
     return x.view(-1, group_size)
 
 
-def group_advantages(rewards, group_size, kind="grpo", eps=1e-6, valid=None, reduce=None):
-    """Group-relative advantages. rewards (B,) with B = n_groups * G -> advantages (B,).
-
-      "grpo":   A_i = (R_i - mean R) / (std R + eps). std is the UNBIASED (Bessel, /(G-1)) sample
-                std, torch.std's default, as in verl and EasyR1; eps = 1e-6.
-      "drgrpo": A_i = R_i - mean R (Dr.GRPO drops the std, which up-weights easy/hard prompts).
-      "rloo":   A_i = R_i - mean_{j != i} R_j = G/(G-1) * (R_i - mean R).
-      "batch-std":   A_i = (R_i - mean R) / (std_batch(R) + eps): the group's mean, the whole rollout
-                batch's std (TRL's scale_rewards="batch": no prompt's std up-weights it).
-      "reinforce++": x_i = R_i - mean R, then whitened over the batch: (x_i - mean_batch x) /
-                (std_batch(x) + eps) (verl's REINFORCE++-baseline, which whitens over tokens; here
-                over responses, so a long response does not count more).
-      "maxrl":  A_i = (R_i - mean R) / (mean R + eps), and 0 for a group with mean R <= 0 (MaxRL:
-                Tajwar, Zeng, Zhou, Song, Arora, Jiang, Schneider, Salakhutdinov, Feng, Zanette,
-                "Maximum Likelihood Reinforcement Learning", arXiv:2602.02710; the released code's
-                "maxrl" estimator, Zanette-Labs/MaxRL verl/trainer/ppo/core_algos.py). For binary
-                rewards with K >= 1 successes of G, (1/G) sum_i A_i grad log pi(y_i) =
-                (1/K) sum_{successes} grad log pi - (1/G) sum_i grad log pi: the paper's estimator
-                of grad log p (p = the prompt's success probability) with the mean score as control
-                variate. Unsolved groups get 0 (as in the released code), so its expectation
-                (eps = 0) is (1 - (1-p)^(G-1)) grad log p = grad J^(G-1), J^(N) = -sum_{k<=N}
-                (1-p)^k / k the paper's truncated objective (-> log p; G = 2: grad p, REINFORCE);
-                tests/test_losses.py checks it exactly. Rewards must be >= 0 (success samples).
-    mean R / std R are the group's. The batch moments (Bessel std) run over the rows `valid` marks
-    (DAPO's filler is not part of it; None: every row) on every rank: `reduce` sums a tensor over
-    ranks (None: this process holds the whole batch). A group whose rewards are all equal gets
-    exactly 0 (set explicitly: float round-off in R - mean divided by a ~0 std would otherwise give
-    small nonzero values).
-    """
+def group_advantages(rewards, group_size, kind="grpo", eps=1e-6, valid=None, reduce=None, options=None):
+    """Advantages by the row `kind` of ADVANTAGES (--adv; method.md §8.2): rewards (B,), B = n_groups * G
+    -> (B,). eps: Algo.adv_eps; options: the row's own (its OPTIONS' defaults where absent). A batch=True
+    row gets the mean and Bessel std of the rows `valid` marks (not DAPO's filler; None: all) on every
+    rank (`reduce` sums over ranks; None: one process). A group of equal rewards gets exactly 0 where
+    the row says so (all here: round-off in R - mean over a ~0 std would give small nonzero values)."""
     if kind not in ADVANTAGES:
-        raise ValueError(f"advantage kind must be one of {ADVANTAGES}, got {kind!r}")
+        raise ValueError(f"advantage kind must be one of {tuple(ADVANTAGES)}, got {kind!r}")
     if group_size < 2:
         raise ValueError(f"group advantages need group_size >= 2 (the baseline comes from the other "
                          f"responses), got {group_size}")
+    row = ADVANTAGES[kind]
     r = _groups(rewards.float(), group_size)                           # (n_groups, G)
-    centred = r - r.mean(dim=1, keepdim=True)
-    if kind == "grpo":
-        adv = centred / (r.std(dim=1, keepdim=True) + eps)               # unbiased std
-    elif kind == "drgrpo":
-        adv = centred
-    elif kind == "rloo":
-        adv = centred * (group_size / (group_size - 1))                  # leave-one-out baseline
-    elif kind == "maxrl":
-        if (r < 0).any():
-            raise ValueError("maxrl advantages need rewards >= 0 (success indicators: MaxRL estimates "
-                             "grad log p(success)); got a negative reward")
-        mean = r.mean(dim=1, keepdim=True)
-        adv = torch.where(mean > 0, centred / (mean + eps), 0.0)         # normalised by the mean, not std
-    else:
-        x = (r if kind == "batch-std" else centred).reshape(-1)
-        mean, std = batch_moments(x, valid, reduce)
-        adv = centred / (std + eps) if kind == "batch-std" else (centred - mean) / (std + eps)
-    constant = ~nonconstant_groups(rewards, group_size)
-    adv = adv.masked_fill(constant[:, None], 0.0)
+    own = {opt[0]: opt[1] for opt in getattr(row, "OPTIONS", ())} | (options or {})
+    moments = (lambda x: batch_moments(x, valid, reduce)) if getattr(row, "batch", False) else None
+    adv = row.fn(AdvantageInputs(r, eps, moments, own))
+    if getattr(row, "constant_is_zero", True):
+        adv = adv.masked_fill(~nonconstant_groups(rewards, group_size)[:, None], 0.0)
     return adv.reshape(-1)
+
+
+class AdvantageInputs(NamedTuple):
+    rewards: torch.Tensor               # (n_groups, G) float32
+    eps: float                          # Algo.adv_eps
+    moments: Callable | None            # x (B,) -> (mean, std) over the whole batch (rows with batch=True)
+    options: dict                       # the row's own options' values (passk_k)
+
+
+@dataclass(frozen=True)
+class AdvantageRow:
+    fn: Callable[[AdvantageInputs], torch.Tensor]   # -> (n_groups, G) advantages
+    doc: str                            # one line for --help
+    knobs: frozenset = frozenset()      # the Algo fields fn reads (the table's others: unused_fields)
+    batch: bool = False                 # reads the whole rollout batch's moments (inputs.moments)
+    constant_is_zero: bool = True       # a group whose rewards are all equal gets exactly 0
+    rewards: str = "any"                # "success" (>= 0) or "binary" (0/1): no shaping (validate_algo)
+    OPTIONS: tuple = ()                 # its own options (rows as train.OPTIONS), inert for other rows
+
+
+def _centred(r):
+    return r - r.mean(dim=1, keepdim=True)
+
+
+def grpo_advantages(x):                 # unbiased (Bessel) group std, torch.std's default, as verl, EasyR1
+    return _centred(x.rewards) / (x.rewards.std(dim=1, keepdim=True) + x.eps)
+
+
+def drgrpo_advantages(x):               # Dr.GRPO drops the std (which up-weights easy/hard prompts)
+    return _centred(x.rewards)
+
+
+def rloo_advantages(x):                 # R_i - mean_{j != i} R_j = G/(G-1) (R_i - mean R)
+    return _centred(x.rewards) * (x.rewards.shape[1] / (x.rewards.shape[1] - 1))
+
+
+def batch_std_advantages(x):            # the group's mean, the batch's std (TRL's scale_rewards="batch")
+    return _centred(x.rewards) / (x.moments(x.rewards.reshape(-1))[1] + x.eps)
+
+
+def reinforce_pp_advantages(x):         # R - mean, whitened over the batch's responses (verl: its tokens)
+    centred = _centred(x.rewards)
+    mean, std = x.moments(centred.reshape(-1))
+    return (centred - mean) / (std + x.eps)
+
+
+def maxrl_advantages(x):
+    """(R_i - mean R) / (mean R + eps), 0 where mean R <= 0: MaxRL (Tajwar et al., "Maximum Likelihood
+    Reinforcement Learning", arXiv:2602.02710; its released "maxrl" estimator). With K >= 1 successes
+    of G, (1/G) sum_i A_i grad log pi(y_i) = (1/K) sum_{successes} grad log pi - (1/G) sum_i grad log pi,
+    an estimate of grad log p; its expectation (eps = 0) is grad J^(G-1), J^(N) = -sum_{k<=N} (1-p)^k / k
+    (method.md §8.2; tests/test_losses.py checks it exactly). Rewards must be >= 0."""
+    r = x.rewards
+    if (r < 0).any():
+        raise ValueError("maxrl advantages need rewards >= 0 (success indicators: MaxRL estimates "
+                         "grad log p(success)); got a negative reward")
+    mean = r.mean(dim=1, keepdim=True)
+    return torch.where(mean > 0, _centred(r) / (mean + x.eps), 0.0)   # normalised by the mean, not std
+
+
+def passk_advantages(x):
+    """Pass@k in closed form (Chen et al., "Pass@k Training for Adaptively Balancing Exploration and
+    Exploitation of Large Reasoning Models", arXiv:2508.10751, the analytical derivation, as its code
+    computes it: RUCAIBox/Passk_Training calc_adv; method.md §8.2). Binary rewards, N = G rows, N_neg
+    incorrect, k = passk_k: mean = 1 - C(N_neg, k) / C(N, k), std = sqrt(mean (1 - mean)), A_pos =
+    (1 - mean) / (std + eps), A_neg = (1 - mean - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) / (std + eps)."""
+    r, k = x.rewards, int(x.options["passk_k"])
+    G = r.shape[1]
+    if not 1 <= k <= G:
+        raise ValueError(f"passk_k must be in [1, G = {G}] (a k-subset of the group), got {k}")
+    if ((r != 0) & (r != 1)).any():
+        raise ValueError("passk advantages need binary rewards (1 correct, 0 not): --reward acc, no shaping")
+    neg = G - r.sum(dim=1).long()                                      # (n_groups,) N_neg
+    fail = torch.tensor([math.comb(n, k) / math.comb(G, k) for n in range(G + 1)], dtype=torch.float64)
+    alone = torch.tensor([math.comb(n - 1, k - 1) / math.comb(G - 1, k - 1) if n else 0.0
+                          for n in range(G + 1)], dtype=torch.float64)
+    mean = 1.0 - fail[neg][:, None]
+    std = (mean * (1.0 - mean)).sqrt()
+    adv = torch.where(r > 0, 1.0 - mean, 1.0 - mean - alone[neg][:, None])
+    return torch.where(std > 0, adv / (std + x.eps), 0.0).to(r.dtype)
+
+
+# The advantage estimators (--adv; §8.2). A new one: a function, a row (extension.register from outside)
+_EPS = frozenset({"adv_eps"})
+ADVANTAGES: dict[str, AdvantageRow] = {
+    "grpo": AdvantageRow(grpo_advantages, "(R - mean) / group std", _EPS),
+    "drgrpo": AdvantageRow(drgrpo_advantages, "R - mean"),
+    "rloo": AdvantageRow(rloo_advantages, "R - leave-one-out mean"),
+    "batch-std": AdvantageRow(batch_std_advantages, "(R - mean) / batch std", _EPS, batch=True),
+    "reinforce++": AdvantageRow(reinforce_pp_advantages, "R - mean, whitened over the batch", _EPS, batch=True),
+    "maxrl": AdvantageRow(maxrl_advantages, "(R - mean) / mean: MaxRL", _EPS, rewards="success"),
+    "passk": AdvantageRow(passk_advantages, "pass@k in closed form (--passk-k)", _EPS, rewards="binary",
+                          OPTIONS=(("passk_k", 4, "--adv passk: k of pass@k, <= --group-size", ">=1"),)),
+}
+BATCH_ADVANTAGES = tuple(k for k, row in ADVANTAGES.items() if row.batch)   # (the built-in ones)
+SIGNAL_EPS = 1e-6      # an advantage is a signal above this share of its group's reward scale (§8.6)
+
+
+def carries_signal(advantages, rewards, group_size):
+    """(B,) bool: |A_i| > SIGNAL_EPS * max(1, max_j |R_j| of row i's group): the advantage the
+    estimator produced moves the policy; round-off of shaped rewards does not (method.md §8.6)."""
+    scale = _groups(rewards.float().abs(), group_size).amax(dim=1).clamp_min(1.0)
+    return advantages.abs() > SIGNAL_EPS * scale.repeat_interleave(group_size)
 
 
 def batch_moments(x, valid=None, reduce=None):
@@ -497,11 +557,12 @@ def _knob(default, help, choices=None):
 
 @dataclass(frozen=True)
 class Algo:
-    adv: str = _knob("grpo", "advantage estimator (method.md §8): grpo = (R - mean) / group std; drgrpo = "
-                     "R - mean; rloo = R - leave-one-out mean; batch-std = (R - mean) / batch std; "
-                     "reinforce++ = R - mean, whitened over the batch; maxrl = (R - mean) / mean, "
-                     "MaxRL's grad log p(success)", ADVANTAGES)
-    adv_eps: float = _knob(1e-6, "epsilon of GRPO's (R - mean) / (std + eps) and MaxRL's / (mean + eps)")
+    adv: str = _knob("grpo", "advantage estimator, a row of ADVANTAGES (method.md §8.2): grpo = (R - mean) / "
+                     "group std; drgrpo = R - mean; rloo = R - leave-one-out mean; batch-std = (R - mean) / "
+                     "batch std; reinforce++ = R - mean, whitened over the batch; maxrl = (R - mean) / mean, "
+                     "MaxRL's grad log p(success); passk = pass@k in closed form (--passk-k)", ADVANTAGES)
+    adv_eps: float = _knob(1e-6, "epsilon of GRPO's (R - mean) / (std + eps) (batch-std's, reinforce++'s, "
+                           "passk's too) and MaxRL's / (mean + eps)")
     kl: str | None = _knob("k3", "Policy-KL estimator, r = pi_ref / pi_theta (method.md §8): k1 = -log r; "
                            "k2 = (log r)^2 / 2; k3 = r - 1 - log r; k3-ratio = k3 * pi_theta / pi_old, "
                            "the importance-ratio bias correction (DeepSeek-V3.2, TRL's "
@@ -610,9 +671,9 @@ def validate_algo(algo):
         raise ValueError("kl 'k3-ratio' weights k3 by pi_theta / pi_old in the loss; in the reward (pi_old's "
                          "own tokens and log-probs) the ratio is 1: use kl 'k3' there")
     shaped = algo.overlong or (algo.kl_in == "reward" and algo.kl is not None and algo.beta > 0)
-    if algo.adv == "maxrl" and shaped:
-        raise ValueError("adv 'maxrl' needs success rewards >= 0 (it estimates grad log p(success)): no "
-                         "overlong punishment, no KL penalty in the reward")
+    if getattr(ADVANTAGES[algo.adv], "rewards", "any") != "any" and shaped:     # (the row says so)
+        raise ValueError(f"adv {algo.adv!r} needs success rewards (maxrl: >= 0, it estimates grad log "
+                         "p(success); passk: 0/1): no overlong punishment, no KL penalty in the reward")
     return algo
 
 
@@ -653,11 +714,13 @@ def unused_fields(algo):
         (query_kl and algo.qkl_estimator == "k3")
     unused = {"kl": algo.beta == 0, "kl_in": not policy_kl, "beta": algo.kl is None,
               "kl_clamp": not k3, "qkl_estimator": not query_kl,
-              "weight_clip": algo.weights != "paper", "adv_eps": algo.adv in ("drgrpo", "rloo"),
+              "weight_clip": algo.weights != "paper",
               "overlong_cache": not algo.overlong}
-    table = SURROGATES                         # the surrogates' knobs this one does not read
-    return {name for name, is_unused in unused.items() if is_unused} | \
-        ({k for row in table.values() for k in row.knobs} - table[algo.surrogate].knobs)
+    unused = {name for name, is_unused in unused.items() if is_unused}
+    for table, chosen in ((SURROGATES, algo.surrogate), (ADVANTAGES, algo.adv)):   # each row's knobs:
+        unused |= {k for row in table.values() for k in getattr(row, "knobs", ())} - \
+            set(getattr(table[chosen], "knobs", ()))                           # (beside the knob)
+    return unused
 
 
 # -----------------------------------------------------------------------------
@@ -734,3 +797,4 @@ def high_entropy_tokens(entropy, mask, q):
     if values.numel() == 0:
         return torch.zeros_like(ent)
     return (ent >= torch.quantile(values, 1.0 - q)).to(entropy.dtype)
+

@@ -28,9 +28,9 @@ try:                                       # Ctrl-C during these imports: one li
     import tasks
     from evaluation.heldout import check_fits, heldout_at_temperatures
     from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan,
-                          optimizer, options, run_dir, time_model)
+                          extension, optimizer, options, run_dir, time_model)
     from plumbing.distributed import all_sum, print0
-    from rl import run_setup
+    from rl import controllers, run_setup
     from rl.run_setup import Run, needs_reference_model, old_rows, setup_rl
 except KeyboardInterrupt:
     os.write(2, b"interrupted (SIGINT): stopped while starting, nothing written\n")
@@ -107,8 +107,8 @@ OPTIONS = [
                                                                query_reference.REFERENCES),
     ("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)"),
     ("measure_policy_kl", True,                                "keep a reference model to log Policy-KL even when the loss has none"),
-    ("no_signal",         "skip",                              "an update batch whose groups all have equal rewards "
-                                                               "(every advantage 0): skip its optimizer step (no AdamW "
+    ("no_signal",         "skip",                              "an update batch whose every advantage is ~0 (its "
+                                                               "groups' rewards all equal): skip its step (no AdamW "
                                                                "update, no weight decay, the LR schedule waits), or "
                                                                "step on the KL terms alone (method.md §8.6)",
                                                                ["skip", "step"]),
@@ -174,7 +174,8 @@ BEFORE_OPTION = {
 
 def rl_step(run, step):
     """Everything of one RL step; returns its metrics (reduced over ranks)."""
-    G, algo, dev = run.args.group_size, run.algo, run.dist.device
+    run.algo = extension.steer(run.algo, run.controllers)                # per-step coefficients (§8.7)
+    G, dev = run.args.group_size, run.dist.device
     collected = rollouts(run, step)                                      # G responses per prompt, graded
     ro, valid = collected.ro.to(dev), collected.valid.to(dev)
     packed = ro.packed()                                                 # [prompt | response] rows
@@ -183,16 +184,14 @@ def rl_step(run, step):
     update_rows = batching.microbatches(len(ro.finished), run.args.update_batch // run.dist.world * G)
     fresh = on_policy_rows(run, update_rows)
     plan = experience.plan_step(run.args, packed, collected.valid.tolist(), update_rows, fresh,
-                               has_ref=run.ref is not None, rewards=collected.rewards)
+                                has_ref=run.ref is not None)
     with run.timer("score"):
         scores = score_old_and_ref(run, packed, fresh, plan)             # pi_old, reference
     prompts = query_reference.PromptBatch(collected.prompt_idx, G, packed.P - 1, scores.prompt, prompt_mask,
                                           scores.ref_prompt, step, packed.input_ids[:, :packed.P])
     qref = run.qref.prompt_logp(prompts)                                 # Query-KL's reference
-    rewards = collected.rewards.to(dev)
-    if algo.kl is not None and algo.kl_in == "reward":                   # RLOO: R - beta * sum_t KL_t
-        rewards = losses.kl_penalized_rewards(rewards, scores.old, scores.ref, resp_mask, algo.beta, algo.kl)
-    adv = losses.group_advantages(rewards, G, algo.adv, algo.adv_eps, valid, reduce=all_sum)  # A
+    adv, signal = experience.advantages(run, collected.rewards.to(dev), scores, resp_mask, valid)  # A
+    experience.judge_signal(plan, signal, valid, update_rows)           # which updates step (§8.6)
     w = row_weights(run, collected.prompt_idx, scores.prompt, prompt_mask, valid, update_rows)  # w(q)
     batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w, ro.logprobs)
     with run.timer("update"):
@@ -201,7 +200,8 @@ def rl_step(run, step):
         run.guard.no_step(step, run.policy)                              # the weights sound? (their norm)
     run.qref.after_step(prompts)                                         # (scores.prompt is complete now)
     initial = query_reference.monitor_logp(run.qref, qref, prompts, run.cache)  # query_kl: drift from pi_0
-    return experience.step_metrics(run, step, collected, ro, batch, initial, update)
+    m = experience.step_metrics(run, step, collected, ro, batch, initial, update)
+    return extension.after_step(run.controllers, m)                      # + the coefficients it used
 
 
 def rollouts(run, step) -> experience.Collected:
@@ -213,11 +213,17 @@ def rollouts(run, step) -> experience.Collected:
 
 
 def on_policy_rows(run, update_rows) -> slice:
-    """Rows that need no old-policy forward of their own: the first optimizer step's, in the first
-    PPO epoch. Their update forward runs on the rollout's weights, so it IS pi_old (ratio exactly
-    1) and yields the monitors too. Not where something needs them before the update: RLOO's
-    KL-penalised rewards, the code weights (losses.Algo.needs_pi_old_first)."""
+    """Rows that get no pi_old forward of their own: the first update batch's, unless something needs
+    pi_old's log-probs before the update (RLOO's KL-penalised rewards, the code weights:
+    losses.Algo.needs_pi_old_first). The update's first forward scores them (is_pi_old_forward)."""
     return slice(0, 0) if run.algo.needs_pi_old_first else update_rows[0]
+
+
+def is_pi_old_forward(epoch: int, u: int, fresh: slice) -> bool:
+    """Is this update forward also pi_old's (recorded as the old log-probs and the monitors)?"""
+    # Exact, not an approximation: the first PPO epoch's first optimizer step runs its forward on the
+    # rollout's weights (nothing is applied yet), so its log-probs ARE pi_old's: the ratio is exactly 1.
+    return epoch == u == 0 and fresh.stop > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,7 +285,7 @@ def ppo_update(run, batch: experience.UpdateBatch, plan: experience.StepPlan) ->
     lr = run.opt.param_groups[0]["lr"]                                   # the step's (its first update's)
     for epoch in range(run.args.ppo_epochs):
         for u, update in enumerate(plan.updates):
-            is_pi_old = epoch == u == 0 and batch.scores.fresh.stop > 0  # this forward is pi_old's too
+            is_pi_old = is_pi_old_forward(epoch, u, batch.scores.fresh)
             if not update.takes_step(run.args.no_signal):               # no signal (the same on every rank)
                 if is_pi_old:
                     score_old(run, batch.packed, batch.scores, plan.fresh, plan.group)
@@ -405,7 +411,7 @@ def train_rl(run, evalsets, log, start, amp):
                 raise stop.exit(f"saved the checkpoint of step {step + 1} ({ckpt}/); continue with --resume")
 
 
-NO_SIGNAL = ("no signal: an update batch whose groups all have equal rewards (every advantage 0) took no "
+NO_SIGNAL = ("no signal: an update batch whose every advantage is ~0 (its groups' rewards all equal) took no "
              "optimizer step (no_signal_steps in metrics.jsonl; method.md §8.6); --no-signal step takes such "
              "steps on the KL terms alone")
 
@@ -421,7 +427,8 @@ IDLE = ("no optimizer step in {n} RL steps in a row (steps {first}-{last}; train
 def save(run, step, final):
     a, bf16 = run.args, distributed.uses_bf16(run.args.dtype, run.dist.device)
     extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta,
-             "weight_norm": run.guard.start_norm}                               # (weights_diverged's start)
+             "weight_norm": run.guard.start_norm,                               # (weights_diverged's start)
+             "controllers": extension.state_of(run.controllers)}                # (their coefficients)
     checkpoints.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
                                 export_dtype=a.export_dtype, bf16=bf16, extra=extra)
     if final and lora.is_lora(run.policy):                               # checkpoints hold adapters: the
@@ -429,11 +436,24 @@ def save(run, step, final):
     run.guard.saved()                                                    # trusted at the next finite loss
 
 
+# The extension tables (plumbing/extension.py): a row registered from outside with its own options is
+# one call; the parser, built at parse time, has its options and its name as a choice.
+for _option, _table in (("adv", losses.ADVANTAGES), ("surrogate", losses.SURROGATES),
+                        ("controllers", controllers.CONTROLLERS)):
+    extension.declare(_option, _table)
+
+
+def option_table() -> list:
+    """OPTIONS and, as registered now, the extension rows' own options (--passk-k, --entropy-target)."""
+    names = {row[0] for row in OPTIONS}
+    return OPTIONS + [row for row in extension.own_options() if row[0] not in names]
+
+
 def parse_args(argv=None):
     rows = ["sft        supervised warm start, prompt tokens in the loss",
             *(f"{k:10s} {v.doc}" for k, v in losses.ALGOS.items())]
     doc = __doc__ + "\nalgorithms (--algo):\n" + "\n".join(f"  {row}" for row in rows)
-    parsed = options.parse(argv, OPTIONS, doc)
+    parsed = options.parse(argv, option_table(), doc)
     args = parsed.args
     if args.algo == "sft" and "model" not in parsed.cli | parsed.config_keys:
         args.model = os.path.join(TINY, "base")  # the warm start trains the untrained base model
@@ -470,6 +490,7 @@ def parse_args(argv=None):
     for name in query_reference.inert_options(args.qkl_ref, parsed.cli):   # another reference's option
         options.check_acts(parsed, name, False, f"it is an option of another Query-KL reference than "
                            f"--qkl-ref {args.qkl_ref}")
+    options.check_extension_options(parsed, algo, controllers.CONTROLLERS)  # --passk-k, --entropy-target
     return args, algo
 
 

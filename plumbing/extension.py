@@ -3,7 +3,8 @@ to a row, in the module of its concept --
 
     losses.ADVANTAGES    --adv          how a group's rewards become advantages
     losses.SURROGATES    --surrogate    the policy-gradient surrogate
-    losses.CONTROLLERS   (own options)  a per-step rule for a loss coefficient (--entropy-target)
+    controllers.CONTROLLERS  (own options)  a per-step rule for a loss coefficient (rl/controllers.py;
+                                        --entropy-target): a class, on by its options, made per run
     query_reference.REFERENCES  --qkl-ref   whose prompt log-probs Query-KL compares with
     tasks.TASKS          --task         what a row asks and how a completion is scored
 
@@ -22,15 +23,17 @@ A row may declare, next to what it does (each attribute optional; absent means n
               model), "prompt_ids" (the training prompts' token ids)
     state_dict() / load_state_dict(state)   per-step state: the checkpoint saves it under the
               table's name and --resume restores it (the framework does; the row does not)
-    after_step(...)   a per-step hook, called once per RL step after the update
+    after_step(...)   a per-step hook, called once per RL step after the update (a controller's:
+              with the step's metrics; it sets Algo field `knob` to value() for the next step)
 
 losses.py stays torch-only: its rows follow the pattern by these attribute names, they do not
 import this file.
 """
 
-# Tables by the option that chooses their row ("controllers" rows act when their own options are
-# given); filled by the modules that own them (train.py wires them: extension.TABLES is read, never
-# imported by losses.py).
+import dataclasses
+
+# Tables by the option that chooses their row ("controllers" rows act when their own options switch
+# them on), declared by train.py (losses.py, which owns two of them, never imports this file).
 TABLES: dict[str, dict] = {}
 
 
@@ -80,6 +83,41 @@ def inert_options(table: dict, chosen, given: set) -> set:
     chosen = {chosen} if isinstance(chosen, str) else set(chosen)
     own = {opt[0] for name in chosen if name in table for opt in getattr(table[name], "OPTIONS", ())}
     return {opt[0] for opt in own_options(table)} & set(given) - own
+
+
+def option_values(row, args) -> dict:
+    """{option: value} of the row's own options in the parsed `args` (their defaults where absent)."""
+    return {opt[0]: getattr(args, opt[0], opt[1]) for opt in getattr(row, "OPTIONS", ())}
+
+
+def switched_on(table: dict, args) -> list:
+    """The names of the rows of a table of per-step rules (rl/controllers.py) that args switch on."""
+    return [name for name, row in table.items() if row.is_on(option_values(row, args))]
+
+
+def start(table: dict, args, *context) -> dict:
+    """{name: row(its options, *context)}: each switched-on rule, made once for this run."""
+    return {name: table[name](option_values(table[name], args), *context)
+            for name in switched_on(table, args)}
+
+
+def steer(algo, rules: dict):
+    """`algo` (a frozen dataclass) with the field each active rule sets (rule.knob) at its value now."""
+    return dataclasses.replace(algo, **{r.knob: r.value() for r in rules.values()}) if rules else algo
+
+
+def after_step(rules: dict, metrics: dict) -> dict:
+    """The step's metrics with the value each rule gave this step (under its knob's name); then each
+    rule moves from those metrics (after_step) for the next step."""
+    used = {r.knob: r.value() for r in rules.values()}
+    for r in rules.values():
+        r.after_step(metrics)
+    return {**metrics, **used}
+
+
+def owner(table: dict, option: str) -> str:
+    """The name of the row of `table` that declares `option`."""
+    return next(name for name, row in table.items() if option in {o[0] for o in getattr(row, "OPTIONS", ())})
 
 
 def needs(row) -> frozenset:

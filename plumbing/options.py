@@ -15,8 +15,10 @@ import os
 import re
 from dataclasses import MISSING, dataclass, field, fields, replace
 
+import torch
+
 import losses
-from plumbing import errors
+from plumbing import errors, extension
 
 
 def parse_bool(s):
@@ -411,6 +413,30 @@ def check_inert_options(parsed: Parsed, rules: dict):
     """check_acts of every option of `rules`: {option: (acts(args) -> bool, where, why)}."""
     for name, (acts, where, why) in rules.items():
         check_acts(parsed, name, acts(parsed.args), why, where)
+
+
+def check_extension_options(parsed, algo, controllers: dict):
+    """An extension row's own options act only where the row is chosen (--adv's) or switched on (a
+    rule's of `controllers`), and the chosen advantage row accepts its options (on a group of
+    --group-size)."""
+    args = parsed.args
+    chosen = ((losses.ADVANTAGES, [algo.adv] if algo else []),
+              (controllers, extension.switched_on(controllers, args) if algo else []))
+    for table, rows in chosen:
+        for name in extension.inert_options(table, rows, parsed.cli):
+            row = extension.owner(table, name)
+            check_acts(parsed, name, False, f"it is an option of {row!r} ({table[row].doc}), which this "
+                       "run does not use")
+    if algo is not None and getattr(losses.ADVANTAGES[algo.adv], "rewards", "any") == "binary" and \
+            getattr(args, "reward", "acc") != "acc":
+        parsed.error(f"--adv {algo.adv} needs 0/1 rewards: --reward acc, not {args.reward}")
+    if algo is not None:
+        own = extension.option_values(losses.ADVANTAGES[algo.adv], args)
+        try:
+            losses.group_advantages(torch.zeros(args.group_size), args.group_size, algo.adv, algo.adv_eps,
+                                    options=own)
+        except ValueError as e:
+            parsed.error(f"--adv {algo.adv}: {e}")
 
 
 def absolute_paths(parsed: Parsed, names):

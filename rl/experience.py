@@ -31,7 +31,7 @@ import losses
 import rollout
 import tasks
 from modeling import logprobs
-from plumbing import batching, distributed
+from plumbing import batching, distributed, extension
 from plumbing.distributed import all_max, all_sum, all_sums
 
 
@@ -175,7 +175,7 @@ class OldScores:
     def record(self, rows, prompt_cols, resp_cols, s: logprobs.TokenScores):
         """pi_old's scores of some rows (a micro-batch's, at its trimmed columns)."""
         self.old[rows, resp_cols], self.prompt[rows, prompt_cols] = s.response.detach(), s.prompt.detach()
-        self.entropy[rows, resp_cols] = s.entropy
+        self.entropy[rows, resp_cols] = s.entropy.detach()             # (with grad under a bonus)
 
 
 @dataclass
@@ -201,14 +201,17 @@ class UpdatePlan:
     micro_batches: list[logprobs.MicroBatch]
     num_tokens: float                   # valid response tokens of the update batch, all ranks (>= 1)
     num_seqs: float                     # valid rows of the update batch, all ranks (0: DAPO filler only)
-    num_signal: float                   # of those, rows of a group whose rewards differ (0: no signal)
+    num_signal: float | None = None     # of those, rows whose advantage is not ~0 (judge_signal; 0: none)
 
     def takes_step(self, no_signal: str) -> bool:
-        """An update batch in which every group's rewards are equal (every advantage 0), or of DAPO
-        filler only, takes no optimizer step unless no_signal is "step" (--no-signal; method.md
-        §8.6): its loss would be the KL terms alone, whose gradient is ~0 near the reference, and
-        AdamW would normalise that into a full lr-sized step in every weight. Skipped, the moments,
-        weight decay and the LR schedule wait too. Filler only: nothing in the loss, never a step."""
+        """An update batch in which every valid row's advantage is ~0 (losses.carries_signal: what the
+        estimator produced, e.g. every group's rewards equal), or of DAPO filler only, takes no
+        optimizer step unless no_signal is "step" (--no-signal; method.md §8.6): its loss would be
+        the KL terms alone, whose gradient is ~0 near the reference, and AdamW would normalise that
+        into a full lr-sized step in every weight. Skipped, the moments, weight decay and the LR
+        schedule wait too. Filler only: nothing in the loss, never a step."""
+        if self.num_signal is None:
+            raise RuntimeError("UpdatePlan.num_signal is set once the advantages exist (judge_signal)")
         return self.num_seqs > 0 and (self.num_signal > 0 or no_signal == "step")
 
 
@@ -234,23 +237,20 @@ def micro_batches(args, packed: logprobs.Packed, rows: range) -> list[logprobs.M
 
 
 def plan_step(args, packed: logprobs.Packed, valid: list[float], update_rows: list[slice], fresh: slice,
-              has_ref: bool, rewards: torch.Tensor | None = None) -> StepPlan:
+              has_ref: bool) -> StepPlan:
     """The step's plan from the host lengths and validity of its rows: one collective for the
     global counts, one per forward loop (the most micro-batches any rank runs), one host read
-    (do a group's rows share their prompt?). fresh: the on-policy rows (train.on_policy_rows);
-    rewards: (B,) as they enter the advantages, for UpdatePlan.num_signal (None: every row counts)."""
+    (do a group's rows share their prompt?). fresh: the on-policy rows (train.on_policy_rows). Which
+    update batches carry a signal is judged once the advantages exist (judge_signal)."""
     B, G = len(packed.lengths), args.group_size
-    signal = [True] * B if rewards is None else \
-        losses.nonconstant_groups(rewards, G).repeat_interleave(G).tolist()     # the group's rewards differ
     local = {}
     for u, rows in enumerate(update_rows):
         lengths, ok = packed.lengths[rows], valid[rows]
         local[f"tokens{u}"] = sum(r * v for (_, r), v in zip(lengths, ok))   # valid response tokens
         local[f"seqs{u}"] = sum(ok)
-        local[f"signal{u}"] = sum(v for v, s in zip(ok, signal[rows]) if s)
     counts = distributed.all_sums(local)
     updates = [UpdatePlan(micro_batches(args, packed, range(rows.start, rows.stop)),
-                          max(1.0, counts[f"tokens{u}"]), counts[f"seqs{u}"], counts[f"signal{u}"])
+                          max(1.0, counts[f"tokens{u}"]), counts[f"seqs{u}"])
                for u, rows in enumerate(update_rows)]
     group = batching.prompt_group(args)
     group = group if group > 1 and logprobs.shares_prompts(packed, G) else 1
@@ -258,6 +258,31 @@ def plan_step(args, packed: logprobs.Packed, valid: list[float], update_rows: li
                     fresh=micro_batches(args, packed, range(fresh.start, fresh.stop)),
                     ref=micro_batches(args, packed, range(B)) if has_ref else [],
                     updates=updates, group=group)
+
+
+def advantages(run, rewards, scores: OldScores, resp_mask, valid) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (B,), by the row --adv chooses of losses.ADVANTAGES (its own options from the run's), and
+    (B,) bool: the rows whose advantage carries a signal (losses.carries_signal; method.md §8.6).
+    RLOO's KL penalty in the reward (R - beta sum_t KL_t) is a regularizer, not a signal: the
+    signal is judged on the advantages of the rewards before it."""
+    algo, G = run.algo, run.args.group_size
+    own = extension.option_values(losses.ADVANTAGES[algo.adv], run.args)
+
+    def estimate(r):
+        return losses.group_advantages(r, G, algo.adv, algo.adv_eps, valid, reduce=all_sum, options=own)
+    adv = signal = estimate(rewards)
+    if algo.kl is not None and algo.kl_in == "reward":                   # RLOO: R - beta * sum_t KL_t
+        adv = estimate(losses.kl_penalized_rewards(rewards, scores.old, scores.ref, resp_mask, algo.beta,
+                                                   algo.kl))
+    return adv, losses.carries_signal(signal, rewards, G)
+
+
+def judge_signal(plan: StepPlan, signal, valid, update_rows: list[slice]):
+    """Each update batch's num_signal: its valid rows (all ranks) whose advantage carries a signal."""
+    ok = (signal.to(valid.dtype) * valid).tolist()
+    counts = distributed.all_sums({f"signal{u}": sum(ok[rows]) for u, rows in enumerate(update_rows)})
+    for u, update in enumerate(plan.updates):
+        update.num_signal = counts[f"signal{u}"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -355,6 +355,8 @@ def measure_step(a, algo, code: StepCode, needs_ref: bool, world=1, fake=True,
             w = worst_case_step(a, d.world, distributed.unwrap(m.policy).config.vocab_size)
             B, fresh = len(w.ro.finished), code.on_policy_rows(run, w.update_rows)
             plan = experience.plan_step(a, w.packed, [1.0] * B, w.update_rows, fresh, m.ref is not None)
+            for update in plan.updates:                                  # every row a signal: it steps
+                update.num_signal = update.num_seqs
             for mbs in (plan.old, plan.ref, plan.updates[0].micro_batches):  # the longest come first
                 del mbs[max_micro_batches:]
         tracker = PhasePeaks()

@@ -6,7 +6,7 @@ schedule, the sampler's spec. train.py's story (rl_step and the loop) starts fro
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -14,11 +14,11 @@ import torch
 import losses
 from modeling import lora
 from modeling import models
-from rl import query_reference
+from rl import controllers, query_reference
 import rollout
 import tasks
 from data.prompts import PromptSet
-from plumbing import batching, checkpoints, distributed, optimizer, step_guard, timer
+from plumbing import batching, checkpoints, distributed, extension, optimizer, step_guard, timer
 from plumbing.distributed import print0
 
 
@@ -44,6 +44,8 @@ class Run:
     # (policy, dtype) -> a context giving the model the sampler decodes with, freed on exit: a LoRA
     # policy's merged copy (lora.decoding_copy), else the policy itself (FSDP2: its gathered copy)
     decoding_copy: Callable = distributed.gathered
+    controllers: dict = field(default_factory=dict)  # the active rows of controllers.CONTROLLERS, made for
+                                        # this run: each step's loss coefficients (extension.steer)
 
 
 def old_rows(args, algo) -> float:
@@ -113,9 +115,12 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
                   or step_guard.weight_norm(policy))
     guard = step_guard.StepGuard(args.out, args.max_bad_steps, start_norm,
                                  ckpt_checked=state is None or checkpoints.is_checked(args.out))
+    rules = extension.start(controllers.CONTROLLERS, args, algo)        # switched on by their options
+    extension.load_state(rules, state and state.extra.get("controllers"))  # --resume: as they were
     return Run(args, algo, dist, policy, ref, tokenizer, opt, sched, data, qref, cached, spec, phases,
                task_names=tuple(tasks.task_names_in(data.rows)), guard=guard,
-               decoding_copy=lora.decoding_copy if args.lora_rank else distributed.gathered)
+               decoding_copy=lora.decoding_copy if args.lora_rank else distributed.gathered,
+               controllers=rules)
 
 
 def exportable(run):

@@ -295,3 +295,117 @@ def test_the_released_recipe_is_a_config_that_fits_its_gpus():
     assert train.needs_reference_model(a, algo)
     plan = memory_plan.phases(memory_plan.arch_for(a.model), a, a.plan_gpus, True, "cuda")
     assert max(plan.values()) / memory_plan.GIB <= 74.5                 # an 80 GB (74.5 GiB) card
+
+
+# ----------------------------------------------------------------------------------------------
+# An advantage and a per-step coefficient rule, each written as a new module by the test, imported
+# and registered with one call (plumbing.extension.register), training the tiny model; no repo module
+# is monkeypatched and train.py is not edited.
+
+PASSK_LIKE = '''
+"""A pass@k-like advantage with a knob: R_i - the group's pass@k estimate 1 - C(G - c, k) / C(G, k)."""
+import math
+
+import losses
+
+SEEN = []
+
+
+def advantages(x):
+    k = x.options["toy_k"]
+    SEEN.append(k)
+    G = x.rewards.shape[1]
+    c = x.rewards.sum(dim=1, keepdim=True).long()
+    fail = [math.comb(G - j, k) / math.comb(G, k) for j in range(G + 1)]
+    baseline = 1.0 - x.rewards.new_tensor(fail)[c]
+    return x.rewards - baseline
+
+
+ROW = losses.AdvantageRow(advantages, "R - the group's pass@k estimate", OPTIONS=(
+    ("toy_k", 2, "--adv toy-passk: k", ">=1"),))
+'''
+
+ENTROPY_RULE = '''
+"""An adaptive entropy coefficient: +step below the target entropy, -step above, never below 0."""
+
+
+class Rule:
+    doc = "a toy adaptive entropy coefficient (--toy-target > 0)"
+    OPTIONS = [("toy_target", 0.0, "target entropy (0 = off)", ">=0"), ("toy_step", 0.02, "change per step", ">0")]
+    knob = "entropy_coef"
+    loaded = []
+
+    def __init__(self, options, algo):
+        self.target, self.step, self.coef = options["toy_target"], options["toy_step"], algo.entropy_coef
+
+    @staticmethod
+    def is_on(options):
+        return options["toy_target"] > 0
+
+    def value(self):
+        return self.coef
+
+    def after_step(self, metrics):
+        self.coef = max(0.0, self.coef + (self.step if metrics["entropy"] < self.target else -self.step))
+
+    def state_dict(self):
+        return {"coef": self.coef}
+
+    def load_state_dict(self, state):
+        Rule.loaded.append(dict(state))
+        self.coef = state["coef"]
+'''
+
+
+def import_written(tmp_path, name, source):
+    """`source` written to tmp_path/<name>.py and imported from there (a researcher's own file)."""
+    import importlib.util
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_advantage_with_a_knob_written_outside_trains(tmp_path, small_data):
+    import losses
+    from plumbing import extension
+
+    mine = import_written(tmp_path, "toy_passk", PASSK_LIKE)
+    extension.register(losses.ADVANTAGES, "toy-passk", mine.ROW)
+    try:
+        ms = run(tmp_path / "run", small_data, "--algo", "grpo", "--adv", "toy-passk", "--toy-k", "3",
+                 "--no-signal", "step")
+        assert ms[-1]["step"] == 1 and math.isfinite(ms[-1]["loss"]) and ms[-1]["grad_norm"] > 0
+        assert mine.SEEN and set(mine.SEEN) == {3}                       # its knob reached it
+        with pytest.raises(SystemExit):                                  # inert for another --adv
+            train.parse_args(["--adv", "grpo", "--toy-k", "3", "--out", str(tmp_path / "x")])
+    finally:
+        extension.unregister(losses.ADVANTAGES, "toy-passk")
+    with pytest.raises(SystemExit):                                      # unregistered: unknown
+        train.parse_args(["--adv", "toy-passk", "--out", str(tmp_path / "x")])
+
+
+def test_a_coefficient_rule_written_outside_steers_and_resumes(tmp_path, small_data):
+    from plumbing import extension
+    from rl import controllers
+
+    mine = import_written(tmp_path, "toy_entropy", ENTROPY_RULE)
+    extension.register(controllers.CONTROLLERS, "toy-entropy", mine.Rule)
+    try:
+        flags = ("--algo", "grpo", "--toy-target", "100", "--no-signal", "step")
+        full = run(tmp_path / "full", small_data, *flags, steps=2)
+        assert [m["entropy_coef"] for m in full] == [0.0, 0.02]          # below the target: it rises
+        assert full[1]["entropy_bonus"] > 0
+        run(tmp_path / "cut", small_data, *flags, "--save-every", "1", steps=1)
+        saved = torch.load(os.path.join(tmp_path / "cut", "ckpt", "state.pt"), weights_only=False)["extra"]
+        assert saved["controllers"] == {"toy-entropy": {"coef": 0.02}}
+        resumed = run(tmp_path / "cut", small_data, "--resume", "--steps", "2")
+        assert mine.Rule.loaded == [{"coef": 0.02}]
+        assert [m["entropy_coef"] for m in resumed] == [m["entropy_coef"] for m in full]
+        assert [m["reward"] for m in resumed] == [m["reward"] for m in full]
+        with pytest.raises(SystemExit):                                  # its option, with the rule off
+            train.parse_args(["--toy-step", "0.1", "--out", str(tmp_path / "x")])
+    finally:
+        extension.unregister(controllers.CONTROLLERS, "toy-entropy")

@@ -10,6 +10,7 @@ from losses import (AGG_MODES, ALGOS, Algo, aggregate, group_advantages, kl_pena
                     nonconstant_groups, overlong_penalty, policy_kl, query_kl, query_weights, rl_loss,
                     unused_fields)
 from losses import SURROGATES, clip_masks, ppo_loss
+import losses
 from tests.loss_cases import (ADVANTAGE_CASES, CONSTANT_GROUPS, K3_CASES, KL_PQ, KL_QP, P, PPO_CASES, Q,
                               QUERY_KL_HAND, QUERY_WEIGHT_CASES, query_kl_case)
 from tests.rounding import assert_rounding
@@ -624,3 +625,54 @@ def test_unused_fields_and_weight_clip():
     assert make_algo("erpo", weight_clip=[0.5, 1.5]).weight_clip == (0.5, 1.5)
     with pytest.raises(ValueError, match="weight_clip"):
         make_algo("erpo", weight_clip=(1.0, 0.5))
+
+
+# -----------------------------------------------------------------------------
+# The advantage table, pass@k, the signal rule, the adaptive entropy coefficient
+
+def test_every_advantage_is_a_row_of_the_table_and_its_knobs_are_beside_it():
+    assert set(losses.ADVANTAGES) == {"grpo", "drgrpo", "rloo", "batch-std", "reinforce++", "maxrl", "passk"}
+    assert losses.BATCH_ADVANTAGES == ("batch-std", "reinforce++")
+    for kind in ("drgrpo", "rloo"):                                       # they read no epsilon
+        assert "adv_eps" in unused_fields(make_algo("grpo", adv=kind))
+    for kind in ("grpo", "batch-std", "reinforce++", "maxrl", "passk"):
+        assert "adv_eps" not in unused_fields(make_algo("grpo", adv=kind))
+    for name in ("dapo", "rloo"):                                          # success rewards: no shaping
+        with pytest.raises(ValueError, match="passk"):
+            make_algo(name, adv="passk")
+
+
+def test_passk_advantages_by_hand():
+    """Chen et al. 2025's closed form, G = 4, k = 2: one correct row -> mean 1 - C(3,2)/C(4,2) = 1/2,
+    std 1/2, A_pos = 1, A_neg = (1/2 - C(2,1)/C(3,1)) / (1/2) = -1/3; two -> mean 5/6, std sqrt(5)/6,
+    A = +-1/sqrt(5); three -> mean 1, std 0: every row 0; none or all: 0."""
+    R = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1])
+    s = 5 ** -0.5
+    want = torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, s, s, -s, -s] + [0.0] * 12)
+    got = group_advantages(R, 4, "passk", eps=0.0, options={"passk_k": 2})
+    torch.testing.assert_close(got, want)
+    A_pos = group_advantages(R[:4], 4, "passk", options={"passk_k": 2})[0].item()   # eps 1e-6, as the
+    assert A_pos == pytest.approx(0.5 / (0.5 + 1e-6), rel=1e-6)                     # released code
+    assert (got[8:] == 0).all()
+    for g in got.view(-1, 4):                                             # c A_pos + N_neg A_neg = 0
+        assert abs(g.sum().item()) < 1e-6
+    pop = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.75 * 0.25) ** 0.5  # k = 1: GRPO, population std
+    torch.testing.assert_close(group_advantages(R[:4], 4, "passk", 0.0, options={"passk_k": 1}), pop)
+    assert (group_advantages(R, 4, "passk", options={"passk_k": 4}) == 0).all()  # k = G: one correct = 1
+    torch.testing.assert_close(group_advantages(R[:4], 4, "passk"),                # the default k is 4
+                               group_advantages(R[:4], 4, "passk", options={"passk_k": 4}))
+    with pytest.raises(ValueError, match="passk_k"):
+        group_advantages(R, 4, "passk", options={"passk_k": 5})
+    with pytest.raises(ValueError, match="binary"):
+        group_advantages(torch.tensor([1.0, 0.1, 0, 0]), 4, "passk", options={"passk_k": 2})
+
+
+def test_a_signal_is_an_advantage_above_the_reward_scales_epsilon():
+    """losses.carries_signal: |A_i| > 1e-6 * max(1, the group's largest |R|)."""
+    R = torch.tensor([0.1, 0.1, 0.1, 0.1, 1.0, 0.0, 0.0, 0.0, 5e6, 5e6, 5e6, 5e6 + 1])
+    A = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.5, -0.5, -0.5, -0.5, 6.0, 6.0, 6.0, 6.0])
+    assert losses.carries_signal(A, R, 4).tolist() == [False] * 4 + [True] * 8
+    A[:4] = 5e-7                                                          # round-off of shaped rewards
+    assert not losses.carries_signal(A, R, 4)[:4].any()
+    assert not losses.carries_signal(A[8:] / 2, R[8:], 4).any()          # 3 < 1e-6 * 5e6
+

@@ -154,6 +154,8 @@ MENU = {
     "lr-cosine": ["--lr-schedule", "cosine"],
     "entropy-bonus": ["--entropy-coef", "0.01"],
     "top-entropy": ["--top-entropy-quantile", "0.2"],
+    "passk": ["--adv", "passk", "--passk-k", "2"],
+    "entropy-target": ["--entropy-target", "100", "--entropy-coef-delta", "0.01"],
 }
 
 
@@ -172,6 +174,8 @@ def test_each_option_trains_two_steps(name, tmp_path, small_data):
         assert all(m["truncated_frac"] > 0 for m in ms)                   # there were some to mask
     if name == "entropy-bonus":
         assert all(m["entropy_bonus"] > 0 for m in ms)
+    if name == "entropy-target":          # entropy below the target: the coefficient rises by delta
+        assert [m["entropy_coef"] for m in ms] == [0.0, 0.01] and "entropy_bonus" in ms[1]
     if name.startswith("lr-"):            # 4 optimizer steps, decay over 4: each step's first one's lr
         assert ms[0]["lr"] == 2e-4 and ms[1]["lr"] == pytest.approx(2e-4 * (0.55 if name == "lr-linear" else 0.5))
 

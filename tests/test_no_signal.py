@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
 SIZES = ["--rollout-batch", "8", "--update-batch", "4", "--group-size", "4", "--eval-every", "0",
          "--save-every", "0"]                                   # 2 optimizer steps per RL step
-SAID = "no signal: an update batch whose groups all have equal rewards (every advantage 0) took no"
+SAID = "no signal: an update batch whose every advantage is ~0 (its groups' rewards all equal) took no"
 
 
 def run(out, *extra, steps=2):
@@ -145,3 +145,26 @@ def test_a_run_that_takes_no_step_for_idle_steps_in_a_row_says_so_once(tmp_path,
     said = [ln for ln in capsys.readouterr().out.splitlines() if "RL steps in a row" in ln]
     assert len(said) == 1 and said[0].startswith("no optimizer step in 2 RL steps in a row (steps 1-2; "
                                                  "train_acc 0.000)") and "--no-signal step" in said[0]
+
+
+def test_no_signal_is_judged_on_the_advantages_the_estimator_produced(tmp_path, small_data, monkeypatch,
+                                                                       optimizer_steps):
+    """The rule reads the advantages, not the rewards: an estimator registered from outside whose
+    advantages are not 0 on a constant-reward group (a fixed baseline of 0.5: A = R - 0.5) steps on
+    the batches where grpo, on the same rewards (every one 0), takes no step."""
+    import losses
+    from plumbing import extension
+    scores_only(monkeypatch)
+    args = ["--train-data", small_data, "--max-new-tokens", "24", "--algo", "grpo"]
+    ms = run(tmp_path / "grpo", *args)
+    assert not optimizer_steps and [m["no_signal_steps"] for m in ms] == [2, 2]
+    row = losses.AdvantageRow(lambda x: x.rewards - 0.5, "R - 0.5", constant_is_zero=False)
+    extension.register(losses.ADVANTAGES, "fixed-baseline", row)
+    try:
+        ms = run(tmp_path / "fixed", *args, "--adv", "fixed-baseline")
+    finally:
+        extension.unregister(losses.ADVANTAGES, "fixed-baseline")
+    assert len(optimizer_steps) == 4 and [m["no_signal_steps"] for m in ms] == [0, 0]
+    assert all(m["grad_norm"] is not None and m["grad_norm"] > 0 for m in ms)
+    ms = run(tmp_path / "passk", *args, "--adv", "passk")                # pass@k: 0 on constant groups
+    assert len(optimizer_steps) == 4 and [m["no_signal_steps"] for m in ms] == [2, 2]

@@ -185,6 +185,64 @@ def test_resume_continues_from_the_saved_step(tmp_path, small_data):
                     assert_rounding(f"train.resume.{k}", b[k], a[k])
 
 
+def test_passk_options_are_checked_when_parsed(capsys, tmp_path):
+    """--adv passk: --passk-k is its own option (inert for another --adv), k <= --group-size, 0/1
+    rewards (--reward acc); all refused with one line before anything runs."""
+    out = ["--out", str(tmp_path / "x")]
+    args, algo = train.parse_args(["--adv", "passk", "--passk-k", "2", "--group-size", "4", *out])
+    assert algo.adv == "passk" and args.passk_k == 2
+    for bad, said in ((["--adv", "passk", "--passk-k", "5", "--group-size", "4"], "passk_k must be in [1, G = 4]"),
+                      (["--adv", "passk", "--reward", "acc+format"], "needs 0/1 rewards"),
+                      (["--passk-k", "2"], "--passk-k 2 cannot act"),
+                      (["--adv", "passk", "--algo", "dapo"], "success rewards")):
+        with pytest.raises(SystemExit):
+            train.parse_args([*bad, *out])
+        assert said in capsys.readouterr().err
+
+def test_adaptive_entropy_coefficient_by_hand():
+    """Skywork-OR1: c += delta below the target, -= above, clipped to [0, cap]."""
+    from rl import controllers
+    rule = controllers.adaptive_coef
+    assert rule(0.0, 0.1, 0.2, 0.005, 0.05) == 0.005
+    assert rule(0.01, 0.3, 0.2, 0.005, 0.05) == pytest.approx(0.005)
+    assert rule(0.002, 0.3, 0.2, 0.005, 0.05) == 0.0                      # not below 0
+    assert rule(0.049, 0.1, 0.2, 0.005, 0.05) == 0.05                     # not above the cap
+    assert rule(0.01, 0.2, 0.2, 0.005, 0.05) == 0.01                      # at the target: stays
+    c = controllers.AdaptiveEntropy({"entropy_target": 0.2, "entropy_coef_delta": 0.01, "entropy_coef_max": 0.015},
+                               losses.make_algo("grpo", entropy_coef=0.001))
+    assert c.value() == 0.001 and c.knob == "entropy_coef"
+    for entropy, want in ((0.1, 0.011), (0.1, 0.015), (0.5, 0.005)):
+        c.after_step({"entropy": entropy})
+        assert c.value() == pytest.approx(want)
+    fresh = controllers.AdaptiveEntropy({"entropy_target": 0.2, "entropy_coef_delta": 0.01, "entropy_coef_max": 0.05},
+                                   losses.make_algo("grpo"))
+    fresh.load_state_dict(c.state_dict())
+    assert fresh.value() == c.value()
+    assert not controllers.AdaptiveEntropy.is_on({"entropy_target": 0.0})
+
+
+def test_an_adaptive_entropy_coefficient_moves_and_resumes(tmp_path, small_data, capsys):
+    """--entropy-target (Skywork-OR1's adaptive entropy control, rl/controllers.py): the entropy is
+    below the target, so the coefficient rises by --entropy-coef-delta each step up to
+    --entropy-coef-max; it is logged, saved in the checkpoint and restored by --resume (the resumed
+    run's coefficients are the uninterrupted run's). Its options are inert without it."""
+    flags = ("--algo", "grpo", "--eval-every", "0", "--no-signal", "step", "--entropy-target", "100",
+             "--entropy-coef-delta", "0.01", "--entropy-coef-max", "0.015")
+    full = run(tmp_path / "full", small_data, *flags, steps=3)
+    assert [m["entropy_coef"] for m in full] == [0.0, 0.01, 0.015]
+    assert "entropy_bonus" not in full[0] and full[1]["entropy_bonus"] > 0
+    run(tmp_path / "cut", small_data, *flags, steps=2)                    # saved after step 2
+    extra = torch.load(tmp_path / "cut" / "ckpt" / "state.pt", weights_only=False)["extra"]
+    assert extra["controllers"] == {"adaptive-entropy": {"coef": 0.015}}
+    resumed = run(tmp_path / "cut", small_data, *flags, "--resume", steps=3)
+    assert [m["entropy_coef"] for m in resumed] == [0.0, 0.01, 0.015]
+    assert [m["reward"] for m in resumed] == [m["reward"] for m in full]  # the same tokens sampled
+    for bad in (["--entropy-coef-delta", "0.01"], ["--algo", "sft", "--entropy-target", "0.2"]):
+        with pytest.raises(SystemExit):
+            train.parse_args([*bad, "--out", str(tmp_path / "x")])
+    assert "cannot act" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("algo", [a for a in losses.ALGOS if a not in ("erpo", "grpo")])
 def test_every_algorithm_trains(tmp_path, small_data, algo):
     """Each row's whole loss runs: --no-signal step takes both optimizer steps whatever the 8 sampled

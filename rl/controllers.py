@@ -1,0 +1,55 @@
+"""Per-step rules for a loss coefficient: the table CONTROLLERS (method.md §8.7). losses.py's terms
+are functions of one micro-batch; a rule here keeps state across RL steps -- a coefficient it moves
+from each step's metrics -- so it lives with the RL loop.
+
+A row is a class, switched on by its own options (is_on; its options are inert otherwise) and made
+once per run (row(options, algo)). Each RL step's loss uses value() as the losses.Algo field `knob`,
+and after_step(metrics) moves it for the next step; plumbing/extension.py applies every active row
+(steer, after_step), and the checkpoint saves its state_dict (--resume restores it). A new rule is
+one class and one row: extension.register(controllers.CONTROLLERS, name, TheClass).
+"""
+
+
+def adaptive_coef(coef, entropy, target, delta, cap):
+    """Skywork-OR1's adaptive entropy control (He et al., "Skywork Open Reasoner 1 Technical Report",
+    arXiv:2505.22312, "adaptive entropy control"): the coefficient moves by a fixed delta, up when the
+    step's entropy is below the target, down when above, clipped to [0, cap]:
+        c_{k+1} = clip(c_k + delta * sign(target - H_k), 0, cap)."""
+    step = delta if entropy < target else -delta if entropy > target else 0.0
+    return min(max(coef + step, 0.0), cap)
+
+
+class AdaptiveEntropy:
+    """Algo.entropy_coef (--entropy-coef: its start) steered toward a target entropy of the rollout
+    policy's response tokens (`entropy` in metrics.jsonl, the same on every rank)."""
+    doc = "adaptive entropy coefficient (Skywork-OR1), on with --entropy-target > 0"
+    OPTIONS = [("entropy_target", 0.0, "adaptive entropy control (Skywork-OR1, method.md §8.7): the token "
+                "entropy the entropy coefficient steers toward, in nats (0 = off)", ">=0"),
+               ("entropy_coef_delta", 0.005, "adaptive entropy control: the coefficient's change per RL step",
+                ">0"),
+               ("entropy_coef_max", 0.05, "adaptive entropy control: the coefficient's upper bound", ">0")]
+    knob = "entropy_coef"
+
+    def __init__(self, options, algo):
+        self.target, self.delta = options["entropy_target"], options["entropy_coef_delta"]
+        self.cap = options["entropy_coef_max"]
+        self.coef = min(algo.entropy_coef, self.cap)
+
+    @staticmethod
+    def is_on(options) -> bool:
+        return options["entropy_target"] > 0
+
+    def value(self) -> float:
+        return self.coef
+
+    def after_step(self, metrics):
+        self.coef = adaptive_coef(self.coef, metrics["entropy"], self.target, self.delta, self.cap)
+
+    def state_dict(self):
+        return {"coef": self.coef}
+
+    def load_state_dict(self, state):
+        self.coef = float(state["coef"])
+
+
+CONTROLLERS: dict[str, type] = {"adaptive-entropy": AdaptiveEntropy}
