@@ -103,7 +103,8 @@ OPTIONS = [
                                                                "(the paper); the reference model's forward over "
                                                                "each step's prompts (live: what the released code "
                                                                "means); zeros (released-zeros: what it computes); "
-                                                               "an anchor that moves (ema, refresh)",
+                                                               "an anchor that moves (ema, refresh); another "
+                                                               "model's, from --qkl-ref-model (model)",
                                                                query_reference.REFERENCES),
     ("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)"),
     ("measure_policy_kl", True,                                "keep a reference model to log Policy-KL even when the loss has none"),
@@ -462,7 +463,8 @@ def parse_args(argv=None):
     own = {"train_data": task.train_data, "eval_data": list(task.heldout),
            "max_new_tokens": task.max_new_tokens}
     options.fill(parsed, {k: v for k, v in own.items() if v})
-    options.absolute_paths(parsed, ("model", "train_data", "eval_data", "sft_data", "export"))
+    options.absolute_paths(parsed, ("model", "train_data", "eval_data", "sft_data", "export",
+                                    "qkl_ref_model"))
     if args.resume:                                     # what the command does not say, config.json does
         saved = run_dir.read_config(args.out) or {}
         options.fill(parsed, saved, skip=NOT_THE_RUN)
@@ -539,7 +541,8 @@ def train(args, algo):
     torch.manual_seed(args.seed), random.seed(args.seed)
     with run_dir.RunLock(args.out) as lock:                              # released on any exit (a kill too)
         evalsets = train_in_folder(args, algo, dist, lock)
-    print0(run_dir.summary(args.out, time.time() - t0, list(evalsets), args.template, args.save_every))
+    sizes = {name: len(problems) for name, problems in evalsets.items()}     # (the next: lines' counts)
+    print0(run_dir.summary(args.out, time.time() - t0, sizes, args.template, args.save_every))
     distributed.teardown()
 
 

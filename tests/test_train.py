@@ -13,7 +13,7 @@ import torch
 
 import losses
 import train
-from plumbing import options
+from plumbing import extension, options
 from tests.rounding import assert_rounding, is_exact
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -256,9 +256,9 @@ def test_every_algorithm_trains(tmp_path, small_data, algo):
         assert "kept_groups" in m and "resample_rounds" in m
 
 
-def test_a_surrogate_registered_from_outside_trains(tmp_path, small_data, monkeypatch):
+def test_a_surrogate_registered_from_outside_trains(tmp_path, small_data):
     """A new policy-gradient surrogate is a function and a row of losses.SURROGATES: registered
-    here, --surrogate picks it (the flag's choices are the table), its loss is the one trained, its
+    here with the one public call (extension.register, no monkeypatching), --surrogate picks it (the flag's choices are the table), its loss is the one trained, its
     statistic is logged, and the knobs it does not read are inert (an error on the command line)."""
     calls = []
 
@@ -266,14 +266,16 @@ def test_a_surrogate_registered_from_outside_trains(tmp_path, small_data, monkey
         calls.append(logp.shape)
         ratio = torch.exp(logp - old_logp)
         return losses.Surrogate(-advantages[:, None] * ratio, ratio.detach(), {"big_ratio": ratio > 2})
-    monkeypatch.setitem(losses.SURROGATES, "vanilla", losses.SurrogateRow(vanilla_pg, frozenset(),
-                                                                                  ("big_ratio",)))
-    ms = run(tmp_path, small_data, "--algo", "grpo", "--surrogate", "vanilla", "--eval-every", "0",
-             "--no-signal", "step", steps=1)
-    assert calls and ms[-1]["step"] == 1 and ms[-1]["big_ratio"] == 0 and math.isfinite(ms[-1]["loss"])
-    assert "clip_frac" not in ms[-1]                           # PPO's statistics are PPO's
-    with pytest.raises(SystemExit):                            # it reads no clip range: --eps-high is inert
-        train.parse_args(["--surrogate", "vanilla", "--eps-high", "0.28", "--out", str(tmp_path / "y")])
+    extension.register(losses.SURROGATES, "vanilla", losses.SurrogateRow(vanilla_pg, frozenset(), ("big_ratio",)))
+    try:
+        ms = run(tmp_path, small_data, "--algo", "grpo", "--surrogate", "vanilla", "--eval-every", "0",
+                 "--no-signal", "step", steps=1)
+        assert calls and ms[-1]["step"] == 1 and ms[-1]["big_ratio"] == 0 and math.isfinite(ms[-1]["loss"])
+        assert "clip_frac" not in ms[-1]                       # PPO's statistics are PPO's
+        with pytest.raises(SystemExit):                        # it reads no clip range: --eps-high is inert
+            train.parse_args(["--surrogate", "vanilla", "--eps-high", "0.28", "--out", str(tmp_path / "y")])
+    finally:
+        extension.unregister(losses.SURROGATES, "vanilla")
     with pytest.raises(SystemExit):                            # unregistered: an argparse error
         train.main(["--surrogate", "nope", "--out", str(tmp_path / "x")])
 
