@@ -196,9 +196,13 @@ def read_lengths(path: str, limit: int) -> dict:
     with open(path) as f:
         text = f.read()
     try:
-        records = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
-    except json.JSONDecodeError as e:
-        raise _bad(path, f"not JSON or JSONL ({e.msg}, line {e.lineno})") from None
+        whole = json.loads(text)
+        records = [whole]
+    except json.JSONDecodeError:
+        try:
+            records = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+        except json.JSONDecodeError as e:
+            raise _bad(path, f"not JSON or JSONL ({e.msg}, line {e.lineno})") from None
     if len(records) == 1 and isinstance(records[0], dict) and {"prompt", "response"} & set(records[0]):
         return _from_spec(path, records[0])
     if not records or not all(isinstance(r, dict) for r in records):
