@@ -69,9 +69,11 @@ class Lengths:
     """A distribution of token counts: pmf[x] = P(length = x), x = 0 .. len(pmf) - 1; `source` says
     where it comes from (printed beside the estimate)."""
 
-    def __init__(self, pmf, source: str):
+    def __init__(self, pmf, source: str, cut=False):
         pmf = np.asarray(pmf, dtype=np.float64)
         self.pmf, self.source = pmf / pmf.sum(), source
+        self.cut = cut                  # the last length's rows were cut there: under a higher limit
+        #                                 they run to it (the pessimistic guess)
         self.cdf = np.minimum(np.cumsum(self.pmf), 1.0)
 
     def mean(self) -> float:
@@ -97,10 +99,10 @@ class Lengths:
     def cut_at(self, limit: int) -> "Lengths":
         """Responses under a limit: every length >= limit becomes the limit (a row cut there)."""
         pmf = np.zeros(limit + 1)
-        n = min(limit, len(self.pmf))
+        n = min(limit, len(self.pmf) - 1 if self.cut else len(self.pmf))
         pmf[:n] = self.pmf[:n]
-        pmf[limit] += self.pmf[limit:].sum()
-        return Lengths(pmf, self.source)
+        pmf[limit] += self.pmf[n:].sum()
+        return Lengths(pmf, self.source, cut=True)
 
     def truncated(self) -> float:
         return float(self.pmf[-1])
@@ -131,7 +133,7 @@ def fitted_responses(mean: float, truncated: float, limit: int, source: str) -> 
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if np.dot(x, _gamma2(mid, limit)) < below else (lo, mid)
     pmf = np.append(_gamma2(lo, limit) * (1 - truncated), truncated)
-    return Lengths(pmf, source)
+    return Lengths(pmf, source, cut=True)
 
 
 def _lognormal(mu: float, sigma: float, n: int) -> np.ndarray:
@@ -168,9 +170,8 @@ def default_prompts() -> Lengths:
     if "prompt" not in _FITTED:
         p = _review()["prompt"]
         _FITTED["prompt"] = fitted_prompts(p["mean"], p["longest"], p["longest_of"],
-                                           f"mean {p['mean']}, a rank's longest of {p['longest_of']} "
-                                           f"~{p['longest']} (issue #42's review: summary statistics, not "
-                                           "a histogram of the data)")
+                                           "issue #42's review: its summary statistics, not a histogram "
+                                           "of the data")
     return _FITTED["prompt"]
 
 
@@ -220,7 +221,7 @@ def _from_samples(path, records, limit) -> Lengths:
     if min(n) < 0:
         raise _bad(path, "a negative num_tokens")
     pmf = np.bincount(np.minimum(n, limit), minlength=limit + 1).astype(np.float64)
-    return Lengths(pmf, f"{len(n)} samples of {path} (unfinished ones cut at the limit)")
+    return Lengths(pmf, f"{len(n)} samples of {path} (unfinished ones cut at the limit)", cut=True)
 
 
 def _from_metrics(path, steps, limit) -> Lengths:

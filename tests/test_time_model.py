@@ -37,6 +37,8 @@ def test_the_default_lengths_are_the_review_s_central_case():
     assert "issue #42's review" in resp.source and "summary statistics" in prompt.source
     short = resp.cut_at(1024)                                   # a lower limit cuts more rows
     assert short.truncated() > 0.05 and short.mean() < 753
+    long = time_model.default_responses().cut_at(8192)          # a higher one: cut rows run to it
+    assert long.truncated() == pytest.approx(0.05) and long.mean() == pytest.approx(753 + 0.05 * 5120, abs=0.5)
 
 
 class FakeStep:
