@@ -368,7 +368,8 @@ def planned_tokens(resp: Lengths, prompt: Lengths, n: int, group: int, size: int
     """batching.microbatch_plan over n rows (groups of `group` rows share a prompt), in expectation:
     longest first, at most `size` rows and max_tokens padded tokens each, a micro-batch as wide as
     its longest response (the first row's, at its rank among the n) + the longest of its distinct
-    prompts. -> (padded tokens, micro-batches)."""
+    prompts. -> (padded tokens, micro-batches). Not modelled: --share-prompts' whole groups, and
+    FSDP2's splitting to the most micro-batches any rank needs (more forwards, the same tokens)."""
     total = Lengths(np.convolve(prompt.pmf, resp.pmf), "")          # a row's prompt + response
     prompts_in, j, tokens, micro = max(1.0, n / group), 0, 0.0, 0
     while j < n:
@@ -387,7 +388,7 @@ def planned_tokens(resp: Lengths, prompt: Lengths, n: int, group: int, size: int
 @dataclass
 class Term:
     name: str
-    seconds: tuple[float, float]        # (realistic, worst case)
+    seconds: tuple                      # per set of lengths (step_terms: one; decode_terms: one per L)
     note: str
 
 

@@ -38,7 +38,8 @@ def test_the_default_lengths_are_the_review_s_central_case():
     short = resp.cut_at(1024)                                   # a lower limit cuts more rows
     assert short.truncated() > 0.05 and short.mean() < 753
     long = time_model.default_responses().cut_at(8192)          # a higher one: cut rows run to it
-    assert long.truncated() == pytest.approx(0.05) and long.mean() == pytest.approx(753 + 0.05 * 5120, abs=0.5)
+    assert long.truncated() == pytest.approx(0.05)
+    assert long.mean() == pytest.approx(753 + 0.05 * 5120, abs=0.5)
 
 
 class FakeStep:
@@ -108,15 +109,17 @@ def test_the_closed_form_agrees_with_a_replay_of_the_code_s_schedule(monkeypatch
 
 def test_measured_lengths_from_samples_and_metrics(tmp_path):
     samples = tmp_path / "samples.jsonl"
+    rows = [(100, True), (300, True), (2048, False), (500, True)]
     samples.write_text("".join(json.dumps({"id": i, "num_tokens": n, "finished": f}) + "\n"
-                               for i, (n, f) in enumerate([(100, True), (300, True), (2048, False), (500, True)])))
+                               for i, (n, f) in enumerate(rows)))
     got = time_model.read_lengths(str(samples), 3072)["response"]
     assert got.truncated() == pytest.approx(0.25) and got.mean() == pytest.approx((900 + 3072) / 4)
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"max_new_tokens": 2048}))
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "response_len": m, "truncated_frac": t}) + "\n"
-                                               for s, m, t in [(1, 700, 0.04), (2, 800, 0.06)]))
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "response_len": m, "truncated_frac": t}) + "\n"
+        for s, m, t in [(1, 700, 0.04), (2, 800, 0.06)]))
     got = time_model.read_lengths(str(run / "metrics.jsonl"), 2048)["response"]
     assert got.mean() == pytest.approx(750, abs=1) and got.truncated() == pytest.approx(0.05)
     a, _ = paper("--steps", "10")
@@ -151,7 +154,8 @@ def test_a_prompt_histogram_of_the_data_under_its_tokenizer(tmp_path):
     assert spec["prompt"]["histogram"] == {str(n): sum(len(i) == n for i in ids) for n in map(len, ids)}
     assert len(spec["prompt"]["data_sha256"]) == 64 and len(spec["prompt"]["tokenizer_sha256"]) == 64
     got = time_model.read_lengths(str(out), 3072)["prompt"]
-    assert got.mean() == pytest.approx(np.mean([len(i) for i in ids])) and "histogram of math.jsonl" in got.source
+    assert got.mean() == pytest.approx(np.mean([len(i) for i in ids]))
+    assert "histogram of math.jsonl" in got.source
 
 
 def test_the_report_puts_the_realistic_estimate_first_and_names_its_assumptions():
@@ -192,7 +196,7 @@ def test_the_fixed_length_decode_bound_bench_gpu_check_uses():
     arch, gpu = memory_plan.arch_for(a.model), time_model.GPUS["h100"]
     (term,) = time_model.decode_terms(arch, a, 8, gpu, (3072, 1536))
     assert "12,288 decode steps of 512 rows in 128 slots" in term.note
-    weights = 2 * (arch.params() - arch.vocab * arch.hidden)                  # the input embedding is a lookup
+    weights = 2 * (arch.params() - arch.vocab * arch.hidden)        # the input embedding is a lookup
     kv = 128 * (1024 + 3072) * arch.kv_bytes_per_position()
     assert term.seconds[0] == pytest.approx(12288 * (weights + kv) / 3.35e12)
 
