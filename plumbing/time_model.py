@@ -305,6 +305,7 @@ def _sha256(paths) -> str:
 class Segment:
     steps: float                        # decode steps
     kv: float                           # KV positions each of them reads (slots x columns)
+    rows: float                         # slots each of them computes
 
 
 def slots_for(a, gpus, prompt: Lengths) -> int:
@@ -341,17 +342,21 @@ def decode_schedule(resp: Lengths, prompt: Lengths, N: int, n_prompts: int, S: i
         since = min(R, int(t - fill))                               # steps since the queue drained
         alive = S if t < fill else fresh * sf[since] + (S - fresh) * (1 - res_cdf[since])
         batch = min(S, alive / (1 - 1 / (2 * COMPACT_FRACTION)))    # finished slots wait to be compacted
-        segments.append(Segment(min(GRID, fill + tail - t), batch * width))
+        segments.append(Segment(min(GRID, fill + tail - t), batch * width, batch))
     return segments
 
 
 def decode_seconds(arch, gpu: GPU, segments) -> tuple[float, float, float]:
-    """-> (seconds, steps, seconds per step at the fullest segment) of a decode schedule."""
+    """-> (seconds, steps, seconds per step at the fullest segment) of a decode schedule: each step
+    the slowest of reading the weights and KV, launching its kernels, and its 2N FLOPs per slot (at
+    PREFILL_MFU: dense matmuls; the bound a few hundred slots reach; none for a GPU of 0 TFLOP/s)."""
     weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
     launch = KERNELS_PER_LAYER * arch.layers * LAUNCH_US * 1e-6
+    flops = 2 * arch.params() / (gpu.bf16_tflops * 1e12 * PREFILL_MFU) if gpu.bf16_tflops else 0.0
 
     def step_s(seg):
-        return max(launch, (weights + seg.kv * arch.kv_bytes_per_position()) / (gpu.hbm_tbs * 1e12))
+        read = (weights + seg.kv * arch.kv_bytes_per_position()) / (gpu.hbm_tbs * 1e12)
+        return max(launch, read, seg.rows * flops)
     return (sum(s.steps * step_s(s) for s in segments), sum(s.steps for s in segments),
             max(map(step_s, segments)))
 
@@ -360,7 +365,7 @@ def worst_schedule(R: int, prompt: Lengths, N: int, n_prompts: int, S: int) -> l
     """Every row to the limit: waves of S rows that start and end together, each step reading the
     rank's longest prompt + the step's columns (their mean: + R / 2)."""
     S, cols = min(S, N), prompt.expected_max(n_prompts) + R / 2 + 1
-    return [Segment(R, min(S, N - w) * cols) for w in range(0, N, S)]
+    return [Segment(R, min(S, N - w) * cols, min(S, N - w)) for w in range(0, N, S)]
 
 
 def planned_tokens(resp: Lengths, prompt: Lengths, n: int, group: int, size: int,
@@ -401,7 +406,7 @@ def decode_terms(arch, a, gpus, gpu: GPU, lengths) -> list[Term]:
     out = []
     for L in lengths:
         n = L if rows <= slots else math.ceil(rows * L / slots) + (a.max_new_tokens - L)
-        out.append(decode_seconds(arch, gpu, [Segment(n, slots * (prompt.expected_max(1) + L))]))
+        out.append(decode_seconds(arch, gpu, [Segment(n, slots * (prompt.expected_max(1) + L), slots)]))
     return [Term("decode", tuple(o[0] for o in out) + (0.0,) * (2 - len(out)),
                  f"{out[0][1]:,.0f} decode steps of {rows} rows in {slots} slots")]
 
@@ -460,7 +465,8 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
     launch = KERNELS_PER_LAYER * arch.layers
     weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
     notes = {"decode": f"each step reads {weights / 1e9:.1f} GB of bf16 weights + the slots' KV "
-                       f"cache at {gpu.hbm_tbs} TB/s, or launches {launch} kernels at {LAUNCH_US:g} us",
+                       f"cache at {gpu.hbm_tbs} TB/s, or launches {launch} kernels at {LAUNCH_US:g} us, or "
+                       f"computes 2N FLOPs a slot at {PREFILL_MFU:.0%} MFU, whichever is slowest",
              "prefill": f"2N FLOPs per token at {PREFILL_MFU:.0%} of {gpu.bf16_tflops:g} TFLOP/s",
              "score": f"pi_old over {old_rows:.0%} of the rows"
                       f"{' + the reference over all' if needs_ref else ''}, no grad, at {MFU:.0%} MFU",

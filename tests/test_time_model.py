@@ -191,7 +191,8 @@ def test_the_update_term_by_hand():
 
 
 def test_the_fixed_length_decode_bound_bench_gpu_check_uses():
-    """S rows in S slots, every row L tokens: L steps, each reading the weights + S x (P + L) KV."""
+    """S rows in S slots, every row L tokens: L steps, each reading the weights + S x (P + L) KV
+    (bench/gpu_check.py sets a measured pass against it; its GPU of 0 TFLOP/s has no compute bound)."""
     a, _ = paper()
     arch, gpu = memory_plan.arch_for(a.model), time_model.GPUS["h100"]
     (term,) = time_model.decode_terms(arch, a, 8, gpu, (3072, 1536))
@@ -199,6 +200,10 @@ def test_the_fixed_length_decode_bound_bench_gpu_check_uses():
     weights = 2 * (arch.params() - arch.vocab * arch.hidden)        # the input embedding is a lookup
     kv = 128 * (1024 + 3072) * arch.kv_bytes_per_position()
     assert term.seconds[0] == pytest.approx(12288 * (weights + kv) / 3.35e12)
+    # the other two bounds: launching ~1,200 eager kernels, and 1,000 slots' 2N FLOPs each at 50% MFU
+    few, many = (time_model.Segment(1, 0, rows) for rows in (1, 1000))
+    assert time_model.decode_seconds(arch, gpu, [few])[0] == pytest.approx(43 * 28 * 5e-6)
+    assert time_model.decode_seconds(arch, gpu, [many])[0] == pytest.approx(1000 * 2 * arch.params() / 494.5e12)
 
 
 def test_the_disk_a_run_needs():
