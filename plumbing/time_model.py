@@ -2,22 +2,40 @@
 (`train.py --dry-run` prints it above the memory plan). A model, not a measurement: every term is a
 formula whose assumption is named beside its number, so a user can see which one to doubt.
 
-The step's phases, per rank (the ranks run in parallel):
-    decode   one pass over the rank's rows with S rows decoding at once (sampler/kv_cache.py, S =
-             memory_plan.kv_rows); each decode step reads the bf16 weights and the slots' KV cache up
-             to the longest slot's length (memory-bound), or is bound by launching its eager
-             kernels, whichever is slower
-    prefill  the distinct prompts through the model once (compute-bound, 2 N FLOPs per token)
-    score    pi_old's no-grad forward over the rows (and the reference's, where one is loaded)
-    update   forward + backward (6 N FLOPs per token, 8 N with activation checkpointing; LoRA: 2 N
-             less, the frozen base's weight gradients), and under FSDP2 the weights gathered twice and
-             the gradients reduce-scattered per micro-batch
-Two response lengths bound it: every row to --max-new-tokens (the worst case, and what a fixed-size
-chunk of rows costs when one of its rows runs to the limit), and a mean of half the limit.
+Two columns: the REALISTIC estimate, over the lengths a run will meet, and beside it the WORST CASE,
+every response to --max-new-tokens. The lengths (`Lengths`, `plan_lengths`):
+    responses  a stated distribution: by default issue #42's review central case (Qwen2.5-Math-7B at
+               the start of RL: mean 753 tokens, 5% cut at the 3,072 limit; configs/lengths/), or one
+               measured by --plan-lengths (an evaluate.py samples.jsonl: each sample's num_tokens; a
+               run's metrics.jsonl: its response_len and truncated_frac)
+    prompts    as the code pads them, from a distribution of prompt lengths: the review's summary
+               statistics by default (mean 144 tokens, a rank's longest of 64 prompts ~430), or a
+               histogram of the data under the template (`prompt_histogram` writes one, with the data's
+               and the tokenizer's hashes, where both are at hand; --plan-lengths reads it)
+The step's phases, per rank (the ranks run in parallel), each an expectation over those lengths
+(formulas of the distributions, no sampling; tests/test_time_model.py replays the code's own
+schedule on sampled lengths against them):
+    decode   one pass over the rank's N rows in S slots (sampler/kv_cache.py's decode_pass, S = the
+             KV budget // (the rank's longest prompt + max_new_tokens)): the slots stay full until the
+             queue drains, each row holding its slot for its length plus the wait for a refill, then
+             the last rows finish. Each step reads the bf16 weights and every slot's KV cache up to
+             the longest slot's column (memory-bound), or is bound by launching its eager kernels
+    prefill  each distinct prompt once, left-padded in groups of PREFILL_TOKENS (2 N FLOPs per token)
+    score    pi_old's no-grad forward over the rows (and the reference's, where one is loaded), in the
+             micro-batches batching.microbatch_plan makes: longest first, each padded to its longest
+             prompt + its longest response
+    update   forward + backward over the same micro-batches (6 N FLOPs per token, 8 N with activation
+             checkpointing; LoRA: 2 N less), and under FSDP2 the weights gathered twice and the gradients
+             reduce-scattered per micro-batch
 """
 
+import hashlib
+import json
 import math
+import os
 from dataclasses import dataclass
+
+import numpy as np
 
 from plumbing import memory_plan
 
@@ -38,82 +56,435 @@ PREFILL_MFU = 0.5          # of the prefill (large dense matmuls, no backward)
 KERNELS_PER_LAYER = 43     # eager kernels of one decoder layer's decode step (~1,200 at 28 layers,
 LAUNCH_US = 5.0            # counted on CPU), each this many microseconds to launch
 LINK_EFFICIENCY = 0.7      # of NVLink's bandwidth an all-gather / reduce-scatter reaches
+# sampler/kv_cache.py's schedule (plumbing may not import the sampler; a test holds them equal)
+CHECK_EVERY, REFILL_FRACTION, COMPACT_FRACTION, PREFILL_TOKENS = 8, 8, 4, 1024
+GRID = 64                  # decode steps per segment of the modelled pass
+REVIEW = os.path.join(memory_plan.ROOT, "configs", "lengths", "review_issue42.json")
 
+
+# ----------------------------------------------------------------------------------------------
+# Length distributions
+
+class Lengths:
+    """A distribution of token counts: pmf[x] = P(length = x), x = 0 .. len(pmf) - 1; `source` says
+    where it comes from (printed beside the estimate)."""
+
+    def __init__(self, pmf, source: str, cut=False):
+        pmf = np.asarray(pmf, dtype=np.float64)
+        self.pmf, self.source = pmf / pmf.sum(), source
+        self.cut = cut                  # the last length's rows were cut there: under a higher limit
+        #                                 they run to it (the pessimistic guess)
+        self.cdf = np.minimum(np.cumsum(self.pmf), 1.0)
+
+    def mean(self) -> float:
+        return float(np.dot(np.arange(len(self.pmf)), self.pmf))
+
+    def sf(self) -> np.ndarray:
+        """P(length > x), x = 0 .. len - 1."""
+        return np.maximum(1.0 - self.cdf, 0.0)
+
+    def expected_max(self, k: float) -> float:
+        """E[the longest of k independent draws] (k may be fractional: an expected count)."""
+        return float(np.sum(1.0 - self.cdf[:-1] ** k)) if k > 0 else 0.0
+
+    def top(self, u: float) -> int:
+        """The length exceeded by a fraction u of draws: the smallest x with P(length > x) <= u."""
+        return int(np.argmax(self.sf() <= u + 1e-12))
+
+    def at_most(self, limit: int, source=None) -> "Lengths":
+        """Conditioned on <= limit (longer prompts are dropped: data.prompts.load_prompt_set)."""
+        pmf = self.pmf[:limit + 1]
+        return Lengths(pmf if pmf.sum() > 0 else np.eye(limit + 1)[limit], source or self.source)
+
+    def cut_at(self, limit: int) -> "Lengths":
+        """Responses under a limit: every length >= limit becomes the limit (a row cut there)."""
+        pmf = np.zeros(limit + 1)
+        n = min(limit, len(self.pmf) - 1 if self.cut else len(self.pmf))
+        pmf[:n] = self.pmf[:n]
+        pmf[limit] += self.pmf[n:].sum()
+        return Lengths(pmf, self.source, cut=True)
+
+    def truncated(self) -> float:
+        return float(self.pmf[-1])
+
+
+def fixed(n: int, source: str) -> Lengths:
+    return Lengths(np.eye(n + 1)[n], source)
+
+
+def _gamma2(theta: float, limit: int) -> np.ndarray:
+    """pmf over 0 .. limit - 1 of a gamma of shape 2 (a skewed, long-tailed length) below the limit."""
+    x = np.arange(limit, dtype=np.float64)
+    f = x * np.exp(-x / theta)
+    return f / f.sum()
+
+
+def fitted_responses(mean: float, truncated: float, limit: int, source: str) -> Lengths:
+    """The responses of a stated mean and fraction cut at `limit`: that fraction at the limit, the
+    rest a gamma of shape 2 below it, its scale set so the mean is `mean`. A limit other than the
+    one measured: cut rows run to the new limit (pessimistic), longer ones are cut at it."""
+    below = (mean - truncated * limit) / max(1e-9, 1 - truncated)
+    x = np.arange(limit, dtype=np.float64)
+    if not 1 <= below < 0.66 * limit or truncated >= 1:
+        raise ValueError(f"{source}: a mean of {mean:g} tokens with {truncated:.1%} cut at {limit} "
+                         "fits no length distribution")
+    lo, hi = 1e-3, 1e7
+    for _ in range(100):                                       # the scale: bisection on the mean
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if np.dot(x, _gamma2(mid, limit)) < below else (lo, mid)
+    pmf = np.append(_gamma2(lo, limit) * (1 - truncated), truncated)
+    return Lengths(pmf, source, cut=True)
+
+
+def _lognormal(mu: float, sigma: float, n: int) -> np.ndarray:
+    x = np.arange(1, n, dtype=np.float64)
+    return np.concatenate([[0.0], np.exp(-(np.log(x) - mu) ** 2 / (2 * sigma ** 2)) / x])
+
+
+def fitted_prompts(mean: float, longest: float, of: int, source: str, n=8192) -> Lengths:
+    """Prompt lengths from two summary statistics: a log-normal of this mean whose longest of `of`
+    draws is `longest` on average."""
+    def with_mean(sigma):
+        lo, hi = -5.0, 12.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if Lengths(_lognormal(mid, sigma, n), "").mean() < mean else (lo, mid)
+        return Lengths(_lognormal(lo, sigma, n), source)
+    lo, hi = 0.01, 3.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if with_mean(mid).expected_max(of) < longest else (lo, mid)
+    return with_mean(lo)
+
+
+def _review():
+    with open(REVIEW) as f:
+        return json.load(f)
+
+
+_FITTED = {}
+
+
+def default_prompts() -> Lengths:
+    """The review's summary statistics of MATH L3-5 prompts under --template paper (fitted once)."""
+    if "prompt" not in _FITTED:
+        p = _review()["prompt"]
+        _FITTED["prompt"] = fitted_prompts(p["mean"], p["longest"], p["longest_of"],
+                                           "issue #42's review: its summary statistics, not a histogram "
+                                           "of the data")
+    return _FITTED["prompt"]
+
+
+def default_responses() -> Lengths:
+    r = _review()["response"]
+    return fitted_responses(r["mean"], r["truncated"], r["limit"],
+                            f"issue #42's review central case: {r['what'].split(' (')[0]}")
+
+
+def _bad(path, why):
+    return SystemExit(f"error: --plan-lengths {path}: {why}")
+
+
+def read_lengths(path: str, limit: int) -> dict:
+    """--plan-lengths: {"response": Lengths} and/or {"prompt": Lengths} measured in `path`:
+    - an evaluate.py samples.jsonl: each sample's num_tokens (unfinished samples: cut at the limit)
+    - a run's metrics.jsonl: the mean of its steps' response_len and truncated_frac (the limit they
+      were cut at: the max_new_tokens of the config.json beside it, else `limit`), fitted as the default
+    - a JSON of time_model.prompt_histogram ({"prompt": {"histogram": ...}}) or of the default's form
+    A file this cannot read stops with a one-line error."""
+    if not os.path.isfile(path):
+        raise _bad(path, "no such file")
+    with open(path) as f:
+        text = f.read()
+    try:
+        whole = json.loads(text)
+        records = [whole]
+    except json.JSONDecodeError:
+        try:
+            records = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+        except json.JSONDecodeError as e:
+            raise _bad(path, f"not JSON or JSONL ({e.msg}, line {e.lineno})") from None
+    if len(records) == 1 and isinstance(records[0], dict) and {"prompt", "response"} & set(records[0]):
+        return _from_spec(path, records[0])
+    if not records or not all(isinstance(r, dict) for r in records):
+        raise _bad(path, "no records (a samples.jsonl, a metrics.jsonl or a lengths JSON)")
+    if all("num_tokens" in r for r in records):
+        return {"response": _from_samples(path, records, limit)}
+    steps = [r for r in records if "response_len" in r]
+    if steps:
+        return {"response": _from_metrics(path, steps, limit)}
+    raise _bad(path, "its records have neither num_tokens (samples.jsonl) nor response_len (metrics.jsonl)")
+
+
+def _from_samples(path, records, limit) -> Lengths:
+    n = [int(r["num_tokens"]) if r.get("finished", True) else limit for r in records]
+    if min(n) < 0:
+        raise _bad(path, "a negative num_tokens")
+    pmf = np.bincount(np.minimum(n, limit), minlength=limit + 1).astype(np.float64)
+    return Lengths(pmf, f"{len(n)} samples of {path} (unfinished ones cut at the limit)", cut=True)
+
+
+def _from_metrics(path, steps, limit) -> Lengths:
+    config = os.path.join(os.path.dirname(path), "config.json")
+    at = limit
+    if os.path.isfile(config):
+        with open(config) as f:
+            at = int(json.load(f).get("max_new_tokens", limit))
+    mean = sum(float(r["response_len"]) for r in steps) / len(steps)
+    cut = sum(float(r.get("truncated_frac", 0.0)) for r in steps) / len(steps)
+    try:
+        return fitted_responses(mean, cut, at, f"{path}: {len(steps)} steps' mean {mean:.0f}, {cut:.1%} cut "
+                                f"at {at}").cut_at(limit)
+    except ValueError as e:
+        raise _bad(path, str(e).split(": ", 1)[1]) from None
+
+
+def _from_spec(path, spec) -> dict:
+    out = {}
+    try:
+        if "histogram" in spec.get("prompt", {}):
+            h = {int(k): float(v) for k, v in spec["prompt"]["histogram"].items()}
+            pmf = np.zeros(max(h) + 1)
+            pmf[list(h)] = list(h.values())
+            out["prompt"] = Lengths(pmf, f"histogram of {spec['prompt'].get('data', '?')} ({path})")
+        elif "prompt" in spec:
+            p = spec["prompt"]
+            out["prompt"] = fitted_prompts(p["mean"], p["longest"], p["longest_of"], f"{path}")
+        if "response" in spec:
+            r = spec["response"]
+            out["response"] = fitted_responses(r["mean"], r["truncated"], r["limit"], f"{path}")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _bad(path, f"not a lengths JSON ({type(e).__name__}: {e})") from None
+    return out
+
+
+def plan_lengths(a) -> tuple[Lengths, Lengths]:
+    """(responses cut at --max-new-tokens, prompts of at most --max-prompt-len): --plan-lengths'
+    where it gives them (getattr(a, "plan_lengths")), else the defaults."""
+    path = getattr(a, "plan_lengths", None)
+    got = read_lengths(path, a.max_new_tokens) if path else {}
+    resp = got.get("response") or default_responses()
+    prompt = got.get("prompt") or default_prompts()
+    return resp.cut_at(a.max_new_tokens), prompt.at_most(a.max_prompt_len)
+
+
+def prompt_histogram(tokenizer_dir: str, data: str, template: str, out: str, encode) -> dict:
+    """Write the histogram of the prompt lengths of `data` (a JSONL of {"problem": ...} rows) under
+    `template`, tokenized by `tokenizer_dir`'s tokenizer, with the data's and tokenizer's sha256, to
+    `out` (what --plan-lengths reads). encode: data.prompts.encode_prompts (plumbing may not import it).
+    -> what it wrote."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    with open(data) as f:
+        rows = [json.loads(ln) for ln in f if ln.strip()]
+    counts = np.bincount([len(ids) for ids in encode(tok, rows, template)])
+    files = [os.path.join(tokenizer_dir, n) for n in sorted(os.listdir(tokenizer_dir))
+             if n.startswith("tokenizer")]
+    spec = {"source": f"time_model.prompt_histogram of {data}", "prompt": {
+        "data": os.path.basename(data), "data_sha256": _sha256([data]), "template": template,
+        "tokenizer": tokenizer_dir, "tokenizer_sha256": _sha256(files), "rows": len(rows),
+        "mean": float(np.dot(np.arange(len(counts)), counts) / counts.sum()),
+        "histogram": {str(n): int(c) for n, c in enumerate(counts) if c}}}
+    with open(out, "w") as f:
+        json.dump(spec, f, indent=1)
+    return spec
+
+
+def _sha256(paths) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# The code's schedules, in expectation over the lengths
+
+@dataclass
+class Segment:
+    steps: float                        # decode steps
+    kv: float                           # KV positions each of them reads (slots x columns)
+    rows: float                         # slots each of them computes
+
+
+def slots_for(a, gpus, prompt: Lengths) -> int:
+    """rollout.SampleSpec.rows_per_call: --gen-batch, capped so slots x (the rank's longest prompt +
+    max_new_tokens) <= --kv-budget (0 on GPU: a share of free memory, unknown here, so not capped)."""
+    rows = min(a.rollout_batch // gpus * a.group_size, a.gen_batch or 1 << 30)
+    longest = math.ceil(prompt.expected_max(a.rollout_batch // gpus))
+    return min(rows, max(1, a.kv_budget // (longest + a.max_new_tokens))) if a.kv_budget else rows
+
+
+def decode_schedule(resp: Lengths, prompt: Lengths, N: int, n_prompts: int, S: int) -> list[Segment]:
+    """kv_cache.decode_pass over N rows (of n_prompts prompts) in S slots, in expectation, as segments
+    of GRID steps: the slots full until the queue drains, then the last rows' tail, their slots
+    compacted away. Each step reads up to the longest slot's column: its prompt + its row's age."""
+    R, L, S = len(resp.pmf) - 1, resp.mean(), min(S, N)
+    sf = resp.sf()
+    if N == S:
+        fill, fresh, idle = 0.0, N, 0
+    else:  # a freed slot waits for the check and for S/8 slots to be free (REFILL_FRACTION)
+        k, w = max(1, S // REFILL_FRACTION), (max(1, S // REFILL_FRACTION) - 1) / (2 * S)
+        idle = (w * L + CHECK_EVERY / 2) / (1 - w)
+        fill, fresh = (N - S) * (L + idle) / S, min(k, N - S)
+    res = np.append(0.0, sf[:-1]) / L                              # a slot's remaining tokens
+    res_cdf = np.minimum(np.cumsum(res), 1.0)
+    last = resp.cdf ** fresh * res_cdf ** (S - fresh)               # when the last row ends
+    tail = float(np.sum(1 - last[:-1])) + CHECK_EVERY / 2 * float(last[R - 1])
+    age = np.concatenate([sf[:-1], np.ones(int(idle))])             # a row's age, then its slot's wait
+    segments = []
+    for t in range(0, math.ceil(fill + tail), GRID):
+        # the first rows are t steps old while they last; other slots hold later rows, younger than t
+        now = age[:t + 1] * (1 - sf[min(t, R)]) / max(1e-12, age[:t + 1].sum())
+        now[min(t, len(now) - 1)] += sf[min(t, R)]
+        width = Lengths(np.convolve(prompt.pmf, now), "").expected_max(S) + 1
+        since = min(R, int(t - fill))                               # steps since the queue drained
+        alive = S if t < fill else fresh * sf[since] + (S - fresh) * (1 - res_cdf[since])
+        batch = min(S, alive / (1 - 1 / (2 * COMPACT_FRACTION)))    # finished slots wait to be compacted
+        segments.append(Segment(min(GRID, fill + tail - t), batch * width, batch))
+    return segments
+
+
+def decode_seconds(arch, gpu: GPU, segments) -> tuple[float, float, float]:
+    """-> (seconds, steps, seconds per step at the fullest segment) of a decode schedule: each step
+    the slowest of reading the weights and KV, launching its kernels, and its 2N FLOPs per slot (at
+    PREFILL_MFU: dense matmuls; the bound a few hundred slots reach; none for a GPU of 0 TFLOP/s)."""
+    weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
+    launch = KERNELS_PER_LAYER * arch.layers * LAUNCH_US * 1e-6
+    flops = 2 * arch.params() / (gpu.bf16_tflops * 1e12 * PREFILL_MFU) if gpu.bf16_tflops else 0.0
+
+    def step_s(seg):
+        read = (weights + seg.kv * arch.kv_bytes_per_position()) / (gpu.hbm_tbs * 1e12)
+        return max(launch, read, seg.rows * flops)
+    return (sum(s.steps * step_s(s) for s in segments), sum(s.steps for s in segments),
+            max(map(step_s, segments)))
+
+
+def worst_schedule(R: int, prompt: Lengths, N: int, n_prompts: int, S: int) -> list[Segment]:
+    """Every row to the limit: waves of S rows that start and end together, each step reading the
+    rank's longest prompt + the step's columns (their mean: + R / 2)."""
+    S, cols = min(S, N), prompt.expected_max(n_prompts) + R / 2 + 1
+    return [Segment(R, min(S, N - w) * cols, min(S, N - w)) for w in range(0, N, S)]
+
+
+def planned_tokens(resp: Lengths, prompt: Lengths, n: int, group: int, size: int,
+                   max_tokens: int) -> tuple[float, int]:
+    """batching.microbatch_plan over n rows (groups of `group` rows share a prompt), in expectation:
+    longest first, at most `size` rows and max_tokens padded tokens each, a micro-batch as wide as
+    its longest response (the first row's, at its rank among the n) + the longest of its distinct
+    prompts. -> (padded tokens, micro-batches). Not modelled: --share-prompts' whole groups, and
+    FSDP2's splitting to the most micro-batches any rank needs (more forwards, the same tokens)."""
+    total = Lengths(np.convolve(prompt.pmf, resp.pmf), "")          # a row's prompt + response
+    prompts_in, j, tokens, micro = max(1.0, n / group), 0, 0.0, 0
+    while j < n:
+        r, k = total.top((j + 0.5) / n) - prompt.mean(), min(size, n - j)
+        for _ in range(3):
+            d = prompts_in * (1 - (1 - 1 / prompts_in) ** k)        # distinct prompts among k rows
+            width = r + prompt.expected_max(d)
+            k = max(1, min(size, n - j, int(max_tokens // width) if max_tokens else size))
+        tokens, micro, j = tokens + k * width, micro + 1, j + k
+    return tokens, micro
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
 
 @dataclass
 class Term:
     name: str
-    seconds: tuple[float, float]        # (every row to the limit, mean half the limit)
+    seconds: tuple                      # per set of lengths (step_terms: one; decode_terms: one per L)
     note: str
 
 
 def decode_terms(arch, a, gpus, gpu: GPU, lengths) -> list[Term]:
+    """Every row at a FIXED length L (each of `lengths`), prompts at --max-prompt-len, in
+    memory_plan.kv_rows's slots: the bound bench/gpu_check.py sets a measured pass against (each step
+    reading every slot up to prompt + L columns)."""
     rows, slots = a.rollout_batch // gpus * a.group_size, memory_plan.kv_rows(a, gpus)
-    # bf16 bytes read per step: every weight but the input embedding (a lookup of S rows; tied, it is
-    # lm_head's matrix, read anyway)
-    weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
-    steps, step_s = [], []
+    prompt = fixed(a.max_prompt_len, "--max-prompt-len")
+    out = []
     for L in lengths:
-        # the slots stay full until the queue drains, then the last rows finish (at most L more)
         n = L if rows <= slots else math.ceil(rows * L / slots) + (a.max_new_tokens - L)
-        # each slot reads the columns up to the LONGEST slot's (sampler/kv_cache.py): ~ prompt + L refilled
-        kv = slots * (a.max_prompt_len + L) * arch.kv_bytes_per_position()
-        read = (weights + kv) / (gpu.hbm_tbs * 1e12)
-        launch = KERNELS_PER_LAYER * arch.layers * LAUNCH_US * 1e-6
-        steps.append(n), step_s.append(max(read, launch))
-    note = (f"{steps[0]:,} / {steps[1]:,} decode steps of {rows} rows in {slots} slots; each reads "
-            f"{weights / 1e9:.1f} GB of bf16 weights + the slots' KV cache at {gpu.hbm_tbs} TB/s, or "
-            f"launches "
-            f"{KERNELS_PER_LAYER * arch.layers} kernels at {LAUNCH_US:g} us: {step_s[0] * 1e3:.1f} / "
-            f"{step_s[1] * 1e3:.1f} ms per step")
-    return [Term("decode", (steps[0] * step_s[0], steps[1] * step_s[1]), note)]
+        out.append(decode_seconds(arch, gpu, [Segment(n, slots * (prompt.expected_max(1) + L), slots)]))
+    return [Term("decode", tuple(o[0] for o in out) + (0.0,) * (2 - len(out)),
+                 f"{out[0][1]:,.0f} decode steps of {rows} rows in {slots} slots")]
 
 
-def compute_terms(arch, a, gpus, gpu: GPU, needs_ref, lengths, old_rows) -> list[Term]:
-    N, flops = arch.params(), gpu.bf16_tflops * 1e12
-    rows, prompts = a.rollout_batch // gpus * a.group_size, a.rollout_batch // gpus
-    prefill = 2 * N * prompts * a.max_prompt_len / (flops * PREFILL_MFU)
-    tokens = [rows * (a.max_prompt_len + L) for L in lengths]
-    forwards = old_rows + (1 if needs_ref else 0)                       # pi_old (+ the reference)
+def step_terms(arch, a, gpus, gpu: GPU, needs_ref, old_rows, resp: Lengths, prompt: Lengths) -> list[Term]:
+    """The step's four phases over these lengths: one column of the report."""
+    N, n_p, G = a.rollout_batch // gpus * a.group_size, a.rollout_batch // gpus, a.group_size
+    S = slots_for(a, gpus, prompt)
+    R = len(resp.pmf) - 1
+    worst = resp.truncated() == 1.0
+    segs = (worst_schedule if worst else decode_schedule)(R if worst else resp, prompt, N, n_p, S)
+    dec_s, steps, step_s = decode_seconds(arch, gpu, segs)
+    Nf, flops = arch.params(), gpu.bf16_tflops * 1e12
+    refills = 0 if N <= S else (N - S) / max(1, S // REFILL_FRACTION)
+    prefill = (n_p + refills) * prompt.expected_max(2)              # a refill's distinct prompts
+    size, cap = a.micro_batch, getattr(a, "micro_tokens", 0)
+    update = a.rollout_batch // a.update_batch * a.ppo_epochs, a.update_batch // gpus * G
+    old = round(old_rows * N)
+    score = planned_tokens(resp, prompt, old, G, size, cap)[0] if old else 0.0
+    score += planned_tokens(resp, prompt, N, G, size, cap)[0] if needs_ref else 0.0
+    upd, micro = planned_tokens(resp, prompt, update[1], G, size, cap)
     train_flops = 8 if a.grad_ckpt else 6
-    # LoRA: a frozen base still passes the activations' gradients back (2N), but computes no weight
-    # gradients (2N): 4N (6N recomputing), + 6 FLOPs per adapter parameter
     rank = getattr(a, "lora_rank", 0)
     adapters = memory_plan.lora_params(arch, rank) if rank else 0
-    per_token = (train_flops - 2) * N + 6 * adapters if rank else train_flops * N
-    micro = [math.ceil(t / memory_plan.micro_batch_tokens(a)) for t in tokens]
-    comm = (3 * 2 * N * (gpus - 1) / gpus) / (gpu.link_gbs * 1e9 * LINK_EFFICIENCY) if a.fsdp else 0.0
-    return [
-        Term("prefill", (prefill, prefill), f"{prompts} distinct prompts x {a.max_prompt_len} tokens, "
-             f"2N FLOPs per token at {PREFILL_MFU:.0%} of {gpu.bf16_tflops:g} TFLOP/s"),
-        Term("score", tuple(forwards * 2 * N * t / (flops * MFU) for t in tokens),
-             f"pi_old over {old_rows:.0%} of the rows{' + the reference over all' if needs_ref else ''}, "
-             f"no grad, {tokens[0]:,} / {tokens[1]:,} tokens each at {MFU:.0%} MFU"),
-        Term("update", tuple(per_token * t / (flops * MFU) + m * comm for t, m in zip(tokens, micro)),
-             (f"{train_flops - 2}N + 6 x {adapters / 1e6:.1f}M FLOPs per token (LoRA rank {rank}: the frozen "
-              "base passes gradients back, computes none of its own)" if rank
-              else f"{train_flops}N FLOPs per token")
-             + f" at {MFU:.0%} MFU"
-             + (f"; FSDP2: {micro[0]} / {micro[1]} micro-batches x {comm:.2f} s of all-gather x2 + "
-                f"reduce-scatter at {LINK_EFFICIENCY:.0%} of {gpu.link_gbs:g} GB/s" if a.fsdp else "")),
-    ]
+    per_token = (train_flops - 2) * Nf + 6 * adapters if rank else train_flops * Nf
+    comm = (3 * 2 * Nf * (gpus - 1) / gpus) / (gpu.link_gbs * 1e9 * LINK_EFFICIENCY) if a.fsdp else 0.0
+    real = update[1] * (prompt.mean() + resp.mean())
+    return [Term("decode", (dec_s,), f"{steps:,.0f} steps of {N} rows in {S} slots, "
+                 f"{step_s * 1e3:.1f} ms at the fullest"),
+            Term("prefill", (2 * Nf * prefill / (flops * PREFILL_MFU),), f"{prefill:,.0f} prompt tokens"),
+            Term("score", (2 * Nf * score / (flops * MFU),), f"{score:,.0f} tokens"),
+            Term("update", (update[0] * (per_token * upd / (flops * MFU) + micro * comm),),
+                 f"{update[0]} x {upd:,.0f} tokens ({upd / real:.2f}x the real) in {micro} micro-batches")]
+
+
+def _flops_note(arch, a, gpu) -> str:
+    rank, train_flops = getattr(a, "lora_rank", 0), 8 if a.grad_ckpt else 6
+    adapters = memory_plan.lora_params(arch, rank) if rank else 0
+    what = (f"{train_flops - 2}N + 6 x {adapters / 1e6:.1f}M FLOPs per token (LoRA rank {rank}: the frozen "
+            "base passes gradients back, computes none of its own)" if rank
+            else f"{train_flops}N FLOPs per token")
+    fsdp = (f"; FSDP2: per micro-batch the weights all-gathered x2 + reduce-scattered at "
+            f"{LINK_EFFICIENCY:.0%} of {gpu.link_gbs:g} GB/s") if a.fsdp else ""
+    return what + f" at {MFU:.0%} MFU" + fsdp
 
 
 def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
-    """The model's table; old_rows: the fraction of rows pi_old's own forward scores (the first
-    update's rows are scored by the update's forward: train.on_policy_rows)."""
+    """The model's table, the realistic estimate first and the worst case beside it; old_rows: the
+    fraction of rows pi_old's own forward scores (the first update's rows are scored by the update's
+    forward: train.on_policy_rows). Lengths: plan_lengths(a) (--plan-lengths, else the defaults)."""
     arch, gpu = memory_plan.arch_for(a.model), GPUS[gpu_name]
-    lengths = (a.max_new_tokens, max(1, a.max_new_tokens // 2))
-    terms = decode_terms(arch, a, gpus, gpu, lengths) + \
-        compute_terms(arch, a, gpus, gpu, needs_ref, lengths, old_rows)
-    total = [sum(t.seconds[i] for t in terms) for i in (0, 1)]
+    resp, prompt = plan_lengths(a)
+    R = a.max_new_tokens
+    cols = [step_terms(arch, a, gpus, gpu, needs_ref, old_rows, lengths, prompt)
+            for lengths in (resp, fixed(R, "every response to the limit"))]
+    launch = KERNELS_PER_LAYER * arch.layers
+    weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
+    notes = {"decode": f"each step reads {weights / 1e9:.1f} GB of bf16 weights + the slots' KV "
+                       f"cache at {gpu.hbm_tbs} TB/s, or launches {launch} kernels at {LAUNCH_US:g} us, or "
+                       f"computes 2N FLOPs a slot at {PREFILL_MFU:.0%} MFU, whichever is slowest",
+             "prefill": f"2N FLOPs per token at {PREFILL_MFU:.0%} of {gpu.bf16_tflops:g} TFLOP/s",
+             "score": f"pi_old over {old_rows:.0%} of the rows"
+                      f"{' + the reference over all' if needs_ref else ''}, no grad, at {MFU:.0%} MFU",
+             "update": _flops_note(arch, a, gpu)}
     lines = [f"time model of one RL step on {gpus} x {gpu.name} (a model from the config, not a measurement; "
-             f"--plan-gpu): responses of {lengths[0]} / {lengths[1]} tokens"]
-    for t in terms:
-        lines.append(f"  {t.name:8s} {t.seconds[0]:8.1f} s / {t.seconds[1]:7.1f} s   {t.note}")
+             f"--plan-gpu): REALISTIC / worst case (every response to --max-new-tokens {R})",
+             f"  responses: mean {resp.mean():.0f} tokens, {resp.truncated():.1%} cut at {R} ({resp.source}; "
+             "--plan-lengths: measured ones)",
+             f"  prompts: mean {prompt.mean():.0f} tokens, a rank's longest of {a.rollout_batch // gpus} "
+             f"~{prompt.expected_max(a.rollout_batch // gpus):.0f} ({prompt.source}); each forward pads "
+             "to its own longest (batching.microbatch_plan), not to --max-prompt-len"]
+    for real, worst in zip(*cols):
+        lines.append(f"  {real.name:8s} {real.seconds[0]:7.1f} s / {worst.seconds[0]:7.1f} s   "
+                     f"{real.note} / {worst.note}; {notes[real.name]}")
+    total = [sum(t.seconds[0] for t in c) for c in cols]
     hours = [s * a.steps / 3600 for s in total]
-    lines.append(f"  {'step':8s} {total[0]:8.1f} s / {total[1]:7.1f} s   x {a.steps} steps: "
-                 f"{hours[0]:.1f} h / {hours[1]:.1f} h (evaluations and checkpoints not counted)")
+    lines.append(f"  {'step':8s} {total[0]:7.1f} s / {total[1]:7.1f} s   x {a.steps} steps: {hours[0]:.1f} h "
+                 f"realistic / {hours[1]:.1f} h worst case (evaluations and checkpoints not counted)")
     return "\n".join(lines)
 
 

@@ -1,57 +1,210 @@
-"""The --dry-run's time model (plumbing/time_model.py): its terms against hand values for the
-paper's 7B config, so a change of a formula or an assumption shows here."""
+"""The --dry-run's time model (plumbing/time_model.py): its default lengths against issue #42's
+review, its closed-form schedule against a replay of the code's own decode_pass and micro-batch plan
+on sampled lengths, the --plan-lengths readers, and its terms by hand."""
 
+import json
 import os
 
+import numpy as np
 import pytest
+import torch
 
 import train
-from plumbing import memory_plan, time_model
+from data.prompts import encode_prompts
+from plumbing import batching, memory_plan, time_model
+from sampler import kv_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "data", "tinymath", "warmstart")
 
 
 def paper(*extra):
-    a, algo = train.parse_args(["--config", os.path.join(ROOT, "configs", "paper_qwen7b.json"), *extra])
-    return a, algo
+    return train.parse_args(["--config", os.path.join(ROOT, "configs", "paper_qwen7b.json"), *extra])
 
 
-def test_decode_is_one_pass_of_the_rows_through_the_slots():
-    """512 rows per GPU, 128 slots (524288 KV positions / (1024 + 3072)): every row to the limit is
-    4 x 3072 steps; at half the limit the slots stay full for 512 x 1536 / 128 steps, then the last
-    rows finish (1536 more)."""
+def test_the_schedule_constants_are_the_sampler_s():
+    assert (time_model.CHECK_EVERY, time_model.REFILL_FRACTION, time_model.COMPACT_FRACTION,
+            time_model.PREFILL_TOKENS) == (kv_cache.CHECK_EVERY, kv_cache.REFILL_FRACTION,
+                                           kv_cache.COMPACT_FRACTION, kv_cache.PREFILL_TOKENS)
+
+
+def test_the_default_lengths_are_the_review_s_central_case():
+    """No more optimistic than issue #42's review: mean 753 response tokens, 5% cut at 3,072;
+    prompts of mean 144 tokens whose longest of a rank's 64 is ~430."""
+    resp, prompt = time_model.plan_lengths(paper()[0])
+    assert resp.mean() == pytest.approx(753, abs=0.5) and resp.truncated() == pytest.approx(0.05)
+    assert prompt.mean() == pytest.approx(144, abs=1) and prompt.expected_max(64) == pytest.approx(430, abs=3)
+    assert "issue #42's review" in resp.source and "summary statistics" in prompt.source
+    short = resp.cut_at(1024)                                   # a lower limit cuts more rows
+    assert short.truncated() > 0.05 and short.mean() < 753
+    long = time_model.default_responses().cut_at(8192)          # a higher one: cut rows run to it
+    assert long.truncated() == pytest.approx(0.05)
+    assert long.mean() == pytest.approx(753 + 0.05 * 5120, abs=0.5)
+
+
+class FakeStep:
+    """decode.LeanStep's interface without a model: each step logs (slots, columns read)."""
+    log: list = []
+
+    def __init__(self, model, cache):
+        self.cache = cache
+
+    def select(self, idx):
+        pass
+
+    def __call__(self, tok, pos, width):
+        FakeStep.log.append((len(tok), width))
+        return torch.zeros(len(tok), 2)
+
+
+def replay_pass(prompt_lens, resp_lens, slots, R, monkeypatch):
+    """The real kv_cache.decode_pass over rows that end at the given lengths (token 1 is the EOS,
+    chosen at each row's last step): -> (decode steps, KV positions read: slots x columns summed)."""
+    FakeStep.log = []
+    monkeypatch.setattr(kv_cache.decode, "LeanStep", FakeStep)
+    monkeypatch.setattr(kv_cache, "slot_cache", lambda model, S, C: None)
+    monkeypatch.setattr(kv_cache, "admit", lambda m, c, ps, free, pad: torch.zeros(len(free), 2))
+    ends = torch.tensor(resp_lens)
+
+    def choose(logits, rows, t):
+        return (t >= ends[rows] - 1).long(), torch.zeros(len(t))
+    d = kv_cache.decode_pass(torch.nn.Linear(1, 1), [[0] * p for p in prompt_lens], torch.arange(len(ends)),
+                             choose, slots=slots, max_new_tokens=R, eos=torch.tensor([1]), pad_id=0)
+    assert d.mask[:, :R].sum(1).tolist() == resp_lens
+    return len(FakeStep.log), sum(s * w for s, w in FakeStep.log)
+
+
+def test_the_closed_form_agrees_with_a_replay_of_the_code_s_schedule(monkeypatch):
+    """8 ranks of the paper config: lengths sampled from the default distributions (64 prompts of
+    G = 8 rows a rank), the real decode_pass (a stub model whose rows end at their sampled lengths) in
+    the slots rollout gives them, and batching.microbatch_plan over the update's, pi_old's and the
+    reference's rows: the model's expectations within 10% of the replays' mean, in decode steps, KV
+    positions read and padded tokens. The worst case, every row to the limit, too."""
     a, _ = paper()
-    arch, gpu = memory_plan.arch_for(a.model), time_model.GPUS["h100"]
-    assert memory_plan.kv_rows(a, 8) == 128
-    (term,) = time_model.decode_terms(arch, a, 8, gpu, (3072, 1536))
-    assert "12,288 / 7,680 decode steps of 512 rows in 128 slots" in term.note
-    weights = 2 * (arch.params() - arch.vocab * arch.hidden)                  # the input embedding is a lookup
-    kv = 128 * (1024 + 3072) * arch.kv_bytes_per_position()                 # up to the longest slot
-    assert term.seconds[0] == pytest.approx(12288 * (weights + kv) / 3.35e12)
+    resp, prompt = time_model.plan_lengths(a)
+    R, G, n_p = a.max_new_tokens, a.group_size, a.rollout_batch // 8
+    N, rng = n_p * G, np.random.default_rng(0)
+    got = {"steps": [], "kv": [], 128: [], 384: [], 512: []}
+    for _ in range(8):
+        prompts = [p for p in rng.choice(len(prompt.pmf), n_p, p=prompt.pmf).tolist() for _ in range(G)]
+        rows = [max(1, r) for r in rng.choice(len(resp.pmf), N, p=resp.pmf).tolist()]
+        steps, kv = replay_pass(prompts, rows, a.kv_budget // (max(prompts) + R), R, monkeypatch)
+        got["steps"].append(steps), got["kv"].append(kv)
+        for n in (128, 384, 512):
+            lengths = list(zip(prompts[:n], rows[:n]))
+            plan = batching.microbatch_plan(lengths, a.micro_batch, a.micro_tokens)
+            got[n].append(sum(len(mb) * batching.padded_width(lengths, mb) for mb in plan))
+    S = time_model.slots_for(a, 8, prompt)
+    segments = time_model.decode_schedule(resp, prompt, N, n_p, S)
+    model = {"steps": sum(s.steps for s in segments), "kv": sum(s.steps * s.kv for s in segments),
+             **{n: time_model.planned_tokens(resp, prompt, n, G, a.micro_batch, a.micro_tokens)[0]
+                for n in (128, 384, 512)}}
+    for key, value in model.items():
+        assert value == pytest.approx(np.mean(got[key]), rel=0.10), key
+    steps, kv = replay_pass(prompts, [R] * N, S, R, monkeypatch)         # every row to the limit
+    worst = time_model.worst_schedule(R, prompt, N, n_p, S)
+    assert sum(s.steps for s in worst) == pytest.approx(steps, rel=0.01)
+    assert sum(s.steps * s.kv for s in worst) == pytest.approx(kv, rel=0.10)
 
 
-def test_compute_terms_by_hand():
-    a, _ = paper()
-    arch, gpu = memory_plan.arch_for(a.model), time_model.GPUS["h100"]
-    N, flops = arch.params(), 989e12
-    prefill, score, update = time_model.compute_terms(arch, a, 8, gpu, True, (3072, 1536), old_rows=0.75)
-    assert prefill.seconds[0] == pytest.approx(2 * N * 64 * 1024 / (flops * 0.5))
-    tokens = 512 * (1024 + 3072)
-    assert score.seconds[0] == pytest.approx(1.75 * 2 * N * tokens / (flops * 0.4))
-    micro = -(-tokens // memory_plan.micro_batch_tokens(a))
-    comm = 3 * 2 * N * 7 / 8 / (450e9 * 0.7)
-    assert update.seconds[0] == pytest.approx(8 * N * tokens / (flops * 0.4) + micro * comm)   # grad ckpt
+def test_measured_lengths_from_samples_and_metrics(tmp_path):
+    samples = tmp_path / "samples.jsonl"
+    rows = [(100, True), (300, True), (2048, False), (500, True)]
+    samples.write_text("".join(json.dumps({"id": i, "num_tokens": n, "finished": f}) + "\n"
+                               for i, (n, f) in enumerate(rows)))
+    got = time_model.read_lengths(str(samples), 3072)["response"]
+    assert got.truncated() == pytest.approx(0.25) and got.mean() == pytest.approx((900 + 3072) / 4)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"max_new_tokens": 2048}))
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "response_len": m, "truncated_frac": t}) + "\n"
+        for s, m, t in [(1, 700, 0.04), (2, 800, 0.06)]))
+    got = time_model.read_lengths(str(run / "metrics.jsonl"), 2048)["response"]
+    assert got.mean() == pytest.approx(750, abs=1) and got.truncated() == pytest.approx(0.05)
+    a, _ = paper("--steps", "10")
+    a.plan_lengths = str(samples)
+    assert "4 samples of" in time_model.report(a, 8, True, "h100", 0.75)
 
 
-def test_the_report_names_its_assumptions_and_sums_its_terms():
-    a, algo = paper("--steps", "10")
-    text = time_model.report(a, 8, True, "h200", old_rows=0.75)
-    lines = text.splitlines()
+@pytest.mark.parametrize("text,why", [("", "no records"), ("{not json\n", "not JSON"),
+                                      ('{"step": 1}\n', "neither num_tokens"),
+                                      ('{"prompt": {"mean": 1}}\n', "not a lengths JSON")])
+def test_a_bad_lengths_file_is_one_line(tmp_path, text, why):
+    path = tmp_path / "x.jsonl"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        time_model.read_lengths(str(path), 3072)
+    assert str(e.value).startswith(f"error: --plan-lengths {path}: ") and why in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit, match="no such file"):
+        time_model.read_lengths(str(tmp_path / "missing.jsonl"), 3072)
+
+
+def test_a_prompt_histogram_of_the_data_under_its_tokenizer(tmp_path):
+    """Where a tokenizer and the data are present: the prompt lengths under the template, with the
+    data's and the tokenizer's hashes; --plan-lengths reads it back."""
+    data = tmp_path / "math.jsonl"
+    problems = ["What is 2 + 2?", "Leo owns 36 buttons and gives 19 to Zoe. How many are left?", "1 + 1?"]
+    data.write_text("".join(json.dumps({"problem": p, "answer": "0"}) + "\n" for p in problems))
+    out = tmp_path / "hist.json"
+    spec = time_model.prompt_histogram(TINY, str(data), "plain", str(out), encode_prompts)
+    from transformers import AutoTokenizer
+    ids = encode_prompts(AutoTokenizer.from_pretrained(TINY), [{"problem": p} for p in problems], "plain")
+    assert spec["prompt"]["histogram"] == {str(n): sum(len(i) == n for i in ids) for n in map(len, ids)}
+    assert len(spec["prompt"]["data_sha256"]) == 64 and len(spec["prompt"]["tokenizer_sha256"]) == 64
+    got = time_model.read_lengths(str(out), 3072)["prompt"]
+    assert got.mean() == pytest.approx(np.mean([len(i) for i in ids]))
+    assert "histogram of math.jsonl" in got.source
+
+
+def test_the_report_puts_the_realistic_estimate_first_and_names_its_assumptions():
+    a, _ = paper("--steps", "10")
+    lines = time_model.report(a, 8, True, "h200", old_rows=0.75).splitlines()
     assert lines[0].startswith("time model of one RL step on 8 x H200") and "not a measurement" in lines[0]
-    secs = {ln.split()[0]: float(ln.split()[1]) for ln in lines[1:]}
-    assert set(secs) == {"decode", "prefill", "score", "update", "step"}
-    assert secs["step"] == pytest.approx(sum(v for k, v in secs.items() if k != "step"), abs=0.3)
-    assert "4.8 TB/s" in text and "40% MFU" in text and "x 10 steps" in text
+    assert "REALISTIC / worst case (every response to --max-new-tokens 3072)" in lines[0]
+    assert "mean 753 tokens, 5.0% cut at 3072 (issue #42's review" in lines[1]
+    assert "mean 144 tokens" in lines[2] and "not to --max-prompt-len" in lines[2]
+    secs = {ln.split()[0]: (float(ln.split()[1]), float(ln.split()[4])) for ln in lines[3:]}
+    assert list(secs) == ["decode", "prefill", "score", "update", "step"]
+    for i in (0, 1):
+        assert secs["step"][i] == pytest.approx(sum(v[i] for k, v in secs.items() if k != "step"), abs=0.3)
+        assert all(v[0] < v[1] for k, v in secs.items() if k not in ("prefill",))
+    text = "\n".join(lines)
+    assert "4.8 TB/s" in text and "40% MFU" in text and "x 10 steps" in text and "12,288 steps" in text
+
+
+def test_the_update_term_by_hand():
+    a, _ = paper()
+    arch, gpu = memory_plan.arch_for(a.model), time_model.GPUS["h100"]
+    resp, prompt = time_model.plan_lengths(a)
+    terms = {t.name: t for t in time_model.step_terms(arch, a, 8, gpu, True, 0.75, resp, prompt)}
+    tokens, micro = time_model.planned_tokens(resp, prompt, 128, 8, a.micro_batch, a.micro_tokens)
+    N = arch.params()
+    comm = 3 * 2 * N * 7 / 8 / (450e9 * 0.7)
+    assert terms["update"].seconds[0] == pytest.approx(4 * (8 * N * tokens / (989e12 * 0.4) + micro * comm))
+    real = 128 * (prompt.mean() + resp.mean())
+    assert 1.0 < tokens / real < 1.4                             # padding, not --max-prompt-len
+    old = time_model.planned_tokens(resp, prompt, 384, 8, a.micro_batch, a.micro_tokens)[0]
+    ref = time_model.planned_tokens(resp, prompt, 512, 8, a.micro_batch, a.micro_tokens)[0]
+    assert terms["score"].seconds[0] == pytest.approx(2 * N * (old + ref) / (989e12 * 0.4))
+
+
+def test_the_fixed_length_decode_bound_bench_gpu_check_uses():
+    """S rows in S slots, every row L tokens: L steps, each reading the weights + S x (P + L) KV
+    (bench/gpu_check.py sets a measured pass against it; its GPU of 0 TFLOP/s has no compute bound)."""
+    a, _ = paper()
+    arch, gpu = memory_plan.arch_for(a.model), time_model.GPUS["h100"]
+    (term,) = time_model.decode_terms(arch, a, 8, gpu, (3072, 1536))
+    assert "12,288 decode steps of 512 rows in 128 slots" in term.note
+    weights = 2 * (arch.params() - arch.vocab * arch.hidden)        # the input embedding is a lookup
+    kv = 128 * (1024 + 3072) * arch.kv_bytes_per_position()
+    assert term.seconds[0] == pytest.approx(12288 * (weights + kv) / 3.35e12)
+    # the other two bounds: launching ~1,200 eager kernels, and 1,000 slots' 2N FLOPs each at 50% MFU
+    few, many = (time_model.Segment(1, 0, rows) for rows in (1, 1000))
+    assert time_model.decode_seconds(arch, gpu, [few])[0] == pytest.approx(43 * 28 * 5e-6)
+    compute = 1000 * 2 * arch.params() / (989e12 * 0.5)
+    assert time_model.decode_seconds(arch, gpu, [many])[0] == pytest.approx(compute)
 
 
 def test_the_disk_a_run_needs():
