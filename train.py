@@ -98,6 +98,10 @@ OPTIONS = [
     ("plan_gpus",         8,                                   "GPUs the --dry-run plan assumes", ">=1"),
     ("plan_gpu",          "h100",                              "the GPU --dry-run's time model assumes (plumbing/time_model.py)",
                                                                list(time_model.GPUS)),
+    ("plan_lengths",      None,                                "--dry-run's time model: measured lengths (an evaluate.py "
+                                                               "samples.jsonl, a run's metrics.jsonl, or a "
+                                                               "time_model.prompt_histogram JSON); default: the review "
+                                                               "case of configs/lengths/ (plumbing/time_model.py)"),
     ("qkl_ref",           "cache",                             "the Query-KL reference (rl/query_reference.py): the "
                                                                "initial policy's prompt log-probs cached before RL "
                                                                "(the paper); the reference model's forward over "
@@ -153,7 +157,7 @@ RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_
                      "save_every", "log", "export", "export_dtype", "nccl_timeout", "query_cache_dir",
                      "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
                      "measure_policy_kl", "lr_decay_steps"}
-NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu"}   # how this command runs, not what
+NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu", "plan_lengths"}   # how this command runs, not what
 # --resume of a run made before an option existed: its config.json lacks the option, and the run
 # continues as it trained -- the option's value before it existed (a value, or one computed from the
 # old config); an option missing here took today's default then too (or does not change training:
