@@ -36,6 +36,13 @@ def anchors(path) -> set:
 def test_the_readme_is_short():
     assert len(text(README).splitlines()) <= 400
 
+def test_ci_runs_exactly_the_readmes_test_command():
+    """.ci/run's last line is the README's test command, character for character."""
+    readme = open(README).read()
+    command = next(line.strip() for line in readme.splitlines() if line.strip().endswith("pytest -q tests"))
+    ci = [line for line in open(os.path.join(ROOT, ".ci", "run")).read().splitlines() if line.strip()]
+    assert ci[-1] == command
+
 
 @pytest.mark.parametrize("page", PAGES, ids=[os.path.relpath(p, ROOT) for p in PAGES])
 def test_every_relative_link_and_anchor_resolves(page):
