@@ -36,6 +36,7 @@ def anchors(path) -> set:
 def test_the_readme_is_short():
     assert len(text(README).splitlines()) <= 400
 
+
 def test_ci_runs_exactly_the_readmes_test_command():
     """.ci/run's last line is the README's test command, character for character."""
     readme = open(README).read()
