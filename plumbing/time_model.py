@@ -59,6 +59,8 @@ LINK_EFFICIENCY = 0.7      # of NVLink's bandwidth an all-gather / reduce-scatte
 # sampler/kv_cache.py's schedule (plumbing may not import the sampler; a test holds them equal)
 CHECK_EVERY, REFILL_FRACTION, COMPACT_FRACTION, PREFILL_TOKENS = 8, 8, 4, 1024
 GRID = 64                  # decode steps per segment of the modelled pass
+MAX_SEGMENTS = 2000        # more (absurd --max-new-tokens): longer segments, ages in blocks (coarser)
+AGE_BINS = 4096            # ages of a segment in at most this many blocks (exact below 4,096 tokens)
 REVIEW = os.path.join(memory_plan.ROOT, "configs", "lengths", "review_issue42.json")
 
 
@@ -94,7 +96,7 @@ class Lengths:
     def at_most(self, limit: int, source=None) -> "Lengths":
         """Conditioned on <= limit (longer prompts are dropped: data.prompts.load_prompt_set)."""
         pmf = self.pmf[:limit + 1]
-        return Lengths(pmf if pmf.sum() > 0 else np.eye(limit + 1)[limit], source or self.source)
+        return Lengths(pmf if pmf.sum() > 0 else _point(limit), source or self.source)
 
     def cut_at(self, limit: int) -> "Lengths":
         """Responses under a limit: every length >= limit becomes the limit (a row cut there)."""
@@ -108,8 +110,15 @@ class Lengths:
         return float(self.pmf[-1])
 
 
+def _point(n: int) -> np.ndarray:
+    """The pmf of the length n, always (a vector of n + 1: not np.eye's (n + 1)^2 at absurd sizes)."""
+    pmf = np.zeros(n + 1)
+    pmf[n] = 1.0
+    return pmf
+
+
 def fixed(n: int, source: str) -> Lengths:
-    return Lengths(np.eye(n + 1)[n], source)
+    return Lengths(_point(n), source)
 
 
 def _gamma2(theta: float, limit: int) -> np.ndarray:
@@ -333,17 +342,32 @@ def decode_schedule(resp: Lengths, prompt: Lengths, N: int, n_prompts: int, S: i
     last = resp.cdf ** fresh * res_cdf ** (S - fresh)               # when the last row ends
     tail = float(np.sum(1 - last[:-1])) + CHECK_EVERY / 2 * float(last[R - 1])
     age = np.concatenate([sf[:-1], np.ones(int(idle))])             # a row's age, then its slot's wait
-    segments = []
-    for t in range(0, math.ceil(fill + tail), GRID):
+    csum = np.concatenate([[0.0], np.cumsum(age)])
+    segments, grid = [], max(GRID, math.ceil((fill + tail) / MAX_SEGMENTS))
+    for t in range(0, math.ceil(fill + tail), grid):
         # the first rows are t steps old while they last; other slots hold later rows, younger than t
-        now = age[:t + 1] * (1 - sf[min(t, R)]) / max(1e-12, age[:t + 1].sum())
-        now[min(t, len(now) - 1)] += sf[min(t, R)]
-        width = Lengths(np.convolve(prompt.pmf, now), "").expected_max(S) + 1
+        width = _longest_column(prompt, age, csum, t, sf[min(t, R)], S)
         since = min(R, int(t - fill))                               # steps since the queue drained
         alive = S if t < fill else fresh * sf[since] + (S - fresh) * (1 - res_cdf[since])
         batch = min(S, alive / (1 - 1 / (2 * COMPACT_FRACTION)))    # finished slots wait to be compacted
-        segments.append(Segment(min(GRID, fill + tail - t), batch * width, batch))
+        segments.append(Segment(min(grid, fill + tail - t), batch * width, batch))
     return segments
+
+
+def _longest_column(prompt: Lengths, age, csum, t: int, first_alive: float, S: int) -> float:
+    """The column a step at t reads up to: E[max over S slots of prompt + age] + 1, the age of a slot
+    t while the first rows last (first_alive), else a later row's. Ages in blocks of b tokens where
+    there are more than AGE_BINS of them (only absurd --max-new-tokens: b = 1 is exact)."""
+    n = min(t + 1, len(age))
+    b = max(1, math.ceil(n / AGE_BINS))
+    if b == 1:
+        now = age[:n] * (1 - first_alive) / max(1e-12, csum[n])
+        now[n - 1] += first_alive
+        return Lengths(np.convolve(prompt.pmf, now), "").expected_max(S) + 1
+    now = np.diff(csum[np.append(np.arange(0, n, b), n)]) * (1 - first_alive) / max(1e-12, csum[n])
+    now[-1] += first_alive
+    blocks = np.add.reduceat(prompt.pmf, np.arange(0, len(prompt.pmf), b))
+    return Lengths(np.convolve(blocks, now), "").expected_max(S) * b + 1
 
 
 def decode_seconds(arch, gpu: GPU, segments) -> tuple[float, float, float]:
@@ -383,7 +407,8 @@ def planned_tokens(resp: Lengths, prompt: Lengths, n: int, group: int, size: int
             d = prompts_in * (1 - (1 - 1 / prompts_in) ** k)        # distinct prompts among k rows
             width = r + prompt.expected_max(d)
             k = max(1, min(size, n - j, int(max_tokens // width) if max_tokens else size))
-        tokens, micro, j = tokens + k * width, micro + 1, j + k
+        m = max(1, min(int(n / k / MAX_SEGMENTS), (n - j) // k))     # absurd sizes: m alike at once
+        tokens, micro, j = tokens + m * k * width, micro + m, j + m * k
     return tokens, micro
 
 
