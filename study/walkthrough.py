@@ -137,7 +137,7 @@ def loss_terms(run, algo, batch, plan) -> Terms:
             return algo.alpha * losses.aggregate(qkl[r], None, "seq-mean", num_seqs=update.num_seqs)
         return losses.aggregate(per_token[name][r], mask[r], algo.agg, **denom)
     names = [*per_token, *(["query_kl"] if algo.alpha > 0 else [])]
-    # positions of each prompt's G rows in the micro-batch (step_plan orders rows by length)
+    # positions of each prompt's G rows in the micro-batch (experience.plan_step orders rows by length)
     groups = [torch.nonzero(rows // G == g).squeeze(1) for g in range(len(rows) // G)]
     params = [p for p in run.policy.parameters() if p.requires_grad]
     values = {n: term(n, slice(None)) for n in names}

@@ -76,3 +76,21 @@ def small_data(tmp_path_factory):
         rows = [next(f) for _ in range(64)]
     (d / "train.jsonl").write_text("".join(rows))
     return str(d / "train.jsonl")
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    """Another model with the warm start's tokenizer (its weights perturbed): as a stronger model or
+    an earlier checkpoint would be, a model folder whose prompt log-probs are not the policy's
+    (--qkl-ref model's tests in test_references.py and test_extensions.py)."""
+    from modeling import models
+
+    model, tok = models.load_policy(os.path.join(ROOT, "data", "tinymath", "warmstart"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    out = tmp_path_factory.mktemp("other") / "model"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
