@@ -282,6 +282,20 @@ def kv_rows(a, gpus) -> int:
     return rows
 
 
+# The KV cache sized from free memory (--kv-budget 0) leaves this share of the card unused: what the
+# plan does not count (the CUDA context, NCCL's buffers, the allocator's fragmentation; ~3-6 GiB on
+# an 80 GB card) and the plan's own error (its tests allow 15%, on the terms that vary).
+KV_MARGIN = 0.10
+
+
+def kv_positions_that_fit(free_bytes: int, card_bytes: int, reserve_bytes: int, per_position_bytes: int) -> int:
+    """KV-cache positions that fit in `free_bytes` once `reserve_bytes` still to be allocated (what
+    the rollout phase holds beside the cache) and KV_MARGIN of the card are set aside; never
+    negative, never more than the card holds."""
+    usable = min(free_bytes, card_bytes) - reserve_bytes - KV_MARGIN * card_bytes
+    return max(0, int(usable // per_position_bytes))
+
+
 NOT_COUNTED = "not counted (not tensors): the CUDA context, NCCL buffers, allocator fragmentation"
 
 
