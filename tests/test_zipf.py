@@ -250,3 +250,25 @@ def test_the_docs_quote_the_committed_premise():
         assert f"r = {c['r']:.2f} [{c['lo']:.2f}, {c['hi']:.2f}]" in readme, name
     c = committed["zipf"]["fresh"]["coupling"]["fresh-train"]
     assert f"{c['r']:.2f} [{c['lo']:.2f}, {c['hi']:.2f}] on freshly" in readme
+
+
+def test_design4_is_the_papers_regime_and_its_criterion_rates_are_as_stated():
+    """Issue #44's design 4, fixed before its runs: 240 steps are 15 epochs of the RL set, 4
+    optimizer steps per RL step; the long-run rule on 800 pooled problems x 13 points rarely fires on
+    a flat curve and fires more often the deeper the fall (the rates the docstring states)."""
+    from study import zipf
+
+    d = zipf.DESIGN4
+    assert zipf.design4_epochs() == 15.0 and d["rollout_batch"] // d["update_batch"] == 4
+    rates = zipf.criterion_rates(trials=4000)
+    assert max(rates["false_alarm"].values()) <= 0.01
+    fall = rates["detection_p0.3"]
+    assert 0.45 <= fall[0.05] <= 0.65 and 0.7 <= fall[0.06] <= 0.87 and fall[0.08] >= 0.97
+
+
+def test_the_hot_temperature_keeps_the_papers_share_of_the_t1_accuracy():
+    from study import zipf
+
+    curve = {1.0: 0.40, 1.2: 0.30, 1.4: 0.12, 1.6: 0.07, 1.8: 0.02}
+    assert zipf.hot_temperature(curve) == 1.6          # 0.07 is nearest 0.19 x 0.40 = 0.076
+    assert zipf.hot_temperature(curve, keep=0.75) == 1.2
