@@ -5,6 +5,10 @@
                                               # written to study/results/zipf/premise.json
     python -m study.zipf --pilot              # the GRPO pilot runs (3 seeds at once), their
                                               # summaries in study/results/zipf/pilots/
+    python -m study.zipf --design4           # design 4's warm start (SFT continued to 40 +- 3% of the
+                                              # RL set), its premise r and hot temperature, in
+                                              # study/results/zipf/design4/ (runs in runs/zipf-design4/)
+    python -m study.zipf --pilot4            # design 4's GRPO pilots (after --design4)
     python -m study.zipf --short-sft          # rewrite data/zipf/short_sft.json (CI's SFT check)
 
 PREMISE (what is measured; the goals are issue #35's)
@@ -360,6 +364,126 @@ def criterion_rates(problems=800, points=13, trials=20000, seed=0) -> dict:
     return {"false_alarm": flat, "detection_p0.3": fall}
 
 
+def sft_decision(pass1: float, steps: int, target=DESIGN4["solve_target"], min_steps=5) -> str:
+    """Design 4's continued SFT after a chunk of `steps` steps reached `pass1` on the RL set:
+    "stop" inside the target, "continue" (another chunk) below it, "halve" (redo the chunk from
+    the model before it with half the steps) above it, "stop" above it when a chunk would be
+    shorter than min_steps (the nearest is kept and its miss reported)."""
+    lo, hi = target
+    if pass1 < lo:
+        return "continue"
+    if pass1 <= hi or steps // 2 < min_steps:
+        return "stop"
+    return "halve"
+
+
+def _one_thread(argv, what):
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", ONE_THREAD.replace("import train; train", f"import {what}; {what}"),
+                        *argv], cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if r.returncode:
+        raise RuntimeError(f"{what} {' '.join(argv[:6])}...: exit {r.returncode}: {r.stderr[-2000:]}")
+
+
+def pass1_at(model, benchmarks, temperatures, out, limit=None) -> dict:
+    """{benchmark: {T: pass@1}}, one sample per problem, by evaluate.py (its per-sample seeds)."""
+    argv = ["--model", model, "--labels", "m", "--benchmarks", *benchmarks, "--task", "zipf", "--n", "1",
+            "--temperatures", *map(str, temperatures), "--max-new-tokens", str(MAX_NEW_TOKENS), "--out", out,
+            "--no-progress"] + (["--limit", str(limit)] if limit else [])
+    _one_thread(argv, "evaluate")
+    with open(os.path.join(out, "summary.json")) as f:
+        res = json.load(f)["results"]["m"]
+    return {b: {float(t): v["pass@1"] for t, v in r["by_temperature"].items()} for b, r in res.items() if b != "Avg."}
+
+
+def rl_set(path, d=DESIGN4) -> str:
+    """The first d["rl_problems"] problems of zipf-train, as a JSONL train.py and evaluate.py read."""
+    with open(os.path.join(ROOT, "data", "zipf", "train.jsonl")) as f:
+        rows = [next(f) for _ in range(d["rl_problems"])]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(rows)
+    return path
+
+
+def design4_warmstart(runs, results, chunk=DESIGN4["sft_chunk"], limit=None, max_chunks=40,
+                      target=DESIGN4["solve_target"]) -> dict:
+    """The shipped warm start's SFT continued chunk by chunk (sft_decision after each) until it
+    solves DESIGN4["solve_target"] of the RL set at T = 1; every chunk recorded in
+    results/design4/warmstart.json. Then `python -m study.zipf --premise` style numbers are measured
+    on the chosen model by design4_premise."""
+    import shutil
+    import tempfile
+
+    from data.zipf import prepare
+
+    os.makedirs(os.path.join(results, "design4"), exist_ok=True)
+    record = os.path.join(results, "design4", "warmstart.json")
+    rl = rl_set(os.path.join(runs, "rl512.jsonl"))
+    model, history, k, steps = WORLDS["zipf"][0], [], 0, chunk
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare.main(["--out", tmp])
+        while k < max_chunks:
+            out = os.path.join(runs, f"sft-chunk{k}-{steps}")
+            shutil.rmtree(out, ignore_errors=True)
+            _one_thread([*prepare.SFT_RECIPE, "--model", model, "--sft-data", os.path.join(tmp, "sft.jsonl"),
+                         "--sft-steps", str(steps), "--sft-warmup", "10", "--seed", str(100 + k),
+                         "--eval-every", "0", "--save-every", "0", "--out", os.path.join(out, "run"),
+                         "--export", os.path.join(out, "export"), "--overwrite"], "train")
+            acc = pass1_at(os.path.join(out, "export"), [rl], [1.0], os.path.join(out, "eval"), limit)
+            p = next(iter(acc.values()))[1.0]
+            decision = sft_decision(p, steps, target)
+            history.append({"chunk": k, "from": os.path.relpath(model, ROOT), "steps": steps, "pass1_rl": p,
+                            "decision": decision})
+            with open(record, "w") as f:
+                json.dump({"design": DESIGN4, "commit": _commit(), "chunks": history}, f, indent=1)
+            print(f"chunk {k}: {steps} SFT steps from {os.path.relpath(model, ROOT)}: pass@1 on the RL set "
+                  f"{100 * p:.1f}% -> {decision}", flush=True)
+            if decision == "stop":
+                return {"model": os.path.join(out, "export"), "chunks": history}
+            if decision == "continue":
+                model, k = os.path.join(out, "export"), k + 1
+            else:
+                steps //= 2
+    raise RuntimeError(f"design 4's warm start did not reach the target in {max_chunks} chunks: {history[-1]}")
+
+
+def design4_hot(model, out, limit=None) -> dict:
+    """The warm start's pooled held-out pass@1 at each temperature of DESIGN4["hot_grid"], and the
+    hot temperature hot_temperature picks from it."""
+    sets = list(WORLDS["zipf"][2])
+    acc = pass1_at(model, sets, DESIGN4["hot_grid"], out, limit)
+    n = {b: len(heldout_rows) for b, heldout_rows in _heldout_sizes(sets, limit).items()}
+    pooled = {t: sum(acc[b][t] * n[b] for b in sets) / sum(n.values()) for t in DESIGN4["hot_grid"]}
+    return {"pass1": pooled, "per_set": acc, "hot": hot_temperature(pooled),
+            "kept": pooled[hot_temperature(pooled)] / pooled[1.0] if pooled[1.0] else None}
+
+
+def design4_premise(model_path, rl_jsonl, limit=R_PROBLEMS, seeds=SEEDS) -> dict:
+    """Premise 1 (coupling, premise_interval) of the continued warm start on the RL set and the two
+    held-out sets, as `--premise` measures the shipped one."""
+    from evaluation import heldout
+
+    model, tokenizer = heldout.load_model(model_path)
+    model.eval()
+    sets = heldout.load_sets([rl_jsonl, *WORLDS["zipf"][2]], limit, task="zipf")
+    r = coupling(model, tokenizer, model_path, sets, seeds)
+    return {name: {k: v for k, v in c.items() if k != "pairs"} for name, c in r.items()}
+
+
+def _heldout_sizes(sets, limit):
+    from evaluation import heldout
+
+    return heldout.load_sets(sets, limit)
+
+
+def _commit():
+    from study.long_run import commit
+
+    return commit()
+
+
 def short_sft(base, sft_jsonl, out) -> dict:
     """prepare.SHORT_SFT steps of the warm-start recipe from `base` on one thread -> {"losses", "params"}."""
     import subprocess
@@ -416,24 +540,48 @@ def pilot_summary(out, seed) -> dict:
             "degrades": peak - last >= 0.05 or final > warm}
 
 
-def run_pilot(seed, model, runs, results) -> dict:
+def design4_pilot_args(rl_jsonl, hot, d=DESIGN4) -> list:
+    """train.py's options of a design-4 GRPO pilot (the model, seed and folder are added by run_pilot)."""
+    return ["--task", "zipf", "--algo", "grpo", "--train-data", rl_jsonl, "--max-new-tokens", "160",
+            "--rollout-batch", str(d["rollout_batch"]), "--update-batch", str(d["update_batch"]),
+            "--group-size", str(d["group_size"]), "--steps", str(d["steps"]), "--eval-every", str(d["eval_every"]),
+            "--eval-temperatures", str(hot), "1.0", "--eval-limit", "0", "--save-every", "0", "--query-cache-dir", ""]
+
+
+def design4_pilot_summary(out, seed, hot) -> dict:
+    """One design-4 pilot's pooled held-out pass@1 curve at the hot temperature (every problem of
+    zipf-test and zipf-rare, weighted by their sizes) and the long-run rule's verdict on it."""
+    from study import long_run
+
+    sizes = {b: len(rows) for b, rows in _heldout_sizes(list(WORLDS["zipf"][2]), None).items()}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    key = f"eval_acc@T{hot:g}/" + "{}"
+    curve = {m["step"]: sum(m[key.format(b)] * n for b, n in sizes.items()) / sum(sizes.values())
+             for m in lines if key.format("zipf-test") in m}
+    steps = sorted(curve)
+    numbers = long_run.curve_numbers(steps, [curve[s] for s in steps])
+    return {"seed": seed, "hot": hot, "curve": curve, **numbers, "degrades": numbers["onset"] != long_run.NEVER}
+
+
+def run_pilot(seed, model, runs, results, args=PILOT_ARGS, summarize=pilot_summary, folder="pilots") -> dict:
     import subprocess
 
     from study.long_run import commit
 
     started_at = commit()                        # the code the run starts from (the tree may move on)
     out = os.path.join(runs, f"grpo-s{seed}")
-    argv = [*PILOT_ARGS, "--model", model, "--seed", str(seed), "--out", out, "--overwrite",
+    argv = [*args, "--model", model, "--seed", str(seed), "--out", out, "--overwrite",
             "--export", os.path.join(out, "final")]
     t0 = time.time()
     r = subprocess.run([sys.executable, "-c", ONE_THREAD, *argv], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     if r.returncode:
         raise RuntimeError(f"pilot seed {seed}: exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
-    summary = {**pilot_summary(out, seed), "seconds": round(time.time() - t0), "argv": argv,
+    summary = {**summarize(out, seed), "seconds": round(time.time() - t0), "argv": argv,
                "commit": started_at}
-    os.makedirs(os.path.join(results, "pilots"), exist_ok=True)
-    with open(os.path.join(results, "pilots", f"grpo-s{seed}.json"), "w") as f:
+    os.makedirs(os.path.join(results, folder), exist_ok=True)
+    with open(os.path.join(results, folder, f"grpo-s{seed}.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
 
@@ -451,23 +599,59 @@ def pilots(model, runs, results, jobs=3) -> list:
     return done
 
 
+def design4_pilots(runs, results, jobs=3) -> list:
+    """Design 4's GRPO pilots (seeds PILOT_SEEDS at once, one thread each) from the warm start and
+    hot temperature `--design4` recorded; summaries in results/design4/pilots/."""
+    import concurrent.futures
+
+    with open(os.path.join(results, "design4", "hot.json")) as f:
+        made = json.load(f)
+    model, hot = os.path.join(ROOT, made["model"]), made["hot"]
+    args = design4_pilot_args(rl_set(os.path.join(runs, "rl512.jsonl")), hot)
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        done = list(pool.map(lambda s: run_pilot(s, model, runs, results, args,
+                                                 lambda out, seed: design4_pilot_summary(out, seed, hot),
+                                                 os.path.join("design4", "pilots")), PILOT_SEEDS))
+    for d in done:
+        print(f"seed {d['seed']}: pooled pass@1 at T={hot}: best {100 * d['best']:.1f}, end {100 * d['final']:.1f}, "
+              f"onset {d['onset']}; degrades: {d['degrades']}")
+    print(f"{sum(d['degrades'] for d in done)} of {len(done)} seeds degrade by the long-run rule (>= 2 needed)")
+    return done
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--premise", action="store_true", help="measure the premise of both warm starts")
     ap.add_argument("--pilot", action="store_true", help="the GRPO pilot runs of premise 3")
+    ap.add_argument("--design4", action="store_true",
+                    help="design 4's warm start (SFT continued to 40 +- 3%% of the RL set) and hot temperature")
+    ap.add_argument("--pilot4", action="store_true", help="design 4's GRPO pilots (after --design4)")
     ap.add_argument("--short-sft", action="store_true",
                     help="rewrite data/zipf/short_sft.json: the shortened warm-start SFT that CI checks")
     ap.add_argument("--runs", default=os.path.join(ROOT, "runs", "zipf-pilots"), help="the pilots' run folders")
     ap.add_argument("--results", default=RESULTS, help="where premise.json is written")
     ap.add_argument("--limit", type=int, default=R_PROBLEMS, help="problems per set in r")
     a = ap.parse_args(argv)
-    if not (a.premise or a.pilot or a.short_sft):
-        ap.error("nothing to do: pass --premise, --pilot or --short-sft")
+    if not (a.premise or a.pilot or a.short_sft or a.design4 or a.pilot4):
+        ap.error("nothing to do: pass --premise, --pilot, --design4, --pilot4 or --short-sft")
     import torch
 
     torch.set_num_threads(1)          # results do not depend on the machine's core count
     if a.short_sft:
         return write_short_sft(a.results)
+    if a.design4:
+        warm = design4_warmstart(os.path.join(ROOT, "runs", "zipf-design4"), a.results)
+        runs = os.path.join(ROOT, "runs", "zipf-design4")
+        hot = design4_hot(warm["model"], os.path.join(runs, "hot"))
+        premise1 = design4_premise(warm["model"], os.path.join(runs, "rl512.jsonl"), a.limit)
+        with open(os.path.join(a.results, "design4", "hot.json"), "w") as f:
+            json.dump({**hot, "premise": premise1, "model": os.path.relpath(warm["model"], ROOT),
+                       "commit": _commit()}, f, indent=1)
+        print(f"hot temperature {hot['hot']}: pooled pass@1 {hot['pass1']}")
+        print("premise r: " + ", ".join(f"{k} {r_cell(v)}" for k, v in premise1.items()))
+        return {"warmstart": warm, "hot": hot, "premise": premise1}
+    if a.pilot4:
+        return design4_pilots(os.path.join(ROOT, "runs", "zipf-design4"), a.results)
     if a.pilot:
         return pilots(WORLDS["zipf"][0], a.runs, a.results)
     results = {w: premise(w, a.limit) for w in WORLDS}

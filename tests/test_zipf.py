@@ -272,3 +272,12 @@ def test_the_hot_temperature_keeps_the_papers_share_of_the_t1_accuracy():
     curve = {1.0: 0.40, 1.2: 0.30, 1.4: 0.12, 1.6: 0.07, 1.8: 0.02}
     assert zipf.hot_temperature(curve) == 1.6          # 0.07 is nearest 0.19 x 0.40 = 0.076
     assert zipf.hot_temperature(curve, keep=0.75) == 1.2
+
+
+def test_the_continued_sft_stops_inside_the_target_and_halves_an_overshoot():
+    from study import zipf
+
+    assert zipf.sft_decision(0.30, 50) == "continue"
+    assert zipf.sft_decision(0.40, 50) == "stop" and zipf.sft_decision(0.37, 50) == "stop"
+    assert zipf.sft_decision(0.47, 50) == "halve"
+    assert zipf.sft_decision(0.47, 8) == "stop"          # a 4-step chunk is too short: keep the nearest
