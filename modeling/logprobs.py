@@ -15,17 +15,20 @@ rows into forwards without all-padding columns, decided on the host (experience.
 
 --pack (the full-row path: --share-prompts false, or --fsdp / --grad-ckpt, where prompts are not
 shared): a micro-batch's rows run concatenated, their real tokens only, position_ids restarting
-at 0 for each row (`packed_row_scores`, `PackLayout`). transformers builds the block-causal mask
-from those positions when attention_mask is None (masking_utils.find_packed_sequence_indices:
-SDPA, eager), and flash-attn runs varlen on the cu_seqlens passed beside them: no token attends
-across rows. Under flash-attn (the GPU path) it is one (1, N) sequence of exactly the N real tokens
-(the padded layout is 1.19-1.30x that on the paper config); SDPA and eager compute the whole mask,
-N^2, so there the rows are dealt into bins as wide as the longest row, first-fit, each bin's tail a
-filler sequence of its own: fewer tokens than the padded rows, never more attention. Only positions whose next token
-is in the same row are scored (targets never cross a row's end); the scores land in the same
-(B, P-1) / (B, R) arrays as the padded forward's, so nothing downstream changes. The shared-prompt
-path is left padded: it already runs each prompt once, and its responses attend to a KV cache of
-the left-padded prompts, which a packed sequence cannot share (docs/speed.md has the measurement).
+at 0 for each row and no attention_mask (`packed_row_scores`, `PackLayout`). transformers builds
+the block-causal mask from those positions (masking_utils.find_packed_sequence_indices: SDPA,
+eager) and flash-attn runs varlen on the cu_seqlens passed beside them: no token attends across
+rows, each sees its own row's earlier tokens at the padded forward's positions: the same math.
+Under flash-attn (the GPU path) the forward is one (1, N) sequence of exactly the N real tokens
+(the padded rows are 1.19-1.30x that on the paper config, 1.20x on the tiny world); SDPA and eager
+compute the whole (L, L) mask, so there the rows are dealt first-fit into bins as wide as the
+longest row, each bin's tail a filler sequence of its own (1.10x the real tokens on the tiny
+world, never more than the padded rows). Only positions whose next token is in the same row are
+scored (targets never cross a row's end); the scores land in the same (B, P-1) / (B, R) arrays as
+the padded forward's, so nothing downstream changes. The shared-prompt path (score_tokens(group=G))
+stays padded, by measurement (bench/bench_rl.py --vs pack, docs/speed.md): running each prompt
+once, it already computes 0.66x the rows' real tokens, fewer than any packing of full rows; and its
+responses attend to a KV cache of the prompt, which the position-based packed mask cannot express.
 """
 
 import inspect

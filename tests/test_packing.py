@@ -142,7 +142,7 @@ def test_every_scored_target_is_the_next_token_of_its_own_row(width):
     lengths = [(int(p), int(r)) for p, r in zip(torch.randint(1, 20, (30,), generator=g),
                                                  torch.randint(0, 21, (30,), generator=g))]
     packed = padded_rows(lengths, 100)
-    ids, mask, (n, W) = packed.input_ids, packed.attention_mask, packed.input_ids.shape
+    ids, mask, W = packed.input_ids, packed.attention_mask, packed.input_ids.shape[1]
     lay = logprobs.PackLayout.of(lengths, packed.P, W, "cpu", width)
     grid = ids.new_zeros(lay.shape[0] * lay.shape[1]).index_copy(0, lay.slots, ids.reshape(-1)[lay.take])
     real_pairs = (mask[:, :-1] * mask[:, 1:]).reshape(-1).nonzero().view(-1)   # logp columns of real targets
