@@ -82,7 +82,8 @@ OPTIONS = [
     ("grad_clip",         1.0,                                 "clip the global grad norm (0 = off)", ">=0"),
     ("ppo_epochs",        1,                                   "passes over each rollout batch", ">=1"),
     ("micro_batch",       64,                                  "sequences per forward/backward on each rank", ">=1"),
-    ("micro_tokens",      0,                                   "also at most this many padded tokens per micro-batch (0 = no cap)", ">=0"),
+    ("micro_tokens",      0,                                   "also at most this many tokens per micro-batch: real tokens when --pack packs the forward, else padded (0 = no cap)", ">=0"),
+    ("pack",              True,                                "full-row training forwards run each micro-batch's real tokens, packed (no padding; modeling/logprobs.py)"),
     ("dtype",             "auto",                              "bf16-mixed: fp32 weights + bf16 autocast (2x faster matmuls on CPUs with AVX512-BF16/AMX); auto: that on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16", "bf16-mixed"]),
     ("fsdp",              False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
     ("lora_rank",         0,                                   "LoRA: train rank-r adapters on the policy's linear layers, "
@@ -156,7 +157,7 @@ ACTS_ONLY_WITH = {"lr_floor": _DECAYS, "lr_decay_steps": _DECAYS,
 RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_bad_steps", "eval_every",
                      "save_every", "log", "export", "export_dtype", "nccl_timeout", "query_cache_dir",
                      "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
-                     "measure_policy_kl", "lr_decay_steps"}
+                     "measure_policy_kl", "lr_decay_steps", "pack"}
 NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu", "plan_lengths"}   # how this command runs, not what
 # --resume of a run made before an option existed: its config.json lacks the option, and the run
 # continues as it trained -- the option's value before it existed (a value, or one computed from the

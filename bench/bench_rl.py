@@ -3,6 +3,7 @@ algorithms against each other. Ratios from one invocation on one machine, never 
 
     python bench/bench_rl.py --vs trl        # ours (grpo) vs TRL 1.16 GRPOTrainer (pip install -r requirements-bench.txt)
     python bench/bench_rl.py                 # grpo vs erpo vs erpo --measure-policy-kl false vs grpo --share-prompts false
+    python bench/bench_rl.py --vs pack       # grpo --share-prompts false: --pack true vs --pack false (and the default)
 
 The pinned work (both sides): the embedded warm start (data/tinymath/warmstart), its training set
 and prompt template ("plain"), 32 prompts x 8 responses per step, up to 96 new tokens, T = 1,
@@ -47,6 +48,45 @@ VARIANTS = {  # name -> extra train.py flags
     "erpo, no reference": ["--algo", "erpo", "--measure-policy-kl", "false"],
     "grpo, prompts unshared": ["--algo", "grpo", "--beta", str(BETA), "--share-prompts", "false"],
 }
+PACKING = {  # --vs pack: the full-row forwards packed (issue #42) or padded, beside the default (shared prompts)
+    "padded (unshared)": ["--algo", "grpo", "--beta", str(BETA), "--share-prompts", "false", "--pack", "false"],
+    "packed (unshared)": ["--algo", "grpo", "--beta", str(BETA), "--share-prompts", "false", "--pack", "true"],
+    "grpo (shared prompts)": ["--algo", "grpo", "--beta", str(BETA)],
+}
+# --vs pack runs train.py under this: every training forward (score_tokens) adds the tokens of its
+# padded rows, their real tokens, and what it runs (packed: PackLayout's bins) to tokens.json.
+COUNTING = """
+import atexit, json, os, sys
+sys.path.insert(0, os.getcwd())
+sys.argv = ["train.py"] + sys.argv[1:]
+from modeling import logprobs
+import torch
+n = dict(padded=0, real=0, run=0, forwards=0, shared_real=0, update_lengths=[])
+score = logprobs.score_tokens
+def counted(model, packed, *a, **k):
+    real = int(packed.attention_mask.sum())
+    if torch.is_grad_enabled() and packed.lengths:         # an update micro-batch: its rows' lengths
+        n["update_lengths"].append([list(x) for x in packed.lengths])
+    n["padded"] += packed.input_ids.numel(); n["real"] += real; n["forwards"] += 1
+    group = k.get("group", a[2] if len(a) > 2 else 1)
+    if group > 1:                                          # shared prompts: each prompt once, then the responses
+        n["run"] += packed.input_ids.shape[0] // group * packed.P + packed.attention_mask[:, packed.P:].numel()
+        n["shared_real"] += int(packed.attention_mask[::group, :packed.P].sum() + packed.attention_mask[:, packed.P:].sum())
+    elif packed.pack:
+        lengths = packed.lengths or list(zip(packed.attention_mask[:, :packed.P].sum(1).tolist(),
+                                             packed.attention_mask[:, packed.P:].sum(1).tolist()))
+        b, w = logprobs.PackLayout.of(lengths, packed.P, packed.input_ids.shape[1], "cpu",
+                                      max(p + r for p, r in lengths)).shape
+        n["run"] += b * w
+    else:
+        n["run"] += packed.input_ids.numel()
+    return score(model, packed, *a, **k)
+logprobs.score_tokens = counted
+out = sys.argv[sys.argv.index("--out") + 1]
+atexit.register(lambda: json.dump(n, open(os.path.join(out, "tokens.json"), "w")))
+import runpy
+runpy.run_path("train.py", run_name="__main__")
+"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,14 +157,19 @@ def run_measured(cmd, env=None):
 # The two sides
 
 
-def ours(flags, steps, out, dtype="float32"):
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *OURS, *flags, "--dtype", dtype, "--steps", str(steps), "--out", out]
+def ours(flags, steps, out, dtype="float32", count_tokens=False):
+    entry = ["-c", COUNTING] if count_tokens else [os.path.join(ROOT, "train.py")]
+    cmd = [sys.executable, *entry, *OURS, *flags, "--dtype", dtype, "--steps", str(steps), "--out", out]
     rss, main_rss, procs = run_measured(cmd)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
     phases = {k: statistics.median(m[k] for m in lines[1:]) for k in lines[-1] if k.startswith("time_")}
+    tokens = None
+    if count_tokens:
+        with open(os.path.join(out, "tokens.json")) as f:
+            tokens = json.load(f)
     return dict(step_s=[m["step_time"] for m in lines], rss=rss, main_rss=main_rss, procs=procs, phases=phases,
-                update_tok_s=statistics.median(m["update_tok_per_s"] for m in lines[1:]))
+                update_tok_s=statistics.median(m["update_tok_per_s"] for m in lines[1:]), tokens=tokens)
 
 
 def trl(steps, out, dtype="float32"):
@@ -189,6 +234,9 @@ def merged(runs):
                phases={k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]})
     if runs[0].get("update_tok_s"):
         out["update_tok_s"] = statistics.median(r["update_tok_s"] for r in runs)
+    if runs[0].get("tokens"):
+        out["tokens"] = {k: sum(r["tokens"][k] for r in runs) for k in runs[0]["tokens"] if k != "update_lengths"}
+        out["update_lengths"] = [x for r in runs for x in r["tokens"]["update_lengths"]]
     return out
 
 
@@ -201,6 +249,36 @@ def alternated(sides, repeats, tmp):
             print(f"running {name} ({k + 1}/{repeats}) ...", flush=True)
             runs[name].append(fn(os.path.join(tmp, f"{name.split()[0].replace(',', '')}_{len(runs[name])}")))
     return {name: merged(rs) for name, rs in runs.items()}
+
+
+def forward_backward(lengths_list, reps=5):
+    """The update's forward + backward alone on micro-batches of the lengths a run recorded
+    (random tokens), packed and padded alternated `reps` times in this process: the medians (s)."""
+    import torch
+    from dataclasses import replace
+
+    sys.path.insert(0, ROOT)
+    from modeling import logprobs, models
+
+    model, _ = models.load_policy(os.path.join(ROOT, "data", "tinymath", "warmstart"), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for lengths in lengths_list:
+        P, R = max(p for p, _ in lengths), max(r for _, r in lengths)
+        ids, mask = torch.zeros(len(lengths), P + R, dtype=torch.long), torch.zeros(len(lengths), P + R, dtype=torch.long)
+        for i, (p, r) in enumerate(lengths):
+            ids[i, P - p:P + r] = torch.randint(3, model.config.vocab_size, (p + r,), generator=g)
+            mask[i, P - p:P + r] = 1
+        batches.append(logprobs.Packed(ids, mask, mask[:, 1:P] * mask[:, :P - 1], P, [tuple(x) for x in lengths]))
+    times = {True: [], False: []}
+    for _ in range(reps):
+        for pack in (False, True):
+            t0 = time.perf_counter()
+            for b in batches:
+                s = logprobs.score_tokens(model, replace(b, pack=pack), 1.0)
+                (s.response.sum() + s.prompt.sum()).backward()
+            times[pack].append(time.perf_counter() - t0)
+    return statistics.median(times[False]), statistics.median(times[True])
 
 
 def matmul_gflops():
@@ -241,11 +319,18 @@ def report(results, base):
     for name, r in results.items():
         if r["phases"]:
             print(f"{name:22s} " + "  ".join(f"{k[5:]} {v:.2f}s" for k, v in r["phases"].items()))
+    for name, r in results.items():
+        if r.get("tokens"):
+            t = r["tokens"]
+            print(f"{name:22s} training forwards: padded rows {t['padded'] / t['real']:.3f}x the real tokens, "
+                  f"run {t['run'] / t['real']:.3f}x ({t['forwards']} forwards)"
+                  + (f"; each prompt once, unpadded: {t['shared_real'] / t['real']:.3f}x" if t["shared_real"] else ""))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
-    ap.add_argument("--vs", choices=["trl"], help="compare our GRPO step with TRL's GRPOTrainer")
+    ap.add_argument("--vs", choices=["trl", "pack"], help="trl: our GRPO step vs TRL's GRPOTrainer; pack: "
+                    "--share-prompts false with --pack true vs false (and the default), with token counts")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--dtype", choices=["float32", "bf16-mixed"], default="float32",
                     help="both sides: float32, or float32 weights with bf16 autocast (ours --dtype bf16-mixed, "
@@ -265,6 +350,14 @@ def main(argv=None):
         results = alternated({"ours (grpo)": lambda o: ours(VARIANTS["grpo"], args.steps, o, args.dtype),
                               "TRL GRPOTrainer": lambda o: trl(args.steps, o, args.dtype)}, args.repeats, tmp)
         report(results, "TRL GRPOTrainer")
+    elif args.vs == "pack":
+        results = alternated({name: (lambda o, f=flags: ours(f, args.steps, o, args.dtype, count_tokens=True))
+                              for name, flags in PACKING.items()}, args.repeats, tmp)
+        report(results, "padded (unshared)")
+        lengths = results["packed (unshared)"]["update_lengths"][:4]
+        padded, packed = forward_backward(lengths)
+        print(f"update forward + backward alone, {len(lengths)} micro-batches of {sum(map(len, lengths))} rows, "
+              f"medians of 5 alternated: padded {padded:.2f} s, packed {packed:.2f} s ({padded / packed:.2f}x faster)")
     else:
         results = alternated({name: (lambda o, f=flags: ours(f, args.steps, o, args.dtype)) for name, flags in VARIANTS.items()},
                              args.repeats, tmp)

@@ -12,12 +12,30 @@ GRPO repeats each prompt for its G responses: `score_tokens(group=G)` runs a rep
 through the model once and gives its G rows copies of its KV cache; causal attention makes that the
 same math as G full rows (`shared_prompt_scores`). `MicroBatch` and `Packed.trimmed` cut a step's
 rows into forwards without all-padding columns, decided on the host (experience.plan_step).
+
+--pack (the full-row path: --share-prompts false, or --fsdp / --grad-ckpt, where prompts are not
+shared): a micro-batch's rows run concatenated, their real tokens only, position_ids restarting
+at 0 for each row and no attention_mask (`packed_row_scores`, `PackLayout`). transformers builds
+the block-causal mask from those positions (masking_utils.find_packed_sequence_indices: SDPA,
+eager) and flash-attn runs varlen on the cu_seqlens passed beside them: no token attends across
+rows, each sees its own row's earlier tokens at the padded forward's positions: the same math.
+Under flash-attn (the GPU path) the forward is one (1, N) sequence of exactly the N real tokens
+(the padded rows are 1.19-1.30x that on the paper config, 1.20x on the tiny world); SDPA and eager
+compute the whole (L, L) mask, so there the rows are dealt first-fit into bins as wide as the
+longest row, each bin's tail a filler sequence of its own (1.10x the real tokens on the tiny
+world, never more than the padded rows). Only positions whose next token is in the same row are
+scored (targets never cross a row's end); the scores land in the same (B, P-1) / (B, R) arrays as
+the padded forward's, so nothing downstream changes. The shared-prompt path (score_tokens(group=G))
+stays padded, by measurement (bench/bench_rl.py --vs pack, docs/speed.md): running each prompt
+once, it already computes 0.66x the rows' real tokens, fewer than any packing of full rows; and its
+responses attend to a KV cache of the prompt, which the position-based packed mask cannot express.
 """
 
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
@@ -31,10 +49,21 @@ class MicroBatch:
     rows: torch.Tensor                 # (n,) row indices into the Packed
     prompt_len: int                    # the rows' longest prompt (the trimmed layout's P, >= 1)
     response_len: int                  # their longest response (>= 1)
+    lengths: tuple = ()                # host (prompt, response) real tokens of each row
+    pack: bool = False                 # the full-row forward runs the real tokens only (packed_row_scores)
 
     @property
     def padded_tokens(self) -> int:
         return len(self.rows) * (self.prompt_len + self.response_len)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(p + r for p, r in self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens its full-row forward runs: the real ones when packed, else the padded layout's."""
+        return self.real_tokens if self.pack else self.padded_tokens
 
 
 @dataclass
@@ -49,16 +78,19 @@ class Packed:
     prompt_tok_mask: torch.LongTensor  # (B, P-1)
     P: int
     lengths: list[tuple[int, int]] | None = None  # host copy: (prompt, response) tokens of each row
+    pack: bool = False                 # score_tokens' full-row forward packs the real tokens
 
     def rows(self, sl) -> "Packed":
         lengths = None if self.lengths is None else self.lengths[sl]
-        return Packed(self.input_ids[sl], self.attention_mask[sl], self.prompt_tok_mask[sl], self.P, lengths)
+        return Packed(self.input_ids[sl], self.attention_mask[sl], self.prompt_tok_mask[sl], self.P, lengths,
+                      self.pack)
 
-    def micro_batch(self, rows: list[int]) -> MicroBatch:
+    def micro_batch(self, rows: list[int], pack=False) -> MicroBatch:
         """Rows as a MicroBatch, its widths from the host lengths."""
+        lengths = tuple(tuple(self.lengths[i]) for i in rows)
         return MicroBatch(torch.tensor(rows, device=self.input_ids.device),
-                          max(1, max(self.lengths[i][0] for i in rows)),
-                          max(1, max(self.lengths[i][1] for i in rows)))
+                          max(1, max(p for p, _ in lengths)), max(1, max(r for _, r in lengths)),
+                          lengths, pack)
 
     def trimmed(self, mb) -> tuple["Packed", slice, slice]:
         """The rows of a MicroBatch (or an index tensor: widths then read from the mask) without the
@@ -74,7 +106,8 @@ class Packed:
         mask = self.attention_mask[idx]
         cols = slice(self.P - p, self.P + r)
         return (Packed(self.input_ids[idx][:, cols], mask[:, cols],
-                       self.prompt_tok_mask[idx][:, self.P - p:self.P - 1], p),
+                       self.prompt_tok_mask[idx][:, self.P - p:self.P - 1], p, list(mb.lengths) or None,
+                       mb.pack),
                 slice(self.P - p, self.P - 1), slice(0, r))
 
 
@@ -96,6 +129,8 @@ def score_tokens(model, packed: Packed, temperature, with_entropy=False, group=1
     if (group > 1 and full_attention(distributed.unwrap(model).config)
             and (checked or shares_prompts(packed, group))):
         return shared_prompt_scores(model, packed, temperature, with_entropy, group, entropy_grad)
+    if packed.pack:
+        return packed_row_scores(model, packed, temperature, with_entropy, entropy_grad)
     logp, ent = token_logprobs(model, packed.input_ids, packed.attention_mask, temperature, with_entropy,
                                entropy_grad=entropy_grad)
     P = packed.P
@@ -141,6 +176,110 @@ def shared_prompt_scores(model, packed: Packed, temperature, with_entropy, G,
     x = torch.cat([px[:, -1:].repeat_interleave(G, 0), rx[:, :-1]], 1)  # (B, R, .)
     response, ent = _TokenLogprob.apply(x, w, ids[:, P:], T, elems, bool(with_entropy), bool(entropy_grad))
     return TokenScores(response, prompt.repeat_interleave(G, 0), ent)
+
+
+@dataclass
+class PackLayout:
+    """Where each real token of a [left-padded prompt | right-padded response] batch (n, W) sits in
+    the packed forward (bins, width), and where its scores go back. Row i's tokens are its columns
+    P - p_i .. P + r_i - 1, contiguous; each bin holds whole rows one after another, positions
+    restarting at 0 in each, then (SDPA/eager) a tail of filler tokens that is a sequence of its own
+    (positions from 0 again). Flat slot t scores slot t + 1 only where both are the same row's
+    (`src`): no target crosses a row's end."""
+    take: torch.Tensor                 # (T,) flat indices into input_ids.view(-1): the real tokens
+    slots: torch.Tensor                # (T,) their flat slots in the (bins, width) forward
+    positions: torch.Tensor            # (bins, width) position of each slot within its sequence
+    src: torch.Tensor                  # (M,) flat slots that score a token (all but each row's last)
+    dst: torch.Tensor                  # (M,) flat indices into the (n, W-1) scores of the padded layout
+    cu_seqlens: torch.Tensor           # (rows + 1,) int32 row boundaries in one bin (flash-attn varlen)
+    max_len: int                       # the longest row (flash-attn's max_seqlen)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.positions.shape)
+
+    @classmethod
+    def of(cls, lengths, P, W, device, width=None) -> "PackLayout":
+        """From the host (prompt, response) lengths: numpy and Python, no device read (and no
+        data-dependent op on memory_measure's fake tensors). width None: one bin of every real
+        token (flash-attn: attention costs sum L_i^2 whatever the bin); else bins of `width` >= the
+        longest row, filled first-fit longest first (SDPA and eager mask the whole bin: a bin costs
+        width^2, so one long bin would cost N^2). Rows of no tokens are left out."""
+        L = [p + r for p, r in lengths]
+        rows = sorted((i for i in range(len(L)) if L[i]), key=lambda i: -L[i])
+        width = width or sum(L)
+        bins, room = [], []                                           # rows of each bin, space left
+        for i in rows:
+            j = next((j for j, left in enumerate(room) if left >= L[i]), len(bins))
+            if j == len(bins):
+                bins.append([]), room.append(width)
+            bins[j].append(i)
+            room[j] -= L[i]
+        take, slots, pos, src, dst = [], [], np.zeros((len(bins), width), dtype=np.int64), [], []
+        for j, members in enumerate(bins):
+            o = 0
+            for i in members:
+                n, col = L[i], P - lengths[i][0]                      # its tokens' first column
+                at = j * width + o
+                take.append(i * W + col + np.arange(n))
+                slots.append(at + np.arange(n))
+                pos[j, o:o + n] = np.arange(n)
+                src.append(at + np.arange(n - 1))
+                dst.append(i * (W - 1) + col + np.arange(n - 1))      # logp column c scores column c + 1
+                o += n
+            pos[j, o:] = np.arange(width - o)                         # the filler: a sequence of its own
+        cat = lambda parts: torch.as_tensor(np.concatenate(parts or [np.zeros(0, np.int64)]),  # noqa: E731
+                                            dtype=torch.long, device=device)
+        cu = np.concatenate([[0], np.cumsum([L[i] for i in rows])])
+        return cls(cat(take), cat(slots), torch.as_tensor(pos, device=device), cat(src), cat(dst),
+                   torch.as_tensor(cu, dtype=torch.int32, device=device), max(L, default=0))
+
+
+def varlen_attention(model) -> bool:
+    """Does the model's attention run variable-length sequences (flash-attn), rather than masking
+    a whole (L, L) block (SDPA, eager)?"""
+    return "flash" in str(getattr(model.config, "_attn_implementation", ""))
+
+
+def packed_row_scores(model, packed: Packed, temperature, with_entropy=False,
+                      entropy_grad=False) -> TokenScores:
+    """score_tokens' full-row forward on the real tokens (--pack): the rows concatenated, positions
+    restarting at 0 in each, no attention_mask, so transformers masks block-causally from the
+    positions (find_packed_sequence_indices) and flash-attn runs varlen on cu_seqlens: each token
+    sees its own row's earlier tokens at the same positions as in the padded forward, the same
+    math. flash-attn: one (1, N) sequence of exactly the real tokens; SDPA/eager: bins as wide as
+    the longest row (PackLayout). Scores are scattered into the padded layout's arrays; positions
+    that score no real token (padding, before a row's first token) hold 0."""
+    if temperature <= 0:
+        raise ValueError(f"packed_row_scores needs temperature > 0, got {temperature}")
+    ids = packed.input_ids
+    n, W = ids.shape
+    lengths = packed.lengths
+    if lengths is None:                                               # (a host read; plan_step passes them)
+        lengths = list(zip(packed.attention_mask[:, :packed.P].sum(1).tolist(),
+                           packed.attention_mask[:, packed.P:].sum(1).tolist()))
+    inner = distributed.unwrap(model)
+    flash = varlen_attention(inner)
+    lay = PackLayout.of(lengths, packed.P, W, ids.device, None if flash else max(p + r for p, r in lengths))
+    grid = ids.new_zeros(lay.shape[0] * lay.shape[1]).index_copy(0, lay.slots, ids.reshape(-1)[lay.take])
+    kw = {}
+    if flash:                                                         # varlen without a device read
+        kw = dict(cu_seq_lens_q=lay.cu_seqlens, cu_seq_lens_k=lay.cu_seqlens,
+                  max_length_q=lay.max_len, max_length_k=lay.max_len)
+    head = plain_head(inner)
+    with hidden_states_out(head):                                     # (bins, width, D), or logits
+        x = model(input_ids=grid.view(lay.shape), attention_mask=None, position_ids=lay.positions,
+                  use_cache=False, **kw).logits
+    x = x.reshape(1, -1, x.shape[-1])[:, lay.src]                     # (1, M, .) the scoring slots
+    logp, ent = _TokenLogprob.apply(x, None if head is None else head.weight, grid[lay.src + 1][None],
+                                    float(temperature), 2**26, bool(with_entropy), bool(entropy_grad))
+
+    def padded(v):                                                    # (1, M) -> (n, W-1)
+        out = torch.zeros(n * (W - 1), dtype=v.dtype, device=v.device)
+        return out.index_copy(0, lay.dst, v[0]).view(n, W - 1)
+    logp, P = padded(logp), packed.P
+    ent = None if ent is None else padded(ent)
+    return TokenScores(logp[:, P - 1:], logp[:, :P - 1], None if ent is None else ent[:, P - 1:])
 
 
 def right_align(seqs: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -102,15 +102,25 @@ def padded_width(lengths, rows) -> int:
     return max(lengths[i][0] for i in rows) + max(lengths[i][1] for i in rows)
 
 
+def forward_tokens(lengths, rows, packed=False) -> int:
+    """Tokens one forward over `rows` runs: rows x padded_width, or packed (--pack: the rows' real
+    tokens in one sequence, logprobs.packed_row_scores) their sum."""
+    if packed:
+        return sum(x if isinstance(x, int) else sum(x) for x in (lengths[i] for i in rows))
+    return len(rows) * padded_width(lengths, rows)
+
+
 def microbatch_plan(lengths: list, size: int, max_tokens: int = 0, count: int = 0,
-                    group: int = 1) -> list[list[int]]:
+                    group: int = 1, packed: bool = False) -> list[list[int]]:
     """Rows (indices into `lengths`: each row's tokens, or its (prompt, response) tokens) grouped
     into micro-batches, longest first, so each micro-batch pads only to its own longest rows: at
-    most `size` rows and, if max_tokens, at most max_tokens padded tokens (rows x padded_width)
-    each; a row longer than that goes alone. With count > the number of groups, the largest are
-    halved until there are `count` (under FSDP2 every rank must run as many forwards: pass the
-    most any rank needs). group > 1: the units are runs of `group` consecutive rows (a prompt's G
-    responses), kept whole and in order."""
+    most `size` rows and, if max_tokens, at most max_tokens tokens (`forward_tokens`: padded, or
+    real when packed) each; a row longer than that goes alone. With count > the number of groups,
+    the largest are halved until there are `count` (under FSDP2 every rank must run as many
+    forwards: pass the most any rank needs). group > 1: the units are runs of `group` consecutive
+    rows (a prompt's G responses), kept whole and in order (the shared-prompt forward: never packed)."""
+    if group > 1 and packed:
+        raise ValueError("packed forwards run full rows (group 1); shared prompts run padded")
     if group > 1:
         units = [range(i, i + group) for i in range(0, len(lengths), group)]
         longest = [_longest([lengths[i] for i in u]) for u in units]
@@ -120,7 +130,7 @@ def microbatch_plan(lengths: list, size: int, max_tokens: int = 0, count: int = 
     order = sorted(range(len(lengths)), key=lambda i: -total[i])  # stable: ties keep row order
     plan, cur = [], []
     for i in order:
-        too_wide = max_tokens and (len(cur) + 1) * padded_width(lengths, cur + [i]) > max_tokens
+        too_wide = max_tokens and forward_tokens(lengths, cur + [i], packed) > max_tokens
         if cur and (len(cur) == size or too_wide):
             plan.append(cur)
             cur = []

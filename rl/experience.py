@@ -226,14 +226,16 @@ class StepPlan:
 
 
 def micro_batches(args, packed: logprobs.Packed, rows: range) -> list[logprobs.MicroBatch]:
-    """Rows as micro-batches, longest first: <= --micro-batch rows, <= --micro-tokens padded
-    tokens, whole groups if prompts are shared, as many on every rank."""
+    """Rows as micro-batches, longest first: <= --micro-batch rows, <= --micro-tokens tokens (the
+    real ones where the full-row forward is packed: --pack without shared prompts; else padded),
+    whole groups if prompts are shared, as many on every rank."""
     lengths, group = [packed.lengths[i] for i in rows], batching.prompt_group(args)
+    pack = bool(getattr(args, "pack", False)) and group == 1
 
     def plan(count=0):
-        return batching.microbatch_plan(lengths, args.micro_batch, args.micro_tokens, count, group)
+        return batching.microbatch_plan(lengths, args.micro_batch, args.micro_tokens, count, group, pack)
     most = int(distributed.all_max(torch.tensor(len(plan()))))
-    return [packed.micro_batch([rows.start + i for i in mb]) for mb in plan(most)]
+    return [packed.micro_batch([rows.start + i for i in mb], pack) for mb in plan(most)]
 
 
 def plan_step(args, packed: logprobs.Packed, valid: list[float], update_rows: list[slice], fresh: slice,
