@@ -94,10 +94,6 @@ class LeanStep:
         """Keep only `slots` (an index tensor), in that order."""
         self.cache.batch_select_indices(slots)
 
-    def rows(self, live: int) -> int:
-        """Slots to keep when the pass compacts to `live` of them (CapturedStep: a bucket)."""
-        return live
-
     def __call__(self, tok, pos, width: int):
         """tok, pos: (S,) each slot's token and its position, which is also the cache column its K/V
         are written to (a slot's prompt fills columns [0, P) unpadded); width: cache columns read,
@@ -144,7 +140,7 @@ class CapturedStep(LeanStep):
     instead of ~20 kernels per layer, the launch overhead that dominates a small decode batch.
     A graph needs fixed shapes and fixed addresses: the cache's whole buffers are static inputs
     (compaction moves slots in place, SlotLayer), the columns read are bucketed (WIDTH_BUCKETS) and
-    the slots compacted to a power of two (`rows`), so a pass records a few graphs, not one per
+    the slots compacted to a power of two (`bucket_rows`), so a pass records a few graphs, not one per
     step. The widths read beyond a slot's own length are masked: the same logits as LeanStep's up
     to the rounding of a longer sum. backend: torch.compile's ("inductor"; "aot_eager" / "eager"
     trace the same graph without a C compiler)."""
@@ -160,15 +156,18 @@ class CapturedStep(LeanStep):
                                                      fullgraph=True)
         self.compiled = _COMPILED[backend, mode]
 
-    def rows(self, live: int) -> int:
-        return min(self.cache.layers[0].k_buf.shape[0], 1 << max(0, live - 1).bit_length())
-
     def __call__(self, tok, pos, width: int):
         C = self.cache.layers[0].capacity
         q = -(-C // WIDTH_BUCKETS)
         torch.compiler.cudagraph_mark_step_begin()      # the previous step's outputs are consumed
         logits = self.compiled(self, tok, pos, min(C, -(-width // q) * q))
         return logits.clone() if self.dev == "cuda" else logits  # (a graph's output is overwritten)
+
+
+def bucket_rows(live: int, slots: int) -> int:
+    """Slots a CapturedStep's pass keeps when it compacts `slots` to `live`: a power of two, at most
+    `slots` (the finished ones that pad it decode on, ignored)."""
+    return min(slots, 1 << max(0, live - 1).bit_length())
 
 
 def _bias(own, Hkv):

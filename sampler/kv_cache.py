@@ -416,7 +416,7 @@ def decode_pass(model, prompts, keys, choose, *, slots, max_new_tokens, eos, pad
             if queued == N and len(free) == len(pos):
                 break
             if queued == N and len(free) >= len(pos) / COMPACT_FRACTION:
-                tok, pos = _compact(step, s, tok, pos, free)
+                tok, pos = _compact(step, s, tok, pos, free, bool(compile_decode))
             free = free[:N - queued] if len(free) >= max(1, len(pos) // REFILL_FRACTION) else []
         logits = step(tok, s.pos, max(pos) + 1)
         s.pos, pos = (s.pos + 1).clamp_(max=C - 1), [min(p + 1, C - 1) for p in pos]
@@ -440,11 +440,13 @@ def _refill(model, step, s: Slots, pos: list[int], prompts, free: list[int], fir
     return admit(model, step.cache, [prompts[r] for r in rows], free, pad_id)
 
 
-def _compact(step, s: Slots, tok, pos: list[int], free: list[int]):
-    """Drop the finished slots (`free`) from the batch and the cache. -> (tok, pos) of the others."""
+def _compact(step, s: Slots, tok, pos: list[int], free: list[int], bucketed=False):
+    """Drop the finished slots (`free`) from the batch and the cache (bucketed: some kept, so that
+    a power of two of slots is left, decode.bucket_rows). -> (tok, pos) of the slots kept."""
     gone = set(free)
     keep = [i for i in range(len(pos)) if i not in gone]
-    keep += free[:step.rows(len(keep)) - len(keep)]       # (CapturedStep: finished ones pad to a bucket)
+    if bucketed:                                          # a CapturedStep's: shapes change rarely
+        keep += free[:decode.bucket_rows(len(keep), len(pos)) - len(keep)]
     if len(keep) == len(pos):
         return tok, pos
     idx = torch.tensor(keep, device=tok.device)

@@ -90,11 +90,7 @@ def test_the_compiled_step_is_traced_once_for_every_pass(warm):
     assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
 
 
-def test_compaction_keeps_a_power_of_two_of_slots(warm):
-    """CapturedStep.rows: the live slots rounded up to a power of two, never more than the cache
-    holds; LeanStep keeps exactly the live ones."""
-    model, tok = warm
-    cache = kv_cache.slot_cache(model, 6, 8)
-    cap, lean = decode.CapturedStep(model, cache, "eager"), decode.LeanStep(model, cache)
-    assert [cap.rows(n) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
-    assert [lean.rows(n) for n in range(1, 7)] == [1, 2, 3, 4, 5, 6]
+def test_compaction_keeps_a_power_of_two_of_slots():
+    """decode.bucket_rows: the live slots rounded up to a power of two, never more than there are."""
+    assert [decode.bucket_rows(n, 6) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+    assert [decode.bucket_rows(n, 64) for n in (1, 3, 5, 17, 33, 64)] == [1, 4, 8, 32, 64, 64]
