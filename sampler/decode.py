@@ -21,6 +21,8 @@ Same math, not the same rounding: its logits agree with the HF forward to ~1e-6 
 (tests/test_rollout.py), so a sampled token can differ where two candidates tie to that precision.
 Models it does not implement (other architectures, sliding windows, dynamic RoPE, q/k norms, a
 sharded model) get `HFStep`, the HF forward per step, in rollout.py's chunked loop.
+
+`CapturedStep` (--compile-decode): the same step through torch.compile, in CUDA graphs on CUDA.
 """
 
 import torch
@@ -143,13 +145,14 @@ class CapturedStep(LeanStep):
     the slots compacted to a power of two (`bucket_rows`), so a pass records a few graphs, not one per
     step. The widths read beyond a slot's own length are masked: the same logits as LeanStep's up
     to the rounding of a longer sum. backend: torch.compile's ("inductor"; "aot_eager" / "eager"
-    trace the same graph without a C compiler)."""
+    trace the same graph without a C compiler). Unmeasured on a GPU: float32 weights under bf16
+    autocast (DDP without LoRA) are cast inside the graph at every step -- autocast's cache of
+    casts is the eager step's only -- while FSDP2's gathered and LoRA's merged copies are bf16."""
 
     def __init__(self, model, cache, backend="inductor"):
         super().__init__(model, cache)
-        for c in cache.layers:               # CUDA graphs may write them in place: fixed addresses
-            torch._dynamo.mark_static_address(c.k_all)
-            torch._dynamo.mark_static_address(c.v_all)
+        for t in [self.cos, self.sin] + [b for c in cache.layers for b in (c.k_all, c.v_all)]:
+            torch._dynamo.mark_static_address(t)     # fixed addresses: a graph reads (writes) them in place
         mode = "reduce-overhead" if self.dev == "cuda" and backend == "inductor" else None
         if (backend, mode) not in _COMPILED:             # one wrapper: its graphs serve every pass
             _COMPILED[backend, mode] = torch.compile(LeanStep.step, backend=backend, mode=mode,

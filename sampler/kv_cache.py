@@ -41,7 +41,8 @@ takes about (total tokens / S) + one row's length steps instead of ceil(N / S) x
   time, so a step reads up to ~(P + R) / (P + R / 2) ~ 1.6x the KV bytes of an average chunk step
   (P = 1,024, R = 3,072); at 7B x 128 slots x 4,096 columns that is ~30 GB per step against 15 GB of
   weights: the pass saves steps (~1/3 of them), not bytes per step. Reading each slot only up to its
-  own length needs a varlen kernel (flash-attn's kv-cache API), not torch's SDPA.
+  own length needs a varlen kernel (flash-attn's kv-cache API), not torch's SDPA. (--compile-decode's
+  decode.CapturedStep reads more: the longest slot's columns rounded up to an eighth of the capacity.)
 - Admission: at a check (below), free slots are refilled from the queue once >= 1/REFILL_FRACTION
   of the slots are free (or every slot is). Each refill is one prefill forward (kv_cache.admit: each
   distinct prompt once, so a group's G rows admitted together share it): refilling 1/8 at a time
