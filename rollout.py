@@ -105,23 +105,17 @@ class SampleSpec:
     batch_size: int | None = None      # rows decoded at once (the one pass's slots, or a chunk), at most
     weights_dtype: torch.dtype | None = None  # of the gathered decoding copy of a sharded policy
     kv_budget: int = 0                 # KV-cache positions (rows at once x (prompt + new)); 0 = no cap
+    compile_decode: bool = False       # the one pass's decode step compiled (decode.CapturedStep)
 
     @classmethod
-    def make(cls, model, tokenizer, max_new_tokens, sampler, batch_size, kv_budget, bf16, opt=None):
+    def make(cls, model, tokenizer, max_new_tokens, sampler, batch_size, kv_budget, bf16, opt=None,
+             compile_decode=False):
         """The spec of a training run: stop ids from the model and tokenizer; on CUDA a kv_budget
-        of 0 means a share of the free GPU memory (kv_budget_from_memory), on CPU no cap. The
-        free memory is measured now, before the optimizer `opt` has its Adam state (allocated at
-        its first step) and before bf16 autocast has cast the float32 weights once (it keeps
-        those copies for the region): both are set aside first."""
+        of 0 means what fits in the free GPU memory (kv_budget_that_fits), on CPU no cap."""
         if kv_budget == 0 and next(model.parameters()).is_cuda:
-            local = sum(_local(p).numel() for p in model.parameters())
-            adam = 2 * 4 * local if opt is not None and not opt.state else 0
-            casts = 2 * local if bf16 and not any(hasattr(p, "to_local") for p in model.parameters()) else 0
-            kv_budget = kv_budget_from_memory(
-                model.config, torch.bfloat16 if bf16 else next(model.parameters()).dtype,
-                reserve_bytes=adam + casts)
+            kv_budget = kv_budget_that_fits(model, opt, bf16, batch_size, max_new_tokens)
         return cls(max_new_tokens, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, sampler,
-                   batch_size, torch.bfloat16 if bf16 else None, kv_budget)
+                   batch_size, torch.bfloat16 if bf16 else None, kv_budget, compile_decode)
 
     def rows_per_call(self, longest_prompt) -> int | None:
         """Rows decoded at once (sampler/kv_cache.py's slots; chunks where the one pass does not apply):
@@ -135,6 +129,50 @@ class SampleSpec:
 def _local(p):
     """This rank's part of a parameter (its shard under FSDP2)."""
     return p.to_local() if hasattr(p, "to_local") else p
+
+
+def kv_budget_that_fits(model, opt, bf16, batch_size, max_new_tokens) -> int:
+    """--kv-budget 0 on CUDA: the KV-cache positions that fit in the free GPU memory measured now,
+    less what the rollout phase will still allocate beside the cache (rollout_reserve, and the one
+    pass's own kv_cache.decode_reserve: its prefill and the logits of as many slots as can be --
+    batch_size, at most one per max_new_tokens + 1 positions), less memory_plan.KV_MARGIN of the
+    card (kv_cache.kv_budget_from_memory)."""
+    p = next(model.parameters())
+    dtype = torch.bfloat16 if bf16 else p.dtype                      # the cache's: kv_cache.kv_dtype
+    held = sum(rollout_reserve(model, opt, bf16).values())
+    rows = kv_budget_from_memory(model.config, dtype, held) // (max_new_tokens + 1)
+    rows = min(rows, batch_size) if batch_size else rows
+    own = kv_cache.decode_reserve(model.config, 2 if bf16 else p.element_size(), rows)
+    return kv_budget_from_memory(model.config, dtype, held + sum(own.values()))
+
+
+def rollout_reserve(model, opt, bf16) -> dict[str, int]:
+    """Bytes a training run's rollout phase holds beside the KV cache that are not allocated yet
+    when the spec is made (after the policy, the reference and the Query-KL cache are), by name:
+    - "adam": the optimizer `opt`'s exp_avg and exp_avg_sq (this rank's shards), allocated at its
+      first step -- 0 once it has state, or without an optimizer;
+    - "decoding copy": the model the sampler decodes with, made at each rollout: under FSDP2 the
+      whole policy gathered (distributed.gathered, in bf16 or the default dtype), under LoRA the
+      base with the adapters merged (lora.merged, in bf16 or as it is);
+    - "autocast casts": otherwise, under bf16 autocast, the bf16 copies of the float32 matmul
+      weights (every nn.Linear's) the decoding steps make, kept for the autocast region (the step)."""
+    params = dict(model.named_parameters())
+    fsdp = any(hasattr(p, "to_local") for p in params.values())
+    lora = any("lora_" in n for n in params)
+    out = {"adam": 0, "decoding copy": 0, "autocast casts": 0}
+    if opt is not None and not opt.state:
+        out["adam"] = sum(2 * _local(p).numel() * p.element_size()
+                          for g in opt.param_groups for p in g["params"])
+    if fsdp:
+        copy_bytes = 2 if bf16 else torch.get_default_dtype().itemsize
+        out["decoding copy"] = sum(p.numel() for p in params.values()) * copy_bytes
+    elif lora:
+        out["decoding copy"] = sum(p.numel() * (2 if bf16 else p.element_size())
+                                   for n, p in params.items() if "lora_" not in n)
+    elif bf16:
+        out["autocast casts"] = sum(2 * p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+                                    for p in m.parameters(recurse=False) if p.dtype == torch.float32)
+    return out
 
 
 @dataclass
@@ -469,12 +507,13 @@ def sample_with(model, prompts, spec: SampleSpec, *, temperature, seeds, top_p=1
     """`sample` with the decoding settings of a SampleSpec."""
     return sample(model, prompts, max_new_tokens=spec.max_new_tokens, eos_ids=spec.eos_ids,
                   pad_id=spec.pad_id, temperature=temperature, top_p=top_p, seeds=seeds, sampler=spec.sampler,
-                  batch_size=spec.rows_per_call(max(map(len, prompts))))
+                  batch_size=spec.rows_per_call(max(map(len, prompts))), compile_decode=spec.compile_decode)
 
 
 @torch.no_grad()
 def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, top_p=1.0,
-           seeds=None, sampler="kv", batch_size=None, progress=False, lockstep=None) -> Rollout:
+           seeds=None, sampler="kv", batch_size=None, progress=False, lockstep=None,
+           compile_decode=False) -> Rollout:
     """Sample one response per prompt (repeat prompts G times for G samples each).
 
     prompts: list of token-id lists (no padding). eos_ids: int or list of ints. temperature 0 is
@@ -486,7 +525,8 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
     "kv" on a model decode.LeanStep implements: the slots of sampler/kv_cache.py's one pass over all rows;
     otherwise chunks of this many rows, one after another. lockstep: keep ranks in step (auto:
     True for FSDP2-sharded models in a multi-rank process group; chunked); then every rank must
-    call sample() with the same batch_size. Returns a Rollout on the model's device.
+    call sample() with the same batch_size. compile_decode: the one pass's decode step compiled
+    (decode.CapturedStep; a backend's name, or True: inductor). Returns a Rollout on the model's device.
     """
     _check_sample_args(prompts, max_new_tokens, temperature, top_p, seeds, sampler, batch_size)
     # DDP: decode with the inner module -- DDP's forward may broadcast buffers (a collective), and
@@ -503,7 +543,7 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
         lockstep = _lockstep(m)
     kw = dict(max_new_tokens=max_new_tokens, eos=eos, pad_id=pad_id, temperature=temperature, top_p=top_p)
     if sampler == "kv" and kv_cache.supports(m, lockstep):
-        ro = _one_pass(m, prompts, keys, batch_size, progress, **kw)
+        ro = _one_pass(m, prompts, keys, batch_size, progress, compile_decode, **kw)
     else:
         ro = _chunked(m, prompts, keys, batch_size, sampler, lockstep, seeded, progress, **kw)
     width = int(ro.response_mask.sum(1).max())  # the longest response (a pass may run past it)
@@ -511,13 +551,14 @@ def sample(model, prompts, *, max_new_tokens, eos_ids, pad_id, temperature=1.0, 
                                                                             ro.logprobs)), ro.finished)
 
 
-def _one_pass(model, prompts, keys, slot_count, progress, *, max_new_tokens, eos, pad_id, temperature, top_p):
+def _one_pass(model, prompts, keys, slot_count, progress, compile_decode, *, max_new_tokens, eos, pad_id,
+              temperature, top_p):
     """Every row in one decoding pass over `slot_count` KV-cache slots (sampler/kv_cache.py)."""
     def choose(logits, row_keys, t):
         return _choose(logits, temperature, top_p, row_keys, t)
 
     d = kv_cache.decode_pass(model, prompts, keys, choose, slots=slot_count, max_new_tokens=max_new_tokens,
-                          eos=eos, pad_id=pad_id, progress=progress)
+                          eos=eos, pad_id=pad_id, progress=progress, compile_decode=compile_decode)
     ids, mask = left_pad(prompts, pad_id, keys.device)
     R = max_new_tokens  # column R is the pass's scratch column
     return Rollout(ids, mask, d.tokens[:, :R], d.mask[:, :R], d.logprobs[:, :R], d.finished)

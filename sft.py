@@ -97,7 +97,7 @@ def run(a, d, model, tokenizer, seqs, evalsets, log, amp):
     and at the end (none with --eval-every 0)."""
     bf16 = distributed.uses_bf16(a.dtype, d.device)
     spec = rollout.SampleSpec.make(model, tokenizer, a.max_new_tokens, a.sampler, a.gen_batch, a.kv_budget,
-                                   bf16)
+                                   bf16, compile_decode=a.compile_decode)
     model = distributed.wrap_model(model, d.device, a.fsdp, bf16=bf16)
 
     def heldout():

@@ -67,7 +67,9 @@ OPTIONS = [
     ("max_new_tokens",    96,                                  "response length limit", ">=1"),
     ("sampler",           "kv",                                "our KV-cache sampler or HF generate", ["kv", "hf"]),
     ("gen_batch",         256,                                 "rows per sampler call, at most", ">=1"),
-    ("kv_budget",         0,                                   "KV-cache positions per sampler call (0: 40% of free GPU memory; CPU: no cap)", ">=0"),
+    ("kv_budget",         0,                                   "KV-cache positions per sampler call (0 on CUDA: what fits in the free memory beside "
+                                                               "the rollout's other allocations, less 10% of the card; CPU: no cap)", ">=0"),
+    ("compile_decode",    False,                               "the sampler's decode step through torch.compile (CUDA graphs); off until measured on a GPU"),
     ("max_resample_rounds", 4,                                 "dynamic sampling: extra sampling rounds at most", ">=0"),
     ("reward",            "acc",                               "binary accuracy, or 0.9*acc + 0.1*format", ["acc", "acc+format"]),
     # optimisation

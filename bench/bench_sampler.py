@@ -5,6 +5,7 @@ the dtype is bf16 (they are exact in fp32 on CPU, see tests/test_rollout.py).
     python bench/bench_sampler.py                       # tiny model, CPU (~0.3M params, vocab 1000)
     python bench/bench_sampler.py --preset qwen0.5b     # Qwen2.5-0.5B shape (vocab 151936), CUDA bf16
     python bench/bench_sampler.py --one-pass            # one pass over refilled slots vs chunks
+    python bench/bench_sampler.py --compiled            # + the decode step compiled (--compile-decode)
 
 Prints tokens/s of each sampler and their ratio against the pinned baseline "hf-plain": HF
 `generate` with plain sampling (do_sample, temperature, top_k 0, top_p 1) and no per-step logits
@@ -14,6 +15,10 @@ keeps every step's logits to return log-probs, as a sampler for RL must), "kv" o
 kv-vs-hf agreement, whether seeded samples survive re-batching, and max |sampled logprob -
 token_logprobs|. EOS is disabled (eos_ids=[]) so every row decodes exactly --new tokens and all
 samplers do the same amount of work.
+
+--compiled [BACKEND]: adds "kv+compiled", our sampler with its decode step through torch.compile
+(decode.CapturedStep: inductor, on CUDA in CUDA graphs; or BACKEND), and prints its compile time (its
+first call's wall time less a warm call's) and after how many sampler calls of this size it pays off.
 
 --one-pass: the rollout schedule instead (sampler/kv_cache.py). --rows seeded rows with long-tailed lengths
 (--eos-count tokens of the near-uniform random model end a row: geometric lengths, mean about
@@ -131,6 +136,8 @@ def main(argv=None):
     ap.add_argument("--group", type=int, default=1,
                     help="each prompt repeated this many times, as GRPO's G responses (our sampler prefills it once)")
     ap.add_argument("--one-pass", action="store_true", help="only the one pass vs chunks (see the docstring)")
+    ap.add_argument("--compiled", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                    help="add our sampler with its decode step compiled (torch.compile's backend: inductor)")
     ap.add_argument("--rows", type=int, default=256, help="--one-pass: rows of the rollout")
     ap.add_argument("--slots", type=int, default=64, help="--one-pass: rows the KV cache holds at once")
     ap.add_argument("--eos-count", type=int, default=16, help="--one-pass: tokens that end a row")
@@ -155,6 +162,8 @@ def main(argv=None):
     kw = dict(max_new_tokens=args.new, eos_ids=[], pad_id=0, temperature=args.temperature)
     runs = [("kv", {}), ("kv+seeds", {"seeds": True}), ("hf-plain", {"plain": True}), ("hf", {"sampler": "hf"}),
             ("hf+seeds", {"sampler": "hf", "seeds": True})]
+    if args.compiled:
+        runs.insert(2, ("kv+compiled", {"seeds": True, "compile_decode": args.compiled}))
     for B in args.batch:
         prompts = make_prompts(B)
 
@@ -164,8 +173,8 @@ def main(argv=None):
             extra = dict(extra, seeds=list(range(B))) if extra.get("seeds") else extra
             return timed(lambda: R.sample(model, prompts, **kw, **extra), device)
 
-        for _, extra in runs:  # full-size warm-up: kernels, and the CUDA caching allocator
-            go(extra)
+        first = {name: go(extra)[1] for name, extra in runs}  # full-size warm-up: kernels, the CUDA
+        #                                                       caching allocator, the compiled graphs
         best = {name: float("inf") for name, _ in runs}
         for _ in range(args.reps):  # alternate samplers so drifts hit all of them alike
             for name, extra in runs:
@@ -176,6 +185,13 @@ def main(argv=None):
             print(f"B={B:4d} {name:9s} {rates[name]:10.0f} tok/s  (best {best[name]:.2f} s)")
         print(f"B={B:4d} kv/hf-plain speed ratio: {rates['kv'] / rates['hf-plain']:.2f}x   "
               f"(kv+seeds/hf-plain {rates['kv+seeds'] / rates['hf-plain']:.2f}x; kv/hf {rates['kv'] / rates['hf']:.2f}x)")
+        if args.compiled:
+            compile_s = first["kv+compiled"] - best["kv+compiled"]
+            saved = best["kv+seeds"] - best["kv+compiled"]
+            pays = f"after {compile_s / saved:.0f} calls" if saved > 0 else "never"
+            print(f"B={B:4d} kv+compiled/kv+seeds speed ratio: "
+                  f"{rates['kv+compiled'] / rates['kv+seeds']:.2f}x; "
+                  f"compile {compile_s:.1f} s ({args.compiled}), pays off {pays}")
 
     if args.parity:
         B = args.batch[0]

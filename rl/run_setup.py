@@ -110,7 +110,7 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
     if state is not None:                                                # the new --lr, not the saved one
         optimizer.set_hyperparameters(opt, sched, args.lr, args.weight_decay)
     spec = rollout.SampleSpec.make(model, tokenizer, args.max_new_tokens, args.sampler, args.gen_batch,
-                                   args.kv_budget, bf16, opt)
+                                   args.kv_budget, bf16, opt, args.compile_decode)
     start_norm = ((state and state.extra.get("weight_norm"))               # (an older checkpoint: its own)
                   or step_guard.weight_norm(policy))
     guard = step_guard.StepGuard(args.out, args.max_bad_steps, start_norm,

@@ -21,6 +21,8 @@ Same math, not the same rounding: its logits agree with the HF forward to ~1e-6 
 (tests/test_rollout.py), so a sampled token can differ where two candidates tie to that precision.
 Models it does not implement (other architectures, sliding windows, dynamic RoPE, q/k norms, a
 sharded model) get `HFStep`, the HF forward per step, in rollout.py's chunked loop.
+
+`CapturedStep` (--compile-decode): the same step through torch.compile, in CUDA graphs on CUDA.
 """
 
 import torch
@@ -99,6 +101,12 @@ class LeanStep:
         are written to (a slot's prompt fills columns [0, P) unpadded); width: cache columns read,
         > every pos (a host int: no device read). -> (S, V) float32 logits of each slot's next token.
         Every slot reads `width` columns, masked beyond its own length."""
+        return self.step(tok, pos, width)
+
+    def step(self, tok, pos, width: int):
+        """The step's math (CapturedStep compiles it): tensor ops only, no host read, no branch on a
+        device value; its shapes are S = tok's rows and `width`. The cache's buffers are read as the
+        first S slots of the whole (k_all, v_all: fixed addresses, SlotLayer)."""
         S, Hq, Hkv, D = tok.shape[0], self.Hq, self.Hkv, self.D
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]     # (S, 1, D)
         x = self.embed(tok)                                             # (S, H)
@@ -107,18 +115,62 @@ class LeanStep:
         at = ((torch.arange(S, device=tok.device)[:, None] * Hkv + torch.arange(Hkv, device=tok.device)) * C
               + pos[:, None]).view(-1)                                 # (S * Hkv,)
         own = torch.arange(width, device=tok.device)[None, :] <= pos[:, None]   # (S, width)
-        mask = own if self.cache.layers[0].k_buf.dtype != torch.float32 else _bias(own, Hkv)
+        mask = own if self.cache.layers[0].k_all.dtype != torch.float32 else _bias(own, Hkv)
         for w, c in zip(self.layers, self.cache.layers):
+            K, V = c.k_all[:S], c.v_all[:S]                              # (S, Hkv, C, D): the live slots
             qkv = w.qkv(_rms(x, w.n1, self.eps)).view(S, Hq + 2 * Hkv, D)
             qk = _rotate(qkv[:, :Hq + Hkv], cos, sin)                    # q and k heads at once
-            c.k_buf.view(-1, D).index_copy_(0, at, qk[:, Hq:].reshape(-1, D).to(c.k_buf.dtype))
-            c.v_buf.view(-1, D).index_copy_(0, at, qkv[:, Hq + Hkv:].reshape(-1, D).to(c.v_buf.dtype))
+            K.view(-1, D).index_copy_(0, at, qk[:, Hq:].reshape(-1, D).to(K.dtype))
+            V.view(-1, D).index_copy_(0, at, qkv[:, Hq + Hkv:].reshape(-1, D).to(V.dtype))
             q = qk[:, :Hq].view(S, Hkv, Hq // Hkv, D)                   # GQA: a kv head's q heads
             with torch.autocast(self.dev, enabled=False):               # scores: see _attend
-                a = _attend(q, c.k_buf[:, :, :width], c.v_buf[:, :, :width], mask, self.scale)
+                a = _attend(q, K[:, :, :width], V[:, :, :width], mask, self.scale)
             x = x + w.o(a.reshape(S, Hq * D))
             x = x + w.mlp(_rms(x, w.n2, self.eps))
         return self.lm(_rms(x, self.norm, self.eps)).float()
+
+
+# CapturedStep reads the cache in widths of capacity / WIDTH_BUCKETS (rounded up), and compacts to
+# a power of two of slots: shapes that change rarely, each a compiled graph (a CUDA graph) of its own.
+WIDTH_BUCKETS = 8
+_COMPILED = {}                                   # (backend, mode) -> torch.compile(LeanStep.step)
+
+
+class CapturedStep(LeanStep):
+    """LeanStep's step through torch.compile(fullgraph=True): on CUDA with inductor in mode
+    "reduce-overhead", which captures it in CUDA graphs and replays them -- one launch per step
+    instead of ~20 kernels per layer, the launch overhead that dominates a small decode batch.
+    A graph needs fixed shapes and fixed addresses: the cache's whole buffers are static inputs
+    (compaction moves slots in place, SlotLayer), the columns read are bucketed (WIDTH_BUCKETS) and
+    the slots compacted to a power of two (`bucket_rows`), so a pass records a few graphs, not one per
+    step. The widths read beyond a slot's own length are masked: the same logits as LeanStep's up
+    to the rounding of a longer sum. backend: torch.compile's ("inductor"; "aot_eager" / "eager"
+    trace the same graph without a C compiler). Unmeasured on a GPU: float32 weights under bf16
+    autocast (DDP without LoRA) are cast inside the graph at every step -- autocast's cache of
+    casts is the eager step's only -- while FSDP2's gathered and LoRA's merged copies are bf16."""
+
+    def __init__(self, model, cache, backend="inductor"):
+        super().__init__(model, cache)
+        for t in [self.cos, self.sin] + [b for c in cache.layers for b in (c.k_all, c.v_all)]:
+            torch._dynamo.mark_static_address(t)     # fixed addresses: a graph reads (writes) them in place
+        mode = "reduce-overhead" if self.dev == "cuda" and backend == "inductor" else None
+        if (backend, mode) not in _COMPILED:             # one wrapper: its graphs serve every pass
+            _COMPILED[backend, mode] = torch.compile(LeanStep.step, backend=backend, mode=mode,
+                                                     fullgraph=True)
+        self.compiled = _COMPILED[backend, mode]
+
+    def __call__(self, tok, pos, width: int):
+        C = self.cache.layers[0].capacity
+        q = -(-C // WIDTH_BUCKETS)
+        torch.compiler.cudagraph_mark_step_begin()      # the previous step's outputs are consumed
+        logits = self.compiled(self, tok, pos, min(C, -(-width // q) * q))
+        return logits.clone() if self.dev == "cuda" else logits  # (a graph's output is overwritten)
+
+
+def bucket_rows(live: int, slots: int) -> int:
+    """Slots a CapturedStep's pass keeps when it compacts `slots` to `live`: a power of two, at most
+    `slots` (the finished ones that pad it decode on, ignored)."""
+    return min(slots, 1 << max(0, live - 1).bit_length())
 
 
 def _bias(own, Hkv):

@@ -11,8 +11,10 @@ the responses, which a decoding step then extends one token at a time.
 - `kv_cache` / `PreallocatedLayer`: per layer one (rows, KV heads, capacity, head dim) buffer written
   in place (transformers' DynamicCache grows by concatenation, copying the whole cache at every
   token); finished rows are compacted away.
-- `kv_dtype`, `kv_budget_from_memory`: the cache's dtype, and how many positions fit in the free GPU
-  memory (rollout.SampleSpec's default cap on the rows decoded at once).
+- `kv_dtype`, `kv_budget_from_memory`, `decode_reserve`: the cache's dtype, how many positions fit
+  in the free GPU memory (rollout.SampleSpec's default cap on the rows decoded at once: what fits
+  beside what the rollout phase still allocates, less memory_plan.KV_MARGIN), and the pass's own
+  allocations beside the cache.
 - `left_pad`: token-id lists -> the left-padded (ids, mask) the model reads.
 
 The sampler loops themselves (token choice, seeds, stopping) are rollout.py's; the refills are below.
@@ -39,7 +41,8 @@ takes about (total tokens / S) + one row's length steps instead of ceil(N / S) x
   time, so a step reads up to ~(P + R) / (P + R / 2) ~ 1.6x the KV bytes of an average chunk step
   (P = 1,024, R = 3,072); at 7B x 128 slots x 4,096 columns that is ~30 GB per step against 15 GB of
   weights: the pass saves steps (~1/3 of them), not bytes per step. Reading each slot only up to its
-  own length needs a varlen kernel (flash-attn's kv-cache API), not torch's SDPA.
+  own length needs a varlen kernel (flash-attn's kv-cache API), not torch's SDPA. (--compile-decode's
+  decode.CapturedStep reads more: the longest slot's columns rounded up to an eighth of the capacity.)
 - Admission: at a check (below), free slots are refilled from the queue once >= 1/REFILL_FRACTION
   of the slots are free (or every slot is). Each refill is one prefill forward (kv_cache.admit: each
   distinct prompt once, so a group's G rows admitted together share it): refilling 1/8 at a time
@@ -61,6 +64,7 @@ from torch._subclasses.fake_tensor import is_fake
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from modeling.logprobs import forward_kwargs, full_attention
+from plumbing import memory_plan
 from sampler import decode
 
 
@@ -171,6 +175,7 @@ class SlotLayer(DynamicLayer):
 
     def __init__(self, k_buf, v_buf):
         super().__init__()
+        self.k_all, self.v_all = k_buf, v_buf  # the whole buffers; k_buf, v_buf: the slots in use
         self.k_buf, self.v_buf, self.capacity = k_buf, v_buf, k_buf.shape[2]
         self.device, self.is_initialized, self.admission = k_buf.device, True, None
 
@@ -185,7 +190,12 @@ class SlotLayer(DynamicLayer):
         return 0                         # every prefill starts from an empty past
 
     def batch_select_indices(self, indices):
-        self.k_buf, self.v_buf = self.k_buf[indices], self.v_buf[indices]
+        """Keep slots `indices`, moved in place to the first len(indices) slots: the buffers keep
+        their addresses (a captured decode step's, decode.CapturedStep)."""
+        n = len(indices)
+        for whole in (self.k_all, self.v_all):
+            whole[:n] = whole[indices]       # (the gather copies first: overlapping rows are safe)
+        self.k_buf, self.v_buf = self.k_all[:n], self.v_all[:n]
 
 
 def slot_cache(model, slots: int, capacity: int) -> Cache:
@@ -261,14 +271,34 @@ def kv_dtype(model) -> torch.dtype:
     return p.dtype
 
 
-def kv_budget_from_memory(config, dtype, fraction=0.4, reserve_bytes=0) -> int:
-    """KV-cache positions that fit in `fraction` of the free GPU memory, less `reserve_bytes` still
-    to be allocated: each position holds K and V of every layer, num_key_value_heads x head_dim
-    values each, in `dtype` (the cache's: kv_dtype)."""
-    free = max(0, torch.cuda.mem_get_info()[0] - reserve_bytes)
+def kv_bytes_per_position(config, dtype) -> int:
+    """One cache position: K and V of every layer, num_key_value_heads x head_dim values each, in
+    `dtype` (the cache's: kv_dtype)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
-    return int(fraction * free // per_position)
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
+
+
+def kv_budget_from_memory(config, dtype, reserve_bytes=0) -> int:
+    """KV-cache positions that fit in the free GPU memory now, less `reserve_bytes` the rollout
+    phase will still allocate beside the cache, less memory_plan.KV_MARGIN of the card: the rule
+    the dry-run's plan uses too (memory_plan.kv_positions_that_fit)."""
+    free, card = torch.cuda.mem_get_info()
+    return memory_plan.kv_positions_that_fit(free, card, reserve_bytes, kv_bytes_per_position(config, dtype))
+
+
+# Bytes per (slot, vocabulary entry) of one decode step's logits beside the cache: the float32
+# logits (and the bf16 lm_head output they are upcast from) and rollout._choose's temporaries --
+# z = logits / T, the nucleus's sorted values, int64 indices, softmax and cumsum, the CDF.
+LOGIT_BYTES = 32
+
+
+def decode_reserve(config, compute_bytes, rows) -> dict[str, int]:
+    """What the one pass allocates beside its cache, by name: one prefill forward's working set
+    (at most PREFILL_TOKENS distinct prompt tokens through one layer's MLP and attention) and the
+    logits of one decode step of `rows` slots (LOGIT_BYTES each per vocabulary entry)."""
+    h, inter = config.hidden_size, config.intermediate_size
+    return {"prefill": PREFILL_TOKENS * (3 * inter + 4 * h) * compute_bytes,
+            "logits": rows * config.vocab_size * LOGIT_BYTES}
 
 
 def left_pad(prompts, pad_id, device):
@@ -358,13 +388,17 @@ class Decoded:
 
 
 def decode_pass(model, prompts, keys, choose, *, slots, max_new_tokens, eos, pad_id,
-                progress=False) -> Decoded:
+                progress=False, compile_decode=False) -> Decoded:
     """Decode every row of `prompts` in one pass over `slots` slots of prompt + max_new_tokens
     columns (the longest prompt's). keys: (N,) the rows' noise keys; choose(logits, keys, t) ->
-    (tokens, float32 log-probs), (S,) each, t each slot's step. -> Decoded, on the model's device."""
+    (tokens, float32 log-probs), (S,) each, t each slot's step. compile_decode: the step through
+    torch.compile (decode.CapturedStep; True: inductor, or a backend's name). -> Decoded, on the
+    model's device."""
     dev, N, R = next(model.parameters()).device, len(prompts), max_new_tokens
     S, C = min(slots or N, N), max(map(len, prompts)) + R
-    step = decode.LeanStep(model, slot_cache(model, S, C))
+    cache = slot_cache(model, S, C)
+    step = decode.CapturedStep(model, cache, "inductor" if compile_decode is True else compile_decode) \
+        if compile_decode else decode.LeanStep(model, cache)
     out, z = Decoded.empty(N, R, pad_id, dev), torch.zeros(S, dtype=torch.long, device=dev)
     s = Slots(z.clone(), z.clone(), z.clone(), torch.zeros(S, dtype=torch.bool, device=dev))
     pos = [0] * S                                           # s.pos on the host: the columns a step reads
@@ -383,7 +417,7 @@ def decode_pass(model, prompts, keys, choose, *, slots, max_new_tokens, eos, pad
             if queued == N and len(free) == len(pos):
                 break
             if queued == N and len(free) >= len(pos) / COMPACT_FRACTION:
-                tok, pos = _compact(step, s, tok, pos, free)
+                tok, pos = _compact(step, s, tok, pos, free, bool(compile_decode))
             free = free[:N - queued] if len(free) >= max(1, len(pos) // REFILL_FRACTION) else []
         logits = step(tok, s.pos, max(pos) + 1)
         s.pos, pos = (s.pos + 1).clamp_(max=C - 1), [min(p + 1, C - 1) for p in pos]
@@ -407,10 +441,15 @@ def _refill(model, step, s: Slots, pos: list[int], prompts, free: list[int], fir
     return admit(model, step.cache, [prompts[r] for r in rows], free, pad_id)
 
 
-def _compact(step, s: Slots, tok, pos: list[int], free: list[int]):
-    """Drop the finished slots (`free`) from the batch and the cache. -> (tok, pos) of the others."""
+def _compact(step, s: Slots, tok, pos: list[int], free: list[int], bucketed=False):
+    """Drop the finished slots (`free`) from the batch and the cache (bucketed: some kept, so that
+    a power of two of slots is left, decode.bucket_rows). -> (tok, pos) of the slots kept."""
     gone = set(free)
     keep = [i for i in range(len(pos)) if i not in gone]
+    if bucketed:                                          # a CapturedStep's: shapes change rarely
+        keep += free[:decode.bucket_rows(len(keep), len(pos)) - len(keep)]
+    if len(keep) == len(pos):
+        return tok, pos
     idx = torch.tensor(keep, device=tok.device)
     step.select(idx)
     s.select(idx)

@@ -1,0 +1,112 @@
+"""--kv-budget 0 on CUDA: the KV-cache positions that fit in the free GPU memory, less what the rollout
+phase still allocates beside the cache, less memory_plan.KV_MARGIN of the card (sampler/kv_cache.py
+kv_budget_from_memory, rollout.kv_budget_that_fits / rollout_reserve). No GPU here: the one CUDA query,
+torch.cuda.mem_get_info, is replaced by a card of a given size and free memory.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from plumbing import memory_plan
+from sampler import kv_cache
+from modeling import models
+import rollout
+from tests.test_one_pass import WARM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 2 ** 30
+CARD = 141 * GIB                                            # an H200's
+
+
+@pytest.fixture(scope="module")
+def warm():
+    return models.load_policy(WARM)
+
+
+@pytest.fixture
+def qwen7b():
+    with open(os.path.join(ROOT, "configs", "models", "Qwen2.5-Math-7B.json")) as f:
+        return Qwen2Config(**json.load(f))
+
+
+def gpu(monkeypatch, free, card=CARD):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, card))
+
+
+def test_the_budget_is_what_fits_beside_the_reserve_and_the_margin(qwen7b, monkeypatch):
+    """At every free memory and reserve: never negative, never more than the card holds, leaving the
+    reserve and KV_MARGIN of the card free -- and one position more would not fit."""
+    per = kv_cache.kv_bytes_per_position(qwen7b, torch.bfloat16)
+    assert per == 2 * 28 * 4 * 128 * 2                       # K and V, 28 layers, 4 KV heads of 128, bf16
+    for free in (0, 5 * GIB, 60 * GIB, 120 * GIB, CARD, 2 * CARD):   # (2 x the card: a broken query)
+        for reserve in (0, 3 * GIB, 40 * GIB, 200 * GIB):
+            gpu(monkeypatch, free)
+            n = kv_cache.kv_budget_from_memory(qwen7b, torch.bfloat16, reserve)
+            usable = min(free, CARD) - reserve - memory_plan.KV_MARGIN * CARD
+            assert n >= 0 and n * per <= CARD
+            assert n * per <= max(0, usable) and (n + 1) * per > usable
+
+
+def test_the_budget_grows_with_free_memory_and_gives_way_to_the_reserve(qwen7b, monkeypatch):
+    per = kv_cache.kv_bytes_per_position(qwen7b, torch.bfloat16)
+    budgets = []
+    for free in range(20, 141, 10):
+        gpu(monkeypatch, free * GIB)
+        budgets.append(kv_cache.kv_budget_from_memory(qwen7b, torch.bfloat16, 8 * GIB))
+    assert budgets == sorted(budgets) and budgets[0] < budgets[-1]
+    gpu(monkeypatch, 100 * GIB)
+    base = kv_cache.kv_budget_from_memory(qwen7b, torch.bfloat16, 8 * GIB)
+    assert kv_cache.kv_budget_from_memory(qwen7b, torch.bfloat16, 8 * GIB + 1000 * per) == base - 1000
+    assert kv_cache.kv_budget_from_memory(qwen7b, torch.float32, 8 * GIB) == base // 2  # twice the bytes
+
+
+def test_the_reserve_is_what_the_rollout_phase_allocates(warm, monkeypatch):
+    """rollout_reserve: Adam's state is what AdamW allocates at its first step (and nothing once it
+    has); under bf16 autocast, the bf16 copies of the nn.Linear weights (tied lm_head once). With the
+    reserve and the pass's own (its prefill, the logits of its slots) the budget is
+    memory_plan.kv_positions_that_fit of their sum -- the plan's rule."""
+    model, _ = warm
+    model = type(model)(model.config)                                  # a copy to train
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = rollout.rollout_reserve(model, opt, bf16=True)
+    linear = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+                 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert before["autocast casts"] == 2 * linear and before["decoding copy"] == 0
+    assert rollout.rollout_reserve(model, opt, bf16=False)["autocast casts"] == 0
+
+    gpu(monkeypatch, 100 * GIB)
+    per = kv_cache.kv_bytes_per_position(model.config, torch.bfloat16)
+    budget = rollout.kv_budget_that_fits(model, opt, True, 256, 96)
+    own = kv_cache.decode_reserve(model.config, 2, 256)
+    assert budget == memory_plan.kv_positions_that_fit(100 * GIB, CARD, sum(before.values()) + sum(own.values()),
+                                                       per)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+    assert state == before["adam"] and rollout.rollout_reserve(model, opt, bf16=True)["adam"] == 0
+    after = rollout.kv_budget_that_fits(model, opt, True, 256, 96)
+    assert after - budget in (state // per, state // per + 1)           # (floors of two quotients)
+
+
+def test_a_lora_run_reserves_its_merged_decoding_copy(warm):
+    """LoRA: the sampler decodes lora.merged's copy of the base (bf16 under bf16), made at each
+    rollout: its bytes are reserved; the adapters' Adam state only."""
+    pytest.importorskip("peft")
+    from modeling import lora
+
+    model, _ = warm
+    policy = lora.wrap(type(model)(model.config), 4, 8)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+    got = rollout.rollout_reserve(policy.get_base_model(), opt, bf16=True)
+    merged = lora.merged(policy, torch.bfloat16)
+    assert got["decoding copy"] == sum(p.numel() * p.element_size() for p in merged.parameters())
+    assert got["adam"] == 2 * 4 * lora.trainable(policy)[0] and got["autocast casts"] == 0
+
+
+def test_the_cpu_has_no_cap(warm):
+    model, tok = warm
+    assert rollout.SampleSpec.make(model, tok, 96, "kv", 256, 0, bf16=False).kv_budget == 0
