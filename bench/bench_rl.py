@@ -2,7 +2,7 @@
 algorithms against each other. Ratios from one invocation on one machine, never absolute times.
 
     python bench/bench_rl.py --vs trl        # ours (grpo) vs TRL 1.16 GRPOTrainer (pip install -r requirements-bench.txt)
-    python bench/bench_rl.py                 # grpo vs erpo vs erpo --measure-policy-kl false vs grpo --share-prompts false
+    python bench/bench_rl.py                 # grpo vs erpo vs erpo --measure-policy-kl true vs grpo --share-prompts false
 
 The pinned work (both sides): the embedded warm start (data/tinymath/warmstart), its training set
 and prompt template ("plain"), 32 prompts x 8 responses per step, up to 96 new tokens, T = 1,
@@ -44,7 +44,7 @@ OURS = ["--rollout-batch", str(PROMPTS), "--update-batch", str(PROMPTS), "--grou
 VARIANTS = {  # name -> extra train.py flags
     "grpo": ["--algo", "grpo", "--beta", str(BETA)],
     "erpo": ["--algo", "erpo"],
-    "erpo, no reference": ["--algo", "erpo", "--measure-policy-kl", "false"],
+    "erpo, Policy-KL monitor": ["--algo", "erpo", "--measure-policy-kl", "true"],
     "grpo, prompts unshared": ["--algo", "grpo", "--beta", str(BETA), "--share-prompts", "false"],
 }
 
