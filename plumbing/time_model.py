@@ -539,7 +539,9 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
              "--plan-lengths: measured ones)",
              f"  prompts: mean {prompt.mean():.0f} tokens, a rank's longest of {a.rollout_batch // gpus} "
              f"~{prompt.expected_max(a.rollout_batch // gpus):.0f} ({prompt.source}); each forward pads "
-             "to its own longest (batching.microbatch_plan), not to --max-prompt-len"]
+             "to its own longest (batching.microbatch_plan), not to --max-prompt-len",
+             f"  MFU {MFU:g} of the scoring and training forwards (assumed, not measured: bench/gpu_check.py "
+             f"measures it on a GPU); the levers as the options set them: {levers(a, given, needs_ref)}"]
     for real, worst in zip(*cols):
         lines.append(f"  {real.name:8s} {real.seconds[0]:7.1f} s / {worst.seconds[0]:7.1f} s   "
                      f"{real.note} / {worst.note}; {notes[real.name]}")
@@ -548,6 +550,18 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
     lines.append(f"  {'step':8s} {total[0]:7.1f} s / {total[1]:7.1f} s   x {a.steps} steps: {hours[0]:.1f} h "
                  f"realistic / {hours[1]:.1f} h worst case (evaluations and checkpoints not counted)")
     return "\n".join(lines)
+
+
+def levers(a, given, needs_ref) -> str:
+    """The speed levers as this run has them (a lever that is off is not counted)."""
+    return ", ".join([
+        "a reference model" if needs_ref else "no reference model (--measure-policy-kl off, no Policy-KL)",
+        "packed forwards" if packs(a) else "padded forwards" + ("" if getattr(a, "pack", True) else " (--pack off)"),
+        ("activation checkpointing" if a.grad_ckpt else "no activation checkpointing")
+        + (" (--grad-ckpt auto)" if given.grad_ckpt == "auto" else ""),
+        "KV slots that fit (--kv-budget 0)" if not given.kv_budget else f"--kv-budget {given.kv_budget:,}",
+        "a captured decode (--compile-decode)" if getattr(a, "compile_decode", False)
+        else "an eager decode (--compile-decode off)"])
 
 
 def disk_report(a, gpus: int) -> str:

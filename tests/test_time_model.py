@@ -172,7 +172,9 @@ def test_the_report_puts_the_realistic_estimate_first_and_names_its_assumptions(
     assert "REALISTIC / worst case (every response to --max-new-tokens 3072)" in lines[0]
     assert "mean 753 tokens, 5.0% cut at 3072 (issue #42's review" in lines[1]
     assert "mean 144 tokens" in lines[2] and "not to --max-prompt-len" in lines[2]
-    secs = {ln.split()[0]: (float(ln.split()[1]), float(ln.split()[4])) for ln in lines[3:]}
+    assert lines[3].startswith("  MFU 0.4 of the scoring and training forwards (assumed, not measured")
+    assert "a reference model, packed forwards, no activation checkpointing (--grad-ckpt auto)" in lines[3]
+    secs = {ln.split()[0]: (float(ln.split()[1]), float(ln.split()[4])) for ln in lines[4:]}
     assert list(secs) == ["decode", "prefill", "score", "update", "step"]
     for i in (0, 1):
         assert secs["step"][i] == pytest.approx(sum(v[i] for k, v in secs.items() if k != "step"), abs=0.3)
