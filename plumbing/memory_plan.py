@@ -332,7 +332,8 @@ def kv_rows(a, gpus) -> int:
 KV_MARGIN = 0.10
 
 
-def kv_positions_that_fit(free_bytes: int, card_bytes: int, reserve_bytes: int, per_position_bytes: int) -> int:
+def kv_positions_that_fit(free_bytes: int, card_bytes: int, reserve_bytes: int,
+                          per_position_bytes: int) -> int:
     """KV-cache positions that fit in `free_bytes` once `reserve_bytes` still to be allocated (what
     the rollout phase holds beside the cache) and KV_MARGIN of the card are set aside; never
     negative, never more than the card holds."""

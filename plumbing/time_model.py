@@ -556,7 +556,8 @@ def levers(a, given, needs_ref) -> str:
     """The speed levers as this run has them (a lever that is off is not counted)."""
     return ", ".join([
         "a reference model" if needs_ref else "no reference model (--measure-policy-kl off, no Policy-KL)",
-        "packed forwards" if packs(a) else "padded forwards" + ("" if getattr(a, "pack", True) else " (--pack off)"),
+        "packed forwards" if packs(a)
+        else "padded forwards" + ("" if getattr(a, "pack", True) else " (--pack off)"),
         ("activation checkpointing" if a.grad_ckpt else "no activation checkpointing")
         + (" (--grad-ckpt auto)" if given.grad_ckpt == "auto" else ""),
         "KV slots that fit (--kv-budget 0)" if not given.kv_budget else f"--kv-budget {given.kv_budget:,}",
