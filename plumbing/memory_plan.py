@@ -155,9 +155,11 @@ def terms(arch: Arch, a, gpus: int, needs_ref: bool, device="cuda") -> list[Term
     """What one GPU (rank) holds in each phase of an RL step under options `a` (train.py's) on
     `gpus` ranks (FSDP2 shards over all of them; DDP keeps full replicas). device "cpu": the
     CPU's choices (LeanStep's fused weight copies, a float32 KV cache under autocast)."""
+    card = card_bytes(a) if device != "cpu" else None
     if a.grad_ckpt == "auto":                                          # (the run resolves it at set-up)
-        a = _with(a, grad_ckpt=needs_checkpointing(arch, a, gpus, needs_ref,
-                                                   card_bytes(a) if device != "cpu" else None, device))
+        a = _with(a, grad_ckpt=needs_checkpointing(arch, a, gpus, needs_ref, card, device))
+    if not a.kv_budget and card:                                       # (the sampler: from what is free)
+        a = _with(a, kv_budget=planned_kv_budget(arch, a, gpus, needs_ref, card, device))
     p = Precision.of(a, device)
     return (weight_terms(arch, a, gpus, needs_ref, p) + rollout_terms(arch, a, gpus, p, device)
             + forward_terms(arch, a, p, device, needs_ref))
