@@ -405,9 +405,9 @@ def report(a, gpus: int, needs_ref: bool, measured=None) -> str:
         if rank else ""
     card = getattr(a, "plan_gpu", None) or "h100"
     ckpt = ("activation checkpointing" if a.grad_ckpt else "no activation checkpointing") + \
-        (f" (--grad-ckpt auto: the update {'does not fit' if a.grad_ckpt else 'fits'} a {card} card of "
-         f"{CARD_GIB[card]:g} GiB less {KV_MARGIN:.0%} without it)" if given.grad_ckpt == "auto" else "")
-    kv = (f", --kv-budget 0: {a.kv_budget:,} KV positions fit a {card} card of {CARD_GIB[card]:g} GiB "
+        (f" (--grad-ckpt auto: the update {'does not fit' if a.grad_ckpt else 'fits'} the --plan-gpu {card} "
+         f"card's {CARD_GIB[card]:g} GiB less {KV_MARGIN:.0%} without it)" if given.grad_ckpt == "auto" else "")
+    kv = (f", --kv-budget 0: {a.kv_budget:,} KV positions fit the {card} card's {CARD_GIB[card]:g} GiB "
           f"beside the rollout's other terms, less {KV_MARGIN:.0%}" if not given.kv_budget else "")
     lines = [f"memory plan per GPU: {a.model} ({arch.params() / 1e9:.2f}B parameters), {gpus} GPU(s), "
              f"{'FSDP2' if a.fsdp else 'DDP'}, {ckpt}{kv}" + lora_note]

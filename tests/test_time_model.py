@@ -281,3 +281,20 @@ def test_grad_ckpt_auto_true_false_and_old_booleans(tmp_path):
     assert memory_plan.needs_checkpointing(arch, big, 8, False, card) is True   # 16k tokens: ~110 GiB
     assert memory_plan.needs_checkpointing(arch, big, 8, False, None) is False  # a CPU: no card
     assert memory_plan.resolve_grad_ckpt(big, 8, False, 141 * memory_plan.GIB * 2) is False
+
+
+def test_a_run_resolves_grad_ckpt_auto_once_on_its_card(monkeypatch):
+    """run_setup.resolve_grad_ckpt: auto becomes a bool in the options every later reader sees --
+    the plan's rule on the card the run finds (a mocked 80 GB CUDA card), off on a CPU."""
+    from types import SimpleNamespace
+
+    from rl import run_setup
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=int(79.1 * memory_plan.GIB)))
+    for tokens, on in (("4096", False), ("16384", True)):
+        a, algo = paper("--micro-tokens", tokens)
+        assert run_setup.resolve_grad_ckpt(a, algo, 8, torch.device("cuda")) is on and a.grad_ckpt is on
+    a, algo = paper("--micro-tokens", "16384")
+    assert run_setup.resolve_grad_ckpt(a, algo, 8, torch.device("cpu")) is False and a.grad_ckpt is False
+    a, algo = paper("--grad-ckpt", "true")
+    assert run_setup.resolve_grad_ckpt(a, algo, 8, torch.device("cpu")) is True      # as given
