@@ -158,8 +158,6 @@ def terms(arch: Arch, a, gpus: int, needs_ref: bool, device="cuda") -> list[Term
     card = card_bytes(a) if device != "cpu" else None
     if a.grad_ckpt == "auto":                                          # (the run resolves it at set-up)
         a = _with(a, grad_ckpt=needs_checkpointing(arch, a, gpus, needs_ref, card, device))
-    if not a.kv_budget and card:                                       # (the sampler: from what is free)
-        a = _with(a, kv_budget=planned_kv_budget(arch, a, gpus, needs_ref, card, device))
     p = Precision.of(a, device)
     return (weight_terms(arch, a, gpus, needs_ref, p) + rollout_terms(arch, a, gpus, p, device)
             + forward_terms(arch, a, p, device, needs_ref))
@@ -321,7 +319,8 @@ def micro_batch_tokens(a) -> int:
 
 def kv_rows(a, gpus) -> int:
     """Rows one sampler call decodes on a GPU: this rank's responses, at most --gen-batch, and at
-    most --kv-budget positions (0 on GPU: a share of free memory, unknown here, so not capped)."""
+    most --kv-budget positions (0: not capped here; the report and the measurement plan it as what
+    fits the --plan-gpu card first: as_planned)."""
     rows = min(a.rollout_batch // gpus * a.group_size, a.gen_batch)
     if a.kv_budget:
         rows = min(rows, max(1, a.kv_budget // (a.max_prompt_len + a.max_new_tokens)))
