@@ -260,8 +260,11 @@ def forward_terms(arch: Arch, a, p: Precision, device="cuda", needs_ref=True) ->
                      + 2 * block)
     layer_backward = (f.act_tokens * per_layer * (2 if a.grad_ckpt else 1)    # (recomputed and) its gradients
                       + (head_grad if a.fsdp else 0))
+    # nothing scores where no reference is loaded and one update covers the rollout: its own forward
+    # gives pi_old (train.on_policy_rows; an algorithm that needs pi_old first loads a reference)
+    scores = needs_ref or score_blocks == 2
     return [
-        Term("scoring forward", max(hidden + score_blocks * block + score_upcast, layer_working_set),
+        Term("scoring forward", max(hidden + score_blocks * block + score_upcast, layer_working_set) * scores,
              ("score",),
              f"{f.logit_tokens} tokens' hidden states + float32 logit blocks (or a layer's working set)"),
         Term("saved activations", saved, ("update",),
@@ -403,9 +406,10 @@ def report(a, gpus: int, needs_ref: bool, measured=None) -> str:
     lora_note = f", LoRA rank {rank} ({lora_params(arch, rank) / 1e6:.1f}M adapter parameters train)" \
         if rank else ""
     card = getattr(a, "plan_gpu", None) or "h100"
+    auto = (f" (--grad-ckpt auto: the update {'does not fit' if a.grad_ckpt else 'fits'} the --plan-gpu "
+            f"{card} card's {CARD_GIB[card]:g} GiB less {KV_MARGIN:.0%} without it)")
     ckpt = ("activation checkpointing" if a.grad_ckpt else "no activation checkpointing") + \
-        (f" (--grad-ckpt auto: the update {'does not fit' if a.grad_ckpt else 'fits'} the --plan-gpu {card} "
-         f"card's {CARD_GIB[card]:g} GiB less {KV_MARGIN:.0%} without it)" if given.grad_ckpt == "auto" else "")
+        (auto if given.grad_ckpt == "auto" else "")
     kv = (f", --kv-budget 0: {a.kv_budget:,} KV positions fit the {card} card's {CARD_GIB[card]:g} GiB "
           f"beside the rollout's other terms, less {KV_MARGIN:.0%}" if not given.kv_budget else "")
     lines = [f"memory plan per GPU: {a.model} ({arch.params() / 1e9:.2f}B parameters), {gpus} GPU(s), "
