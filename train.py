@@ -95,7 +95,9 @@ OPTIONS = [
     ("lora_dropout",      0.0,                                 "LoRA: dropout on the adapters' input", "[0,1)"),
     ("lora_targets",      "all-linear",                        "LoRA: peft's target_modules, 'all-linear' or names "
                                                                "joined by commas (q_proj,v_proj)"),
-    ("grad_ckpt",         False,                               "activation checkpointing of every decoder layer (long sequences)"),
+    ("grad_ckpt",         memory_plan.AUTO,                    "activation checkpointing of every decoder layer: true, false, or "
+                                                               "auto = on only where the update micro-batch does not fit the "
+                                                               "card without it (memory_plan.needs_checkpointing; CPU: off)"),
     ("share_prompts",     True,                                "training forwards run each prompt once for its G responses (not with --fsdp/--grad-ckpt)"),
     ("dry_run",           False,                               "print the per-GPU memory plan (plumbing/memory_plan.py) and exit; no weights loaded"),
     ("plan_gpus",         8,                                   "GPUs the --dry-run plan assumes", ">=1"),
@@ -114,7 +116,8 @@ OPTIONS = [
                                                                "model's, from --qkl-ref-model (model)",
                                                                query_reference.REFERENCES),
     ("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)"),
-    ("measure_policy_kl", True,                                "keep a reference model to log Policy-KL even when the loss has none"),
+    ("measure_policy_kl", False,                               "keep a reference model to log Policy-KL even when the loss has none "
+                                                               "(ERPO's Table 3 Policy-KL column: true; ~10 s a paper step)"),
     ("no_signal",         "skip",                              "an update batch whose every advantage is ~0 (its "
                                                                "groups' rewards all equal): skip its step (no AdamW "
                                                                "update, no weight decay, the LR schedule waits), or "

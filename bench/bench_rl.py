@@ -2,7 +2,7 @@
 algorithms against each other. Ratios from one invocation on one machine, never absolute times.
 
     python bench/bench_rl.py --vs trl        # ours (grpo) vs TRL 1.16 GRPOTrainer (pip install -r requirements-bench.txt)
-    python bench/bench_rl.py                 # grpo vs erpo vs erpo --measure-policy-kl false vs grpo --share-prompts false
+    python bench/bench_rl.py                 # grpo vs erpo vs erpo --measure-policy-kl true vs grpo --share-prompts false
     python bench/bench_rl.py --vs pack       # grpo --share-prompts false: --pack true vs --pack false (and the default)
 
 The pinned work (both sides): the embedded warm start (data/tinymath/warmstart), its training set
@@ -45,7 +45,7 @@ OURS = ["--rollout-batch", str(PROMPTS), "--update-batch", str(PROMPTS), "--grou
 VARIANTS = {  # name -> extra train.py flags
     "grpo": ["--algo", "grpo", "--beta", str(BETA)],
     "erpo": ["--algo", "erpo"],
-    "erpo, no reference": ["--algo", "erpo", "--measure-policy-kl", "false"],
+    "erpo, Policy-KL monitor": ["--algo", "erpo", "--measure-policy-kl", "true"],
     "grpo, prompts unshared": ["--algo", "grpo", "--beta", str(BETA), "--share-prompts", "false"],
 }
 PACKING = {  # --vs pack: the full-row forwards packed (issue #42) or padded, beside the default (shared prompts)

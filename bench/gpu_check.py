@@ -579,7 +579,7 @@ def train_argv(a, tmp, steps=2):
             "--group-size", str(p["train_group"]), "--max-new-tokens", str(p["train_new_tokens"]),
             "--max-prompt-len", "128", "--micro-batch", "16", "--micro-tokens", "8192", "--fsdp", "true",
             "--grad-ckpt", "true", "--lr", "1e-6", "--eval-every", "0", "--save-every", str(steps),
-            "--query-cache-dir", "", "--seed", "0",
+            "--query-cache-dir", "", "--seed", "0", "--measure-policy-kl", "true",   # policy_kl checked below
             "--no-signal", "step"]    # coin-flip rewards may leave a batch without signal: step anyway
 
 

@@ -25,7 +25,8 @@ RESULTS = os.path.join(ROOT, "bench", "results", "memory_check.json")
 # The step: 2 prompts x G = 2 responses, 1,024-token rows, micro-batches of one row (one group
 # where prompts are shared), sampler calls of 2 rows.
 STEP = ["--model", "memcheck-20m", "--max-prompt-len", "1008", "--max-new-tokens", "16", "--group-size", "2",
-        "--rollout-batch", "2", "--update-batch", "2", "--micro-batch", "1", "--gen-batch", "2", "--algo", "erpo"]
+        "--rollout-batch", "2", "--update-batch", "2", "--micro-batch", "1", "--gen-batch", "2", "--algo", "erpo",
+        "--measure-policy-kl", "true"]    # the reference model's terms measured too
 CONFIGS = {f"{procs}-{dtype}{'-ckpt' if ckpt else ''}": (procs, dtype, ckpt)
            for procs in ("1proc", "ddp", "fsdp") for dtype in ("fp32", "bf16") for ckpt in (False, True)}
 TOLERANCE = 0.15

@@ -33,7 +33,8 @@ STEPS = 80            # 20 passes; ~4 s a step on one busy core
 KEYS = ("query_kl", "policy_kl", "train_acc")
 TAIL = 8              # the last 10% of steps, averaged beside the last step (one step is noisy)
 SETTINGS = ["--rollout-batch", "16", "--update-batch", "8", "--group-size", "8", "--max-new-tokens", "64",
-            "--eval-every", "0", "--save-every", "0", "--seed", "0", "--query-cache-dir", ""]
+            "--eval-every", "0", "--save-every", "0", "--seed", "0", "--query-cache-dir", "",
+            "--measure-policy-kl", "true"]     # ERPO's Policy-KL is the figure's right panel
 
 
 def train_argv(algo, data, out, steps=STEPS) -> list[str]:

@@ -17,6 +17,7 @@ rl/memory_measure.py measures the same phases by running the step's code (real t
 fake ones at the paper's size); tests/test_memory.py holds plan and measurement within 15%.
 """
 
+import argparse
 import json
 import os
 from dataclasses import dataclass
@@ -62,10 +63,47 @@ class Arch:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
     def activation_bytes_per_token_layer(self, dtype_bytes=2) -> int:
-        """What one decoder layer keeps for backward per token: its input and norm outputs, q/k/v,
-        the attention output, the MLP's gate/up/activation/product (about 170 KB at 7B in bf16)."""
-        kv = self.kv_heads * self.head_dim
-        return dtype_bytes * (4 * self.hidden + self.heads * self.head_dim + 2 * kv + 4 * self.inter)
+        """What one decoder layer keeps for backward per token (about 225 KB at 7B in bf16):
+        - each RMSNorm its input upcast to float32 (for the variance) and its normed output;
+        - attention: q after the rotary embedding, K and V repeated to every query head (the padded
+          path's SDPA with a mask repeats them: transformers' repeat_kv), SDPA's output, and o_proj's
+          input (a contiguous copy of it);
+        - the MLP's gate, up, activation and product.
+        Was (to issue #42) 4h + q + 2kv + 4I elements: 18% under the fake-tensor measurement of the
+        paper step at 8,192 tokens without checkpointing (73.2 GiB; a real H100 measured the same);
+        this count is within 4% of it at 4,096 and 8,192 tokens (tests/test_memory.py)."""
+        q = self.heads * self.head_dim
+        norms = 2 * (4 + dtype_bytes) * self.hidden
+        return norms + dtype_bytes * (5 * q + 4 * self.inter)
+
+
+# The cards the plan knows: their memory as torch.cuda reports it (total_memory), in GiB -- what
+# --kv-budget 0 and --grad-ckpt auto are planned against (--plan-gpu; time_model.GPUS has their speeds).
+CARD_GIB = {"h100": 79.1, "h200": 139.8, "a100": 79.3, "a100-40gb": 39.4, "l40s": 44.4}
+
+
+def card_bytes(a) -> float:
+    """The memory of --plan-gpu's card (H100 unless the options say otherwise)."""
+    return CARD_GIB[getattr(a, "plan_gpu", None) or "h100"] * GIB
+
+
+class OnOffAuto(str):
+    """The type of an option that is true, false or auto (--grad-ckpt): true and false parse as
+    options.parse_bool's words do and come back as bools (an old config.json's booleans too); auto
+    comes back as the string "auto", which the run resolves once at set-up (resolve)."""
+
+    def __new__(cls, text="auto"):
+        word = str(text).lower()
+        if word == "auto":
+            return str.__new__(cls, "auto")
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off"):
+            return False
+        raise argparse.ArgumentTypeError(f"expected true, false or auto, got {text!r}")
+
+
+AUTO = OnOffAuto("auto")
 
 
 def config_path(model: str) -> str:
@@ -117,6 +155,9 @@ def terms(arch: Arch, a, gpus: int, needs_ref: bool, device="cuda") -> list[Term
     """What one GPU (rank) holds in each phase of an RL step under options `a` (train.py's) on
     `gpus` ranks (FSDP2 shards over all of them; DDP keeps full replicas). device "cpu": the
     CPU's choices (LeanStep's fused weight copies, a float32 KV cache under autocast)."""
+    card = card_bytes(a) if device != "cpu" else None
+    if a.grad_ckpt == "auto":                                          # (the run resolves it at set-up)
+        a = _with(a, grad_ckpt=needs_checkpointing(arch, a, gpus, needs_ref, card, device))
     p = Precision.of(a, device)
     return (weight_terms(arch, a, gpus, needs_ref, p) + rollout_terms(arch, a, gpus, p, device)
             + forward_terms(arch, a, p, device, needs_ref))
@@ -219,8 +260,11 @@ def forward_terms(arch: Arch, a, p: Precision, device="cuda", needs_ref=True) ->
                      + 2 * block)
     layer_backward = (f.act_tokens * per_layer * (2 if a.grad_ckpt else 1)    # (recomputed and) its gradients
                       + (head_grad if a.fsdp else 0))
+    # nothing scores where no reference is loaded and one update covers the rollout: its own forward
+    # gives pi_old (train.on_policy_rows; an algorithm that needs pi_old first loads a reference)
+    scores = needs_ref or score_blocks == 2
     return [
-        Term("scoring forward", max(hidden + score_blocks * block + score_upcast, layer_working_set),
+        Term("scoring forward", max(hidden + score_blocks * block + score_upcast, layer_working_set) * scores,
              ("score",),
              f"{f.logit_tokens} tokens' hidden states + float32 logit blocks (or a layer's working set)"),
         Term("saved activations", saved, ("update",),
@@ -266,16 +310,20 @@ def phases(arch: Arch, a, gpus: int, needs_ref: bool, device="cuda") -> dict[str
 
 
 def micro_batch_tokens(a) -> int:
-    """The most padded tokens one micro-batch holds: --micro-batch rows of the longest sequence,
-    capped by --micro-tokens (a single longest row always fits: it goes alone)."""
+    """The most tokens one micro-batch holds: --micro-batch rows of the longest sequence, capped by
+    --micro-tokens (a single longest row always fits: it goes alone). Padded rows fill the cap in
+    whole longest rows; packed ones (--pack, the full-row path) fill it with real tokens, to the cap."""
     seq = a.max_prompt_len + a.max_new_tokens
     cap = getattr(a, "micro_tokens", 0)
-    return max(seq, min(a.micro_batch * seq, cap // seq * seq)) if cap else a.micro_batch * seq
+    if not cap:
+        return a.micro_batch * seq
+    return max(seq, min(a.micro_batch * seq, cap if getattr(a, "pack", True) else cap // seq * seq))
 
 
 def kv_rows(a, gpus) -> int:
     """Rows one sampler call decodes on a GPU: this rank's responses, at most --gen-batch, and at
-    most --kv-budget positions (0 on GPU: a share of free memory, unknown here, so not capped)."""
+    most --kv-budget positions (0: not capped here; the report and the measurement plan it as what
+    fits the --plan-gpu card first: as_planned)."""
     rows = min(a.rollout_batch // gpus * a.group_size, a.gen_batch)
     if a.kv_budget:
         rows = min(rows, max(1, a.kv_budget // (a.max_prompt_len + a.max_new_tokens)))
@@ -297,6 +345,52 @@ def kv_positions_that_fit(free_bytes: int, card_bytes: int, reserve_bytes: int,
     return max(0, int(usable // per_position_bytes))
 
 
+def planned_kv_budget(arch: Arch, a, gpus: int, needs_ref: bool, card: float, device="cuda") -> int:
+    """--kv-budget 0 on a card of `card` bytes: the positions kv_positions_that_fit leaves the cache
+    once the rollout phase's other terms are set aside (the prefill's over the rows those positions
+    give: a fixed point, reached in a few rounds from the uncapped rows)."""
+    per = arch.kv_bytes_per_position(Precision.of(a, device).kv)
+    budget = a.gen_batch * (a.max_prompt_len + a.max_new_tokens)
+    for _ in range(4):
+        b = _with(a, kv_budget=budget)
+        others = sum(t.bytes for t in terms(arch, b, gpus, needs_ref, device)
+                     if "rollout" in t.phases and t.name != "KV cache")
+        budget = max(1, kv_positions_that_fit(int(card), int(card), int(others), per))
+    return budget
+
+
+def needs_checkpointing(arch: Arch, a, gpus: int, needs_ref: bool, card: float | None, device="cuda") -> bool:
+    """--grad-ckpt auto: off where the update micro-batch fits the card without checkpointing -- the
+    update and optimizer phases of the plan's no-checkpointing terms within the card less KV_MARGIN
+    (what the plan does not count, and its error) -- else on. No card (a CPU): off."""
+    if not card:
+        return False
+    plan = phases(arch, _with(a, grad_ckpt=False), gpus, needs_ref, device)
+    return max(plan["update"], plan["optimizer"]) > (1 - KV_MARGIN) * card
+
+
+def resolve_grad_ckpt(a, gpus: int, needs_ref: bool, card: float | None, device="cuda") -> bool:
+    """--grad-ckpt as a bool: true and false as given, auto by needs_checkpointing."""
+    if a.grad_ckpt == "auto":
+        return needs_checkpointing(arch_for(a.model), a, gpus, needs_ref, card, device)
+    return bool(a.grad_ckpt)
+
+
+def as_planned(a, gpus: int, needs_ref: bool, device="cuda"):
+    """The options as the plan counts them on --plan-gpu's card (card_bytes): --grad-ckpt auto
+    resolved (needs_checkpointing), --kv-budget 0 the positions that fit (planned_kv_budget; the
+    sampler sizes its cache by the same rule from the memory it finds free). A copy; `a` is kept."""
+    card = card_bytes(a) if device != "cpu" else None
+    b = _with(a, grad_ckpt=resolve_grad_ckpt(a, gpus, needs_ref, card, device))
+    if not b.kv_budget and card:
+        b.kv_budget = planned_kv_budget(arch_for(a.model), b, gpus, needs_ref, card, device)
+    return b
+
+
+def _with(a, **changes):
+    return argparse.Namespace(**{**vars(a), **changes})
+
+
 NOT_COUNTED = "not counted (not tensors): the CUDA context, NCCL buffers, allocator fragmentation"
 
 
@@ -305,14 +399,21 @@ def report(a, gpus: int, needs_ref: bool, measured=None) -> str:
     (memory_measure.Measured) if given and run. The last line is for scripts: key=value pairs."""
     skipped = measured.skipped if measured else ""
     measured = None if skipped else measured
-    arch = arch_for(a.model)
+    arch, given = arch_for(a.model), a
+    a = as_planned(a, gpus, needs_ref)
     ts, plan = terms(arch, a, gpus, needs_ref), phases(arch, a, gpus, needs_ref)
     rank = getattr(a, "lora_rank", 0)
     lora_note = f", LoRA rank {rank} ({lora_params(arch, rank) / 1e6:.1f}M adapter parameters train)" \
         if rank else ""
+    card = getattr(a, "plan_gpu", None) or "h100"
+    auto = (f" (--grad-ckpt auto: the update {'does not fit' if a.grad_ckpt else 'fits'} the --plan-gpu "
+            f"{card} card's {CARD_GIB[card]:g} GiB less {KV_MARGIN:.0%} without it)")
+    ckpt = ("activation checkpointing" if a.grad_ckpt else "no activation checkpointing") + \
+        (auto if given.grad_ckpt == "auto" else "")
+    kv = (f", --kv-budget 0: {a.kv_budget:,} KV positions fit the {card} card's {CARD_GIB[card]:g} GiB "
+          f"beside the rollout's other terms, less {KV_MARGIN:.0%}" if not given.kv_budget else "")
     lines = [f"memory plan per GPU: {a.model} ({arch.params() / 1e9:.2f}B parameters), {gpus} GPU(s), "
-             f"{'FSDP2' if a.fsdp else 'DDP'}{', activation checkpointing' if a.grad_ckpt else ''}"
-             + lora_note]
+             f"{'FSDP2' if a.fsdp else 'DDP'}, {ckpt}{kv}" + lora_note]
     for t in ts:
         alive = "all" if t.phases == ALL else ", ".join(t.phases)
         lines += [f"  {t.name:22s} {t.bytes / GIB:8.2f} GiB  [{alive}]  {t.note}"] if t.bytes else []

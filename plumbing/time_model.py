@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plumbing import memory_plan
+from plumbing import batching, memory_plan
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,14 @@ class GPU:
     name: str
     bf16_tflops: float                  # dense bf16 peak
     hbm_tbs: float                      # memory bandwidth, TB/s
-    link_gbs: float                     # NVLink bandwidth per GPU, one direction, GB/s
+    link_gbs: float                     # NVLink bandwidth per GPU, one direction, GB/s (PCIe: its own)
+    memory_gib: float = 79.1            # what torch.cuda reports (memory_plan.CARD_GIB: the plan's card)
 
 
-GPUS = {"h100": GPU("H100 SXM", 989.0, 3.35, 450.0), "h200": GPU("H200", 989.0, 4.8, 450.0),
-        "a100": GPU("A100 80GB", 312.0, 2.0, 300.0)}
+GPUS = {key: GPU(*spec, memory_plan.CARD_GIB[key]) for key, spec in {
+    "h100": ("H100 SXM", 989.0, 3.35, 450.0), "h200": ("H200", 989.0, 4.8, 450.0),
+    "a100": ("A100 80GB", 312.0, 2.0, 300.0), "a100-40gb": ("A100 40GB", 312.0, 1.56, 300.0),
+    "l40s": ("L40S", 362.0, 0.864, 32.0)}.items()}
 # The assumptions, named (each printed beside the term it sets):
 MFU = 0.4                  # achieved / peak FLOPs of the training and scoring forwards
 PREFILL_MFU = 0.5          # of the prefill (large dense matmuls, no backward)
@@ -319,7 +322,7 @@ class Segment:
 
 def slots_for(a, gpus, prompt: Lengths) -> int:
     """rollout.SampleSpec.rows_per_call: --gen-batch, capped so slots x (the rank's longest prompt +
-    max_new_tokens) <= --kv-budget (0 on GPU: a share of free memory, unknown here, so not capped)."""
+    max_new_tokens) <= --kv-budget (0 on a GPU: what fits, memory_plan.as_planned has set it)."""
     rows = min(a.rollout_batch // gpus * a.group_size, a.gen_batch or 1 << 30)
     longest = math.ceil(prompt.expected_max(a.rollout_batch // gpus))
     return min(rows, max(1, a.kv_budget // (longest + a.max_new_tokens))) if a.kv_budget else rows
@@ -370,12 +373,13 @@ def _longest_column(prompt: Lengths, age, csum, t: int, first_alive: float, S: i
     return Lengths(np.convolve(blocks, now), "").expected_max(S) * b + 1
 
 
-def decode_seconds(arch, gpu: GPU, segments) -> tuple[float, float, float]:
+def decode_seconds(arch, gpu: GPU, segments, captured=False) -> tuple[float, float, float]:
     """-> (seconds, steps, seconds per step at the fullest segment) of a decode schedule: each step
-    the slowest of reading the weights and KV, launching its kernels, and its 2N FLOPs per slot (at
-    PREFILL_MFU: dense matmuls; the bound a few hundred slots reach; none for a GPU of 0 TFLOP/s)."""
+    the slowest of reading the weights and KV, launching its kernels (none when a CUDA graph
+    replays them: --compile-decode), and its 2N FLOPs per slot (at PREFILL_MFU: dense matmuls; the
+    bound a few hundred slots reach; none for a GPU of 0 TFLOP/s)."""
     weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
-    launch = KERNELS_PER_LAYER * arch.layers * LAUNCH_US * 1e-6
+    launch = 0.0 if captured else KERNELS_PER_LAYER * arch.layers * LAUNCH_US * 1e-6
     flops = 2 * arch.params() / (gpu.bf16_tflops * 1e12 * PREFILL_MFU) if gpu.bf16_tflops else 0.0
 
     def step_s(seg):
@@ -412,6 +416,31 @@ def planned_tokens(resp: Lengths, prompt: Lengths, n: int, group: int, size: int
     return tokens, micro
 
 
+def packed_tokens(resp: Lengths, prompt: Lengths, n: int, size: int, max_tokens: int) -> tuple[float, int]:
+    """The same n rows packed (--pack: the full-row path's forwards take the rows' real tokens, no
+    padding): at most `size` rows and max_tokens real tokens a micro-batch. -> (real tokens,
+    micro-batches: the more of the two caps asks, + 1 for the first-fit's leftovers)."""
+    tokens = n * (prompt.mean() + resp.mean())
+    micro = math.ceil(n / size)
+    if max_tokens:
+        micro = max(micro, math.ceil(tokens / max_tokens) + (tokens > max_tokens))
+    return tokens, micro
+
+
+def forward_tokens(a, resp: Lengths, prompt: Lengths, n: int) -> tuple[float, int]:
+    """Tokens and micro-batches of a training forward over n rows: packed where --pack applies
+    (getattr(a, "pack", True): the option's default, before and after it exists; the full-row path,
+    batching.prompt_group 1), else padded as batching.microbatch_plan pads them."""
+    cap = getattr(a, "micro_tokens", 0)
+    if packs(a):
+        return packed_tokens(resp, prompt, n, a.micro_batch, cap)
+    return planned_tokens(resp, prompt, n, a.group_size, a.micro_batch, cap)
+
+
+def packs(a) -> bool:
+    return bool(getattr(a, "pack", True)) and batching.prompt_group(a) == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # The report
 
@@ -443,16 +472,15 @@ def step_terms(arch, a, gpus, gpu: GPU, needs_ref, old_rows, resp: Lengths, prom
     R = len(resp.pmf) - 1
     worst = resp.truncated() == 1.0
     segs = (worst_schedule if worst else decode_schedule)(R if worst else resp, prompt, N, n_p, S)
-    dec_s, steps, step_s = decode_seconds(arch, gpu, segs)
+    dec_s, steps, step_s = decode_seconds(arch, gpu, segs, getattr(a, "compile_decode", False))
     Nf, flops = arch.params(), gpu.bf16_tflops * 1e12
     refills = 0 if N <= S else (N - S) / max(1, S // REFILL_FRACTION)
     prefill = (n_p + refills) * prompt.expected_max(2)              # a refill's distinct prompts
-    size, cap = a.micro_batch, getattr(a, "micro_tokens", 0)
     update = a.rollout_batch // a.update_batch * a.ppo_epochs, a.update_batch // gpus * G
     old = round(old_rows * N)
-    score = planned_tokens(resp, prompt, old, G, size, cap)[0] if old else 0.0
-    score += planned_tokens(resp, prompt, N, G, size, cap)[0] if needs_ref else 0.0
-    upd, micro = planned_tokens(resp, prompt, update[1], G, size, cap)
+    score = forward_tokens(a, resp, prompt, old)[0] if old else 0.0
+    score += forward_tokens(a, resp, prompt, N)[0] if needs_ref else 0.0
+    upd, micro = forward_tokens(a, resp, prompt, update[1])
     train_flops = 8 if a.grad_ckpt else 6
     rank = getattr(a, "lora_rank", 0)
     adapters = memory_plan.lora_params(arch, rank) if rank else 0
@@ -464,7 +492,8 @@ def step_terms(arch, a, gpus, gpu: GPU, needs_ref, old_rows, resp: Lengths, prom
             Term("prefill", (2 * Nf * prefill / (flops * PREFILL_MFU),), f"{prefill:,.0f} prompt tokens"),
             Term("score", (2 * Nf * score / (flops * MFU),), f"{score:,.0f} tokens"),
             Term("update", (update[0] * (per_token * upd / (flops * MFU) + micro * comm),),
-                 f"{update[0]} x {upd:,.0f} tokens ({upd / real:.2f}x the real) in {micro} micro-batches")]
+                 f"{update[0]} x {upd:,.0f} tokens ({'packed: ' if packs(a) else ''}{upd / real:.2f}x the "
+                 f"real) in {micro} micro-batches")]
 
 
 def _flops_note(arch, a, gpu) -> str:
@@ -482,19 +511,27 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
     """The model's table, the realistic estimate first and the worst case beside it; old_rows: the
     fraction of rows pi_old's own forward scores (the first update's rows are scored by the update's
     forward: train.on_policy_rows). Lengths: plan_lengths(a) (--plan-lengths, else the defaults)."""
-    arch, gpu = memory_plan.arch_for(a.model), GPUS[gpu_name]
+    arch, gpu, given = memory_plan.arch_for(a.model), GPUS[gpu_name], a
+    a = memory_plan.as_planned(memory_plan._with(a, plan_gpu=gpu_name), gpus, needs_ref)
     resp, prompt = plan_lengths(a)
     R = a.max_new_tokens
     cols = [step_terms(arch, a, gpus, gpu, needs_ref, old_rows, lengths, prompt)
             for lengths in (resp, fixed(R, "every response to the limit"))]
     launch = KERNELS_PER_LAYER * arch.layers
     weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
-    notes = {"decode": f"each step reads {weights / 1e9:.1f} GB of bf16 weights + the slots' KV "
-                       f"cache at {gpu.hbm_tbs} TB/s, or launches {launch} kernels at {LAUNCH_US:g} us, or "
-                       f"computes 2N FLOPs a slot at {PREFILL_MFU:.0%} MFU, whichever is slowest",
+    captured = getattr(a, "compile_decode", False)
+    budget = (f"--kv-budget 0: {a.kv_budget:,} positions fit the {gpu.memory_gib:g} GiB card less "
+              f"{memory_plan.KV_MARGIN:.0%}" if not given.kv_budget else f"--kv-budget {a.kv_budget:,}")
+    notes = {"decode": f"slots: {budget}; each step reads {weights / 1e9:.1f} GB of bf16 weights + the "
+                       f"slots' KV cache at {gpu.hbm_tbs} TB/s, "
+                       + ("(--compile-decode: its kernels replayed by a CUDA graph, no launch bound) "
+                          if captured else f"or launches {launch} eager kernels at {LAUNCH_US:g} us "
+                          "(--compile-decode off), ")
+                       + f"or computes 2N FLOPs a slot at {PREFILL_MFU:.0%} MFU, whichever is slowest",
              "prefill": f"2N FLOPs per token at {PREFILL_MFU:.0%} of {gpu.bf16_tflops:g} TFLOP/s",
              "score": f"pi_old over {old_rows:.0%} of the rows"
-                      f"{' + the reference over all' if needs_ref else ''}, no grad, at {MFU:.0%} MFU",
+                      f"{' + the reference over all' if needs_ref else ' (no reference model loaded)'}, "
+                      f"{'packed' if packs(a) else 'padded'}, no grad, at {MFU:.0%} MFU",
              "update": _flops_note(arch, a, gpu)}
     lines = [f"time model of one RL step on {gpus} x {gpu.name} (a model from the config, not a measurement; "
              f"--plan-gpu): REALISTIC / worst case (every response to --max-new-tokens {R})",
@@ -502,7 +539,9 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
              "--plan-lengths: measured ones)",
              f"  prompts: mean {prompt.mean():.0f} tokens, a rank's longest of {a.rollout_batch // gpus} "
              f"~{prompt.expected_max(a.rollout_batch // gpus):.0f} ({prompt.source}); each forward pads "
-             "to its own longest (batching.microbatch_plan), not to --max-prompt-len"]
+             "to its own longest (batching.microbatch_plan), not to --max-prompt-len",
+             f"  MFU {MFU:g} of the scoring and training forwards (assumed, not measured: bench/gpu_check.py "
+             f"measures it on a GPU); the levers as the options set them: {levers(a, given, needs_ref)}"]
     for real, worst in zip(*cols):
         lines.append(f"  {real.name:8s} {real.seconds[0]:7.1f} s / {worst.seconds[0]:7.1f} s   "
                      f"{real.note} / {worst.note}; {notes[real.name]}")
@@ -511,6 +550,19 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
     lines.append(f"  {'step':8s} {total[0]:7.1f} s / {total[1]:7.1f} s   x {a.steps} steps: {hours[0]:.1f} h "
                  f"realistic / {hours[1]:.1f} h worst case (evaluations and checkpoints not counted)")
     return "\n".join(lines)
+
+
+def levers(a, given, needs_ref) -> str:
+    """The speed levers as this run has them (a lever that is off is not counted)."""
+    return ", ".join([
+        "a reference model" if needs_ref else "no reference model (--measure-policy-kl off, no Policy-KL)",
+        "packed forwards" if packs(a)
+        else "padded forwards" + ("" if getattr(a, "pack", True) else " (--pack off)"),
+        ("activation checkpointing" if a.grad_ckpt else "no activation checkpointing")
+        + (" (--grad-ckpt auto)" if given.grad_ckpt == "auto" else ""),
+        "KV slots that fit (--kv-budget 0)" if not given.kv_budget else f"--kv-budget {given.kv_budget:,}",
+        "a captured decode (--compile-decode)" if getattr(a, "compile_decode", False)
+        else "an eager decode (--compile-decode off)"])
 
 
 def disk_report(a, gpus: int) -> str:

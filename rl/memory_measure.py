@@ -337,6 +337,7 @@ def measure_step(a, algo, code: StepCode, needs_ref: bool, world=1, fake=True,
     optimizer step, of at most max_micro_batches micro-batches (each of the config's size:
     gradients are sharded/reduced per micro-batch, so more of them hold no more). A step too large
     to plan on this host is not run (`skipped`)."""
+    a = memory_plan.as_planned(a, world, needs_ref, "cuda" if fake or torch.cuda.is_available() else "cpu")
     skipped = too_large_to_measure(a, world)                          # (sizes that do not divide: exit)
     if getattr(a, "lora_rank", 0) and not skipped:                     # (random_model has no adapters)
         skipped = "a LoRA step (the measurement runs full fine-tuning's; the plan counts the adapters)"

@@ -18,7 +18,7 @@ from rl import controllers, query_reference
 import rollout
 import tasks
 from data.prompts import PromptSet
-from plumbing import batching, checkpoints, distributed, extension, optimizer, step_guard, timer
+from plumbing import batching, checkpoints, distributed, extension, memory_plan, optimizer, step_guard, timer
 from plumbing.distributed import print0
 
 
@@ -54,7 +54,8 @@ def old_rows(args, algo) -> float:
 
 
 def needs_reference_model(args, algo) -> bool:
-    """A Policy-KL in the loss or the reward, measured, or the live Query-KL reference's forward."""
+    """A Policy-KL in the loss or the reward, measured (--measure-policy-kl: off by default, so ERPO
+    loads none unless asked), or a Query-KL reference that reads a model (--qkl-ref live, model)."""
     live = query_reference.REFERENCES[args.qkl_ref].needs_model
     return algo.kl is not None or args.measure_policy_kl or live
 
@@ -81,9 +82,26 @@ def policy_and_reference(args, algo, dist, model, state):
     return policy, ref.eval().requires_grad_(False)
 
 
+def resolve_grad_ckpt(args, algo, world: int, device) -> bool:
+    """--grad-ckpt auto, resolved once (every later reader sees a bool): the memory plan's rule
+    (memory_plan.needs_checkpointing) on this card -- on where the update micro-batch would not fit
+    without checkpointing; a CPU has no card: off. true / false (and an old config.json's booleans)
+    stay as given."""
+    if args.grad_ckpt == "auto":
+        card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        args.grad_ckpt = memory_plan.resolve_grad_ckpt(args, world, needs_reference_model(args, algo), card,
+                                                       device.type)
+        if card:
+            print0(f"--grad-ckpt auto: {'on' if args.grad_ckpt else 'off'} (the update micro-batch "
+                   f"{'does not fit' if args.grad_ckpt else 'fits'} {card / memory_plan.GIB:.1f} GiB less "
+                   f"{memory_plan.KV_MARGIN:.0%} without it)")
+    return bool(args.grad_ckpt)
+
+
 def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
     """The reference model (needs_reference_model), the wrapped policy, the Query-KL reference and
     the cache it or the query weights need, the optimizer."""
+    resolve_grad_ckpt(args, algo, dist.world, dist.device)
     print0(batching.describe(args, dist.world, len(data)))
     bf16 = distributed.uses_bf16(args.dtype, dist.device)
     dtype, amp = distributed.precision(args.dtype, dist.device)

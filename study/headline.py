@@ -95,7 +95,7 @@ def run_one(run: Run, runs_dir, results, size) -> str:
     # its own Query-KL cache: a shared one, built under other kernels, would hide how these round the
     # reference's prompt log-probs (tests/test_golden.py does the same)
     argv = ["--algo", run.algo, "--seed", str(run.seed), "--out", out, "--overwrite", "--query-cache-dir", "",
-            *SIZES[size]]
+            "--measure-policy-kl", "true", *SIZES[size]]         # every row's Policy-KL is a column
     env = {**kernel_env(run.kernels), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", ONE_THREAD, *argv], cwd=ROOT, env=env, capture_output=True,
                        text=True)

@@ -228,7 +228,7 @@ def train_argv(spec: RunSpec, arm: Arm, data, out) -> list[str]:
             "--eval-data", "tiny-test", "--eval-every", str(arm.eval_every),
             "--eval-limit", str(arm.eval_limit),
             "--eval-temperatures", *map(str, TEMPS), "--save-every", str(arm.eval_every), "--out", out,
-            *arm.train, *spec.flags]
+            "--measure-policy-kl", "true", *arm.train, *spec.flags]   # policy_kl is logged every step
 
 
 ONE_THREAD = "import sys, torch; torch.set_num_threads(1); import train; train.main(sys.argv[1:])"

@@ -97,7 +97,7 @@ def train_run(out, algo, seed, size, data):
         train.main(["--algo", algo, "--seed", str(seed), "--train-data", data, "--steps", str(size["steps"]),
                     "--eval-data", "tiny-test", data, "--eval-every", str(size["eval_every"]),
                     "--eval-limit", str(size["eval_limit"]), "--save-every", str(size["eval_every"]),
-                    "--out", run, *size["train"], *resume])
+                    "--out", run, "--measure-policy-kl", "true", *size["train"], *resume])
     return run
 
 

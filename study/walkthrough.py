@@ -55,7 +55,7 @@ def argv(data, out):
     return ["--algo", "erpo", "--train-data", data, "--out", out, "--steps", str(TRACED + 1),
             "--rollout-batch", "4", "--update-batch", "4", "--group-size", "4", "--micro-batch", "16",
             "--max-new-tokens", "48", "--eval-every", "0", "--save-every", "0", "--seed", str(SEED),
-            "--query-cache-dir", ""]
+            "--query-cache-dir", "", "--measure-policy-kl", "true"]   # the traced step's Policy-KL
 
 
 def write_subset(folder) -> str:

@@ -37,7 +37,7 @@ def test_live_reference_is_the_cache_recomputed(tmp_path, small_data):
     Query-KL is ~0, and the whole step (loss, its gradient, the monitors) agrees with the cache's
     to float32 rounding (each within its measured tolerance: tests/rounding.py). Two optimizer
     steps, so the second one's Query-KL is not zero."""
-    common = ("--algo", "erpo", "--update-batch", "4", "--dtype", "float32")
+    common = ("--algo", "erpo", "--update-batch", "4", "--dtype", "float32", "--measure-policy-kl", "true")
     cached = run(tmp_path / "cache", small_data, *common, "--qkl-ref", "cache", steps=2)
     live = run(tmp_path / "live", small_data, *common, "--qkl-ref", "live", steps=2)
     for name, m in (("live", live[0]), ("cache", cached[0])):     # ~0: the same weights, other batches

@@ -81,6 +81,9 @@ def test_the_closed_form_agrees_with_a_replay_of_the_code_s_schedule(monkeypatch
     reference's rows: the model's expectations within 10% of the replays' mean, in decode steps, KV
     positions read and padded tokens. The worst case, every row to the limit, too."""
     a, _ = paper()
+    a = memory_plan.as_planned(a, 8, False)                     # --kv-budget 0: what fits an H100
+    a.pack = False                                              # the padded plan (the packed: below)
+    budget = a.kv_budget
     resp, prompt = time_model.plan_lengths(a)
     R, G, n_p = a.max_new_tokens, a.group_size, a.rollout_batch // 8
     N, rng = n_p * G, np.random.default_rng(0)
@@ -88,17 +91,21 @@ def test_the_closed_form_agrees_with_a_replay_of_the_code_s_schedule(monkeypatch
     for _ in range(8):
         prompts = [p for p in rng.choice(len(prompt.pmf), n_p, p=prompt.pmf).tolist() for _ in range(G)]
         rows = [max(1, r) for r in rng.choice(len(resp.pmf), N, p=resp.pmf).tolist()]
-        steps, kv = replay_pass(prompts, rows, a.kv_budget // (max(prompts) + R), R, monkeypatch)
+        steps, kv = replay_pass(prompts, rows, budget // (max(prompts) + R), R, monkeypatch)
         got["steps"].append(steps), got["kv"].append(kv)
         for n in (128, 384, 512):
             lengths = list(zip(prompts[:n], rows[:n]))
             plan = batching.microbatch_plan(lengths, a.micro_batch, a.micro_tokens)
             got[n].append(sum(len(mb) * batching.padded_width(lengths, mb) for mb in plan))
+            got.setdefault(("packed", n), []).append(sum(p + r for p, r in lengths))
     S = time_model.slots_for(a, 8, prompt)
     segments = time_model.decode_schedule(resp, prompt, N, n_p, S)
     model = {"steps": sum(s.steps for s in segments), "kv": sum(s.steps * s.kv for s in segments),
              **{n: time_model.planned_tokens(resp, prompt, n, G, a.micro_batch, a.micro_tokens)[0]
+                for n in (128, 384, 512)},
+             **{("packed", n): time_model.packed_tokens(resp, prompt, n, a.micro_batch, a.micro_tokens)[0]
                 for n in (128, 384, 512)}}
+    assert S > 200                                              # ~229 slots of 4,096 + 429 at most
     for key, value in model.items():
         assert value == pytest.approx(np.mean(got[key]), rel=0.10), key
     steps, kv = replay_pass(prompts, [R] * N, S, R, monkeypatch)         # every row to the limit
@@ -165,17 +172,22 @@ def test_the_report_puts_the_realistic_estimate_first_and_names_its_assumptions(
     assert "REALISTIC / worst case (every response to --max-new-tokens 3072)" in lines[0]
     assert "mean 753 tokens, 5.0% cut at 3072 (issue #42's review" in lines[1]
     assert "mean 144 tokens" in lines[2] and "not to --max-prompt-len" in lines[2]
-    secs = {ln.split()[0]: (float(ln.split()[1]), float(ln.split()[4])) for ln in lines[3:]}
+    assert lines[3].startswith("  MFU 0.4 of the scoring and training forwards (assumed, not measured")
+    assert "a reference model, packed forwards, no activation checkpointing (--grad-ckpt auto)" in lines[3]
+    secs = {ln.split()[0]: (float(ln.split()[1]), float(ln.split()[4])) for ln in lines[4:]}
     assert list(secs) == ["decode", "prefill", "score", "update", "step"]
     for i in (0, 1):
         assert secs["step"][i] == pytest.approx(sum(v[i] for k, v in secs.items() if k != "step"), abs=0.3)
         assert all(v[0] < v[1] for k, v in secs.items() if k not in ("prefill",))
     text = "\n".join(lines)
-    assert "4.8 TB/s" in text and "40% MFU" in text and "x 10 steps" in text and "12,288 steps" in text
+    assert "4.8 TB/s" in text and "40% MFU" in text and "x 10 steps" in text and "steps of 512 rows in" in text
+    assert "--kv-budget 0: " in text and "139.8 GiB card" in text and "--compile-decode off" in text
 
 
 def test_the_update_term_by_hand():
-    a, _ = paper()
+    """Padded (--pack false), with activation checkpointing (8N) and the reference scored."""
+    a, _ = paper("--grad-ckpt", "true", "--micro-tokens", "16384")
+    a.pack = False
     arch, gpu = memory_plan.arch_for(a.model), time_model.GPUS["h100"]
     resp, prompt = time_model.plan_lengths(a)
     terms = {t.name: t for t in time_model.step_terms(arch, a, 8, gpu, True, 0.75, resp, prompt)}
@@ -193,7 +205,7 @@ def test_the_update_term_by_hand():
 def test_the_fixed_length_decode_bound_bench_gpu_check_uses():
     """S rows in S slots, every row L tokens: L steps, each reading the weights + S x (P + L) KV
     (bench/gpu_check.py sets a measured pass against it; its GPU of 0 TFLOP/s has no compute bound)."""
-    a, _ = paper()
+    a, _ = paper("--kv-budget", "524288")
     arch, gpu = memory_plan.arch_for(a.model), time_model.GPUS["h100"]
     (term,) = time_model.decode_terms(arch, a, 8, gpu, (3072, 1536))
     assert "12,288 decode steps of 512 rows in 128 slots" in term.note
@@ -216,3 +228,73 @@ def test_the_disk_a_run_needs():
     assert f"a checkpoint is {12 * n / 1e9:.1f} GB" in line and f"{24 * n / 1e9:.1f} GB" in line
     assert f"{2 * n / 1e9:.1f} GB for the final bf16 export" in line and "node" not in line
     assert "file system every node sees" in time_model.disk_report(a, 16)
+
+
+def test_the_levers_as_shipped():
+    """configs/paper_qwen7b.json as shipped: no reference forward (ERPO loads none), packed forwards
+    (real tokens), no activation checkpointing (auto: the 4,096-token micro-batch fits), the KV
+    slots that fit an H100 less the margin, an eager decode (--compile-decode off): <= 10 h."""
+    a, algo = paper()
+    arch, gpu = memory_plan.arch_for(a.model), time_model.GPUS["h100"]
+    p = memory_plan.as_planned(a, 8, False)
+    assert p.grad_ckpt is False and a.grad_ckpt == "auto"
+    rollout_others = sum(t.bytes for t in memory_plan.terms(arch, p, 8, False)
+                         if "rollout" in t.phases and t.name != "KV cache")
+    card = 79.1 * memory_plan.GIB
+    assert p.kv_budget == memory_plan.kv_positions_that_fit(int(card), int(card), int(rollout_others),
+                                                            arch.kv_bytes_per_position())
+    resp, prompt = time_model.plan_lengths(p)
+    terms = {t.name: t for t in time_model.step_terms(arch, p, 8, gpu, False, 0.75, resp, prompt)}
+    real, micro = time_model.packed_tokens(resp, prompt, 128, a.micro_batch, a.micro_tokens)
+    assert real == pytest.approx(128 * (prompt.mean() + resp.mean())) and micro >= real / 4096
+    N = arch.params()
+    comm = 3 * 2 * N * 7 / 8 / (450e9 * 0.7)
+    assert terms["update"].seconds[0] == pytest.approx(4 * (6 * N * real / (989e12 * 0.4) + micro * comm))
+    old = time_model.packed_tokens(resp, prompt, 384, a.micro_batch, a.micro_tokens)[0]
+    assert terms["score"].seconds[0] == pytest.approx(2 * N * old / (989e12 * 0.4))   # pi_old alone
+    with_ref = time_model.step_terms(arch, p, 8, gpu, True, 0.75, resp, prompt)[2].seconds[0]
+    assert with_ref == pytest.approx(terms["score"].seconds[0] * 896 / 384)     # + the reference's 512 rows
+    p.compile_decode = True                                      # captured: no kernel-launch bound
+    captured = time_model.step_terms(arch, p, 8, gpu, False, 0.75, resp, prompt)[0].seconds[0]
+    assert captured <= terms["decode"].seconds[0]
+    hours = time_model.report(a, 8, False, "h100", 0.75).splitlines()[-1]
+    assert float(hours.split("steps: ")[1].split(" h realistic")[0]) <= 10.0
+    assert "6N FLOPs per token at 40% MFU" in time_model.report(a, 8, False, "h100", 0.75)
+
+
+def test_grad_ckpt_auto_true_false_and_old_booleans(tmp_path):
+    """--grad-ckpt takes true / false (bools, as before) or auto (resolved by the plan); a --config
+    file's and an old config.json's booleans still parse."""
+    assert paper()[0].grad_ckpt == "auto"
+    assert paper("--grad-ckpt", "false")[0].grad_ckpt is False
+    assert paper("--grad-ckpt", "true")[0].grad_ckpt is True
+    cfg = json.load(open(os.path.join(ROOT, "configs", "paper_qwen7b.json")))
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**cfg, "grad_ckpt": True}))
+    assert train.parse_args(["--config", str(path)])[0].grad_ckpt is True
+    with pytest.raises(SystemExit):
+        paper("--grad-ckpt", "maybe")
+    arch = memory_plan.arch_for(cfg["model"])
+    card = 79.1 * memory_plan.GIB
+    fits, big = paper()[0], paper("--micro-tokens", "16384")[0]
+    assert memory_plan.needs_checkpointing(arch, fits, 8, False, card) is False
+    assert memory_plan.needs_checkpointing(arch, big, 8, False, card) is True   # 16k tokens: ~110 GiB
+    assert memory_plan.needs_checkpointing(arch, big, 8, False, None) is False  # a CPU: no card
+    assert memory_plan.resolve_grad_ckpt(big, 8, False, 141 * memory_plan.GIB * 2) is False
+
+
+def test_a_run_resolves_grad_ckpt_auto_once_on_its_card(monkeypatch):
+    """run_setup.resolve_grad_ckpt: auto becomes a bool in the options every later reader sees --
+    the plan's rule on the card the run finds (a mocked 80 GB CUDA card), off on a CPU."""
+    from types import SimpleNamespace
+
+    from rl import run_setup
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=int(79.1 * memory_plan.GIB)))
+    for tokens, on in (("4096", False), ("16384", True)):
+        a, algo = paper("--micro-tokens", tokens)
+        assert run_setup.resolve_grad_ckpt(a, algo, 8, torch.device("cuda")) is on and a.grad_ckpt is on
+    a, algo = paper("--micro-tokens", "16384")
+    assert run_setup.resolve_grad_ckpt(a, algo, 8, torch.device("cpu")) is False and a.grad_ckpt is False
+    a, algo = paper("--grad-ckpt", "true")
+    assert run_setup.resolve_grad_ckpt(a, algo, 8, torch.device("cpu")) is True      # as given

@@ -30,7 +30,7 @@ def run(out, data, *extra, steps=2):
         return [json.loads(line) for line in f]
 
 
-KEYS = {"step", "reward", "train_acc", "query_kl", "policy_kl", "entropy", "response_len",
+KEYS = {"step", "reward", "train_acc", "query_kl", "entropy", "response_len",      # (policy_kl: where a reference loads)
         "grad_norm", "step_time", "clip_frac", "zero_var_frac", "loss_query_kl",
         "time_gen", "time_reward", "time_score", "time_update", "gen_tok_per_s", "update_tok_per_s"}
 
@@ -63,7 +63,8 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeyp
         return real_clip(*a)
     monkeypatch.setattr(train.losses, "rl_loss", spy)
     monkeypatch.setattr(train.optimizer, "clip_grad", next_step)
-    ms = run(tmp_path, small_data, "--algo", "erpo", "--lr", "1e-3", "--no-signal", "step", steps=4)  # 2 x 4 steps
+    ms = run(tmp_path, small_data, "--algo", "erpo", "--lr", "1e-3", "--no-signal", "step",
+             "--measure-policy-kl", "true", steps=4)  # 2 x 4 steps; the Policy-KL monitor on
     assert ms[0]["step"] == 0 and "eval_acc" in ms[0]           # evaluation before training
     steps = [m for m in ms if m["step"] > 0]
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
@@ -151,7 +152,8 @@ def test_each_optimizer_step_is_seen_inside_one_autocast_region():
 def test_bf16_mixed_on_cpu_trains(tmp_path, small_data):
     """float32 master weights, bf16 autocast: 2 optimizer steps per RL step, Query-KL from float32 SDPA."""
     ms = run(tmp_path, small_data, "--algo", "erpo", "--dtype", "bf16-mixed", "--lr", "1e-3",
-             "--rollout-batch", "8", "--update-batch", "4", "--eval-every", "0", "--save-every", "0", steps=2)
+             "--rollout-batch", "8", "--update-batch", "4", "--eval-every", "0", "--save-every", "0",
+             "--measure-policy-kl", "true", steps=2)                    # the bf16 reference too
     assert [m["step"] for m in ms] == [1, 2]
     for m in ms:
         assert all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "query_kl", "policy_kl", "entropy"))
@@ -251,6 +253,7 @@ def test_every_algorithm_trains(tmp_path, small_data, algo):
     m = ms[-1]
     assert m["step"] == 1 and KEYS <= set(m)
     spec = losses.ALGOS[algo]
+    assert ("policy_kl" in m) == (spec.kl is not None)     # a reference model only where the loss reads it
     assert ("weight_mean" in m) == (spec.weights != "none")
     if spec.dynamic_sampling:
         assert "kept_groups" in m and "resample_rounds" in m
