@@ -9,9 +9,10 @@
 (train_eval_gap.png, with 95% Wilson intervals) from each run's metrics.jsonl, and prints the mean
 train - held-out gap; and the instruments (rl/monitors.py), where logged: each loss term's gradient
 norm and its cosine with the policy gradient (grad_norms.png, grad_cos.png), held-out vs training
-Query-KL at evaluations (query_kl_heldout.png), the premise meter (premise.png). `compare` prints one table of runs side by side: the last held-out accuracy
-per set with its 95% Wilson interval, train accuracy, Query-KL, Policy-KL and entropy averaged over
-the last --last steps, the steps, and each run minus the first (B - A).
+Query-KL at evaluations (query_kl_heldout.png), the premise meter (premise.png).
+`compare` prints one table of runs side by side: the last held-out accuracy per set with its 95%
+Wilson interval, train accuracy, Query-KL, Policy-KL and entropy averaged over the last --last
+steps, the steps, and each run minus the first (B - A).
 `nll` samples one response per problem and relates the query's mean per-token NLL to the
 response's (one forward over [prompt | response]): their Pearson correlation is the paper's
 motivation for query weights (method.md §4).
@@ -124,10 +125,12 @@ def monitor_plots(runs: dict, out_dir) -> list:
                      "(as it enters the loss; one micro-batch)", "gradient norm",
                      [(f"grad_norm/{t}", styles[t] + "o", t) for t in styles], log=True),
         _step_figure(runs, os.path.join(out_dir, "grad_cos.png"), "Cosine of the policy gradient with each "
-                     "regulariser's", "cosine", [(f"grad_cos/pg_{t}", styles[t] + "o", t) for t in GRAD_TERMS]),
+                     "regulariser's", "cosine",
+                     [(f"grad_cos/pg_{t}", styles[t] + "o", t) for t in GRAD_TERMS]),
         _step_figure(runs, os.path.join(out_dir, "query_kl_heldout.png"), "Query-KL at evaluations: held-out "
                      "(solid) vs training prompts (dashed)", "Query-KL",
-                     [("eval_query_kl", "-o", "held-out"), ("eval_query_kl_train", "--s", "training")], log=True),
+                     [("eval_query_kl", "-o", "held-out"), ("eval_query_kl_train", "--s", "training")],
+                     log=True),
         _step_figure(runs, os.path.join(out_dir, "premise.png"), "Premise meter: r(prompt NLL under pi_0, "
                      "response NLL under pi_old) per step", "Pearson r", [("premise_r", "-", "r")])]
 

@@ -181,7 +181,7 @@ BEFORE_OPTION = {
 def rl_step(run, step):
     """Everything of one RL step; returns its metrics (reduced over ranks)."""
     run.algo = extension.steer(run.algo, run.controllers)                # per-step coefficients (§8.7)
-    G, dev = run.args.group_size, run.dist.device
+    G, dev, every = run.args.group_size, run.dist.device, run.args.monitor_every
     collected = rollouts(run, step)                                      # G responses per prompt, graded
     ro, valid = collected.ro.to(dev), collected.valid.to(dev)
     packed = ro.packed()                                                 # [prompt | response] rows
@@ -200,8 +200,7 @@ def rl_step(run, step):
     experience.judge_signal(plan, signal, valid, update_rows)           # which updates step (§8.6)
     w = row_weights(run, collected.prompt_idx, scores.prompt, prompt_mask, valid, update_rows)  # w(q)
     batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w, ro.logprobs)
-    every = run.args.monitor_every                                       # each loss term's gradient (pi_old)
-    grads = monitors.term_gradients(run, batch, plan) if every and (step + 1) % every == 0 else {}
+    grads = monitors.term_gradients(run, batch, plan) if every and (step + 1) % every == 0 else {}  # pi_old
     with run.timer("update"):
         update = ppo_update(run, batch, plan)
     if update["grad_norm"] is None:                                      # no optimizer step applied: are

@@ -23,6 +23,7 @@ lengths, the update's statistics (`update_statistics`) and query weights. Argume
 train.rl_step: `c` its experience.Collected, `batch` its experience.UpdateBatch.
 """
 
+import hashlib
 import math
 from dataclasses import dataclass, replace
 
@@ -343,7 +344,8 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
     global counts. c: the step's experience.Collected; batch: its experience.UpdateBatch (masks, pi_old
     scores, weights); qref: (B, P-1) the initial policy's prompt log-probs (the query_kl monitor's
     reference); upd: the update's statistics. With more than one task among the training rows,
-    train_acc/<task> too (the same keys on every rank)."""
+    train_acc/<task> too (the same keys on every rank). The premise meter premise_r (premise_sums,
+    method.md §11) every step; at step 1, sample_digest (a GRPO / ERPO pair of one seed shares it)."""
     sc, qmask, resp_mask, w = batch.scores, batch.prompt_mask, batch.resp_mask, batch.weights
     world, seconds = run.dist.world, run.timer.seconds                  # seconds per phase on this rank
     update_tokens = batch.packed.attention_mask.sum() * run.args.ppo_epochs  # the update's forwards
@@ -389,7 +391,17 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
     if run.algo.dynamic_sampling:
         m["resample_rounds"] = all_max(torch.tensor(float(info["resample_rounds"]))).item()
         m["kept_groups"] = s["kept_groups"]
+    if step == 0:                                       # a GRPO and an ERPO run of one seed sample alike
+        m["sample_digest"] = sample_digest(ro)          # at step 1 (study.headline pairs them by it)
     return m
+
+
+def sample_digest(ro: rollout.Rollout) -> str:
+    """16 hex digits of sha256 over every rank's sampled response ids (padding zeroed), in rank order:
+    equal for two runs that sampled the same tokens at the same world size."""
+    ids = (ro.response_ids * ro.response_mask).cpu().numpy()
+    mine = hashlib.sha256(str(ids.shape).encode() + ids.tobytes()).hexdigest()
+    return hashlib.sha256("".join(distributed.all_gather_list([mine])).encode()).hexdigest()[:16]
 
 
 # The premise meter (issue #43; method.md §11): the paper's App. D coupling, live, from the step's tensors

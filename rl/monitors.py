@@ -144,21 +144,27 @@ class HeldoutQueryKL:
     @classmethod
     def for_run(cls, run, evalsets: dict, resuming: bool) -> "HeldoutQueryKL | None":
         """Built as the training cache is (query_reference: shared by its meta, else scored by the
-        initial policy before RL; on --resume, the run folder's). A run resumed from before the
-        file existed (no file): None, said once."""
+        initial policy before RL; on --resume, the run folder's). On --resume without a usable file
+        (a run from before it existed, a damaged one): None, said in one line -- a measurement does
+        not stop the training."""
         a, d, pad = run.args, run.dist, run.tokenizer.pad_token_id
         ids = [x for ps in evalsets.values() for x in ps.ids]
         if not ids:
             return None
         path = os.path.join(a.out, cls.FILE)
         numerics = query_reference.numerics_of(a, d, run.policy)
-        meta = query_reference.cache_meta(a.model, "held-out: " + ",".join(map(str, evalsets)), a.template,
-                                          a.temperature, ids, weights=None, numerics=numerics, batch=a.micro_batch)
+        what = "held-out: " + ",".join(map(str, evalsets))             # (meta's "data": the sets' names)
+        meta = query_reference.cache_meta(a.model, what, a.template, a.temperature, ids, weights=None,
+                                          numerics=numerics, batch=a.micro_batch)
         if resuming and not os.path.exists(path):
             print0(f"held-out Query-KL: not measured ({path} is missing: the run began before it existed)")
             return None
         if resuming:
-            cache = query_reference.resumed(path, meta, a, d, ids, pad)
+            try:
+                cache = query_reference.resumed(path, meta, a, d, ids, pad)
+            except SystemExit as e:
+                print0(f"held-out Query-KL: not measured ({str(e.code).removeprefix('error: ')})")
+                return None
         else:
             meta["weights"] = query_reference.weights_fingerprint(run.policy)
             cache = query_reference.load_or_build(path, meta, run.policy, ids, pad, a.temperature, d.device,

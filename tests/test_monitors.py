@@ -163,3 +163,35 @@ def test_a_two_step_run_logs_the_instruments_at_their_hand_values(tmp_path, smal
     for s in (1, 2):
         for k in ("loss", "grad_norm", "pg_loss", "loss_query_kl", "reward", "response_tokens"):
             assert steps[s][k] == off[s][k], (s, k)
+
+
+def test_the_sample_digest_sees_the_tokens_not_the_padding():
+    import rollout
+    ids, mask = torch.tensor([[5, 6, 0], [7, 0, 0]]), torch.tensor([[1, 1, 0], [1, 0, 0]]).bool()
+    ro = rollout.Rollout.__new__(rollout.Rollout)
+    ro.response_ids, ro.response_mask = ids, mask
+    same = rollout.Rollout.__new__(rollout.Rollout)
+    same.response_ids, same.response_mask = torch.tensor([[5, 6, 9], [7, 9, 9]]), mask   # other padding
+    other = rollout.Rollout.__new__(rollout.Rollout)
+    other.response_ids, other.response_mask = torch.tensor([[5, 6, 0], [8, 0, 0]]), mask
+    assert experience.sample_digest(ro) == experience.sample_digest(same) != experience.sample_digest(other)
+
+
+def test_headline_pairs_erpo_and_grpo_by_seed():
+    """study.headline's paired report (issue #43): ERPO - GRPO per seed, its Student-t interval over
+    the pairs, and whether each pair shared its step-1 samples (equal digests)."""
+    from study import headline as H
+
+    def summary(algo, seed, test, digest):
+        return {"name": H.Run(algo, seed, "native").name, "algo": algo, "seed": seed, "kernels": "native",
+                "step0": {}, "final": {"tiny-test": test}, "golden": "g", "commit": "c", "cpu": "CPU",
+                "torch": "2", "sample_digest": digest}
+    runs = [summary("grpo", s, 0.50 + 0.02 * s, f"d{s}") for s in H.SEEDS] + \
+        [summary("erpo", s, 0.52 + 0.02 * s + 0.01 * (s == 2), f"d{s}" if s else "x") for s in H.SEEDS]
+    p = H.aggregate({r["name"]: r for r in runs})["paired"]
+    d = p["diff"]["final/tiny-test"]
+    assert d["values"] == pytest.approx([0.02, 0.02, 0.03])
+    assert d["mean"] == pytest.approx(0.07 / 3)
+    assert d["half"] == pytest.approx(4.303 * 0.01 / math.sqrt(3) / 3 ** 0.5, rel=1e-3)   # sd of diffs / sqrt 3
+    assert p["shared_step1_samples"] == {"0": False, "1": True, "2": True}
+    assert "seed 0: DIFFER" in H.paired_table(H.aggregate({r["name"]: r for r in runs}))
