@@ -71,8 +71,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         data = training_subset(tmp)
         for rep in range(args.repeats):
-            for name, extra in configs.items():
-                rows = one_run(args.algo, extra, args.steps, os.path.join(tmp, f"{rep}-{len(times[name])}"),
+            for i, (name, extra) in enumerate(configs.items()):
+                rows = one_run(args.algo, extra, args.steps, os.path.join(tmp, f"{rep}-{i}"),
                                sizes, data)
                 times[name] += [r["step_time"] for r in rows if r["step"] > 1]
                 phase += [r["time_monitors"] for r in rows if "time_monitors" in r and r["step"] > 1]

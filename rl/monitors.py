@@ -4,12 +4,13 @@ this data? Each is a pure function here with a small hook in train.py.
 
 - Per-term gradients (`term_gradients`, every --monitor-every steps): the gradient of each loss term
   as it enters the loss (its coefficient and sign: PG, beta * Policy-KL, alpha * Query-KL,
-  -c * entropy), measured on one micro-batch (the first of the step's first update batch that takes
-  a step) at the rollout weights, before any update: its norm (grad_norm/<term>) and the cosine
-  between the policy gradient and each regulariser's (grad_cos/pg_<term>). A forward of its own on
-  the unwrapped policy, and one backward per term (torch.autograd.grad: nothing accumulates into
-  .grad), so the update itself is untouched. Its terms are divided by the micro-batch's own counts
-  (tokens, sequences), so each norm is on the scale of the whole update's grad_norm (before clipping).
+  -c * entropy), measured on one micro-batch (`measured_micro_batch`: the first, among the update
+  batches that take a step, with a row of nonzero advantage) at the rollout weights, before any
+  update: its norm (grad_norm/<term>) and the cosine between the policy gradient and each
+  regulariser's (grad_cos/pg_<term>). A forward of its own on the unwrapped policy, and one backward
+  per term (torch.autograd.grad: nothing accumulates into .grad), so the update itself is untouched.
+  Its terms are divided by the micro-batch's own counts (tokens, sequences), so each norm is on the
+  scale of the whole update's grad_norm (before clipping).
 - Held-out Query-KL (`HeldoutQueryKL`, at every evaluation): the Query-KL monitor's estimator (k3 over
   the prompt tokens, mean over prompts) of the held-out prompts against their log-probs under the
   initial policy, cached before RL as the training prompts' are (<out>/heldout_query_cache.pt, shared
@@ -83,7 +84,7 @@ def geometry(pg: list, others: dict[str, list]) -> dict:
 
 def term_gradients(run, batch, plan) -> dict:
     """geometry of the loss terms' gradients on one micro-batch at the rollout weights (module doc):
-    the first of the first update batch that takes a step (else the first update's). train.rl_step
+    measured_micro_batch's. train.rl_step
     calls it every --monitor-every steps. None under --fsdp ({}): its parameters are shards, and
     autograd.grad would run FSDP2's gradient hooks."""
     if distributed.is_fsdp(run.policy):
@@ -92,10 +93,21 @@ def term_gradients(run, batch, plan) -> dict:
         return _term_gradients(run, batch, plan)
 
 
+def measured_micro_batch(plan, adv, no_signal):
+    """The first micro-batch of this rank, in update order among the update batches that take a step,
+    with a row whose advantage is not 0 (a policy gradient to compare with; one host read each);
+    else the first update's first."""
+    for update in plan.updates:
+        if update.takes_step(no_signal):
+            for mb in update.micro_batches:
+                if len(mb.rows) and bool((adv[mb.rows] != 0).any()):
+                    return mb
+    return plan.updates[0].micro_batches[0]
+
+
 def _term_gradients(run, batch, plan) -> dict:
     args, algo = run.args, run.algo
-    update = next((u for u in plan.updates if u.takes_step(args.no_signal)), plan.updates[0])
-    mb = update.micro_batches[0]
+    mb = measured_micro_batch(plan, batch.adv, args.no_signal)
     part, pcols, rcols = batch.packed.trimmed(mb)
     rows, policy = mb.rows, distributed.unwrap(run.policy)              # (no DDP hooks: nothing syncs)
     now = logprobs.score_tokens(policy, part, args.temperature, algo.uses_entropy, plan.group, checked=True,

@@ -195,3 +195,20 @@ def test_headline_pairs_erpo_and_grpo_by_seed():
     assert d["half"] == pytest.approx(4.303 * 0.01 / math.sqrt(3) / 3 ** 0.5, rel=1e-3)   # sd of diffs / sqrt 3
     assert p["shared_step1_samples"] == {"0": False, "1": True, "2": True}
     assert "seed 0: DIFFER" in H.paired_table(H.aggregate({r["name"]: r for r in runs}))
+
+
+def test_the_measured_micro_batch_has_a_policy_gradient():
+    """The per-term gradients are measured on the first micro-batch, among the update batches that
+    take a step, with a nonzero advantage (else pg's gradient is 0 and no cosine exists)."""
+    from modeling.logprobs import MicroBatch
+
+    def mb(*rows):
+        return MicroBatch(torch.tensor(rows), 2, 2)
+    adv = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0])
+    skipped = experience.UpdatePlan([mb(5, 6)], 4.0, 2.0, num_signal=0.0)      # no signal: takes no step
+    stepping = experience.UpdatePlan([mb(2, 3), mb(4, 5)], 4.0, 2.0, num_signal=1.0)
+    plan = experience.StepPlan([], [], [], [skipped, stepping], 1)
+    assert monitors.measured_micro_batch(plan, adv, "skip").rows.tolist() == [4, 5]
+    assert monitors.measured_micro_batch(plan, adv, "step").rows.tolist() == [5, 6]   # (then it steps)
+    none = experience.StepPlan([], [], [], [stepping], 1)
+    assert monitors.measured_micro_batch(none, torch.zeros(8), "skip").rows.tolist() == [2, 3]
