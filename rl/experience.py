@@ -345,7 +345,8 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
     scores, weights); qref: (B, P-1) the initial policy's prompt log-probs (the query_kl monitor's
     reference); upd: the update's statistics. With more than one task among the training rows,
     train_acc/<task> too (the same keys on every rank). The premise meter premise_r (premise_sums,
-    method.md §11) every step; at step 1, sample_digest (a GRPO / ERPO pair of one seed shares it)."""
+    method.md §11) every step, its prompt NLLs the Query-KL cache's where the run has one (else
+    qref's); at step 1, sample_digest (a GRPO / ERPO pair of one seed shares it)."""
     sc, qmask, resp_mask, w = batch.scores, batch.prompt_mask, batch.resp_mask, batch.weights
     world, seconds = run.dist.world, run.timer.seconds                  # seconds per phase on this rank
     update_tokens = batch.packed.attention_mask.sum() * run.args.ppo_epochs  # the update's forwards
@@ -354,6 +355,8 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
     info, mask = c.info, ro.response_mask                               # mask: (B, R) response tokens
     kl = 0.0 if sc.ref is None else losses.policy_kl(sc.old, sc.ref, "k3") * resp_mask  # k3 of KL(pi || ref)
     sampler = sampler_vs_old(batch.sampler, sc.old, resp_mask)
+    G = run.args.group_size                                             # premise_r's prompt NLLs: the cache's
+    ref = qref if run.cache is None else run.cache.ref_logp(c.prompt_idx, G, qmask.shape[1]).to(qmask.device)
     s = all_sums({
         "rows": len(c.first_rewards), "tok": mask.sum(), "valid": c.valid, "kl_tok": resp_mask.sum(),
         "reward": c.first_rewards, "acc": c.first_acc,                  # the first sampling round's
@@ -364,7 +367,7 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
         **{f"reward_{k}": info.get(k, 0) for k in ("timeout", "error", "no_answer")},
         **{f"{k}/{t}": info.get(f"{k}/{t}", 0) for t in per_task for k in ("total", "correct")},
         **{f"{k}_{part}": v for k, pair in released.items() for part, v in zip(("sum", "n"), pair)},
-        **premise_sums(qref, qmask, sc.old, resp_mask, batch.valid, run.args.group_size)})
+        **premise_sums(ref, qmask, sc.old, resp_mask, batch.valid, G)})
     n = s["rows"]
     m = {"step": step + 1, "reward": s["reward"] / n, "train_acc": s["acc"] / n,
          "query_kl": s["qkl"] / max(1.0, s["valid"]), "entropy": s["ent"] / s["tok"],

@@ -18,7 +18,7 @@ this data? Each is a pure function here with a small hook in train.py.
   eval_query_kl[/<set>] and eval_query_kl_train. Their gap is the memorisation curve.
 - The premise meter, premise_r, every step, is rl/experience.py's (`premise_sums`, beside the step's
   other monitors in step_metrics): the Pearson correlation over the step's prompts between each
-  prompt's mean per-token NLL under the initial policy (the Query-KL monitor's reference) and the
+  prompt's mean per-token NLL under the initial policy (the Query-KL cache's) and the
   mean over its G rows of each response's mean per-token NLL under pi_old (paper App. D, measured
   offline by `analysis.py nll`), from tensors the step already has.
 """
