@@ -427,9 +427,10 @@ def premise_sums(ref_prompt, prompt_mask, old, resp_mask, valid, group_size) -> 
 
 
 def premise_r(s: dict) -> float:
-    """Pearson's r from premise_sums' sums (over ranks); nan under 2 prompts or a constant side."""
+    """Pearson's r from premise_sums' sums (over ranks); None (null in metrics.jsonl, which a NaN would
+    not compare equal to) under 2 prompts or a constant side."""
     n = s["premise_n"]
     sxx, syy = n * s["premise_xx"] - s["premise_x"] ** 2, n * s["premise_yy"] - s["premise_y"] ** 2
     if n < 2 or sxx <= 0 or syy <= 0:
-        return float("nan")
+        return None
     return (n * s["premise_xy"] - s["premise_x"] * s["premise_y"]) / math.sqrt(sxx * syy)

@@ -72,13 +72,13 @@ def dot(a: list, b: list) -> float:
 
 
 def geometry(pg: list, others: dict[str, list]) -> dict:
-    """grad_norm/pg, grad_norm/<term> and grad_cos/pg_<term> (nan where a norm is 0)."""
+    """grad_norm/pg, grad_norm/<term> and grad_cos/pg_<term> (None where a norm is 0: no direction)."""
     pp = dot(pg, pg)
     out = {"grad_norm/pg": math.sqrt(pp)}
     for name, g in others.items():
         gg = dot(g, g)
         out[f"grad_norm/{name}"] = math.sqrt(gg)
-        out[f"grad_cos/pg_{name}"] = dot(pg, g) / math.sqrt(pp * gg) if pp > 0 and gg > 0 else float("nan")
+        out[f"grad_cos/pg_{name}"] = dot(pg, g) / math.sqrt(pp * gg) if pp > 0 and gg > 0 else None
     return out
 
 
@@ -196,7 +196,7 @@ class HeldoutQueryKL:
                                          a.micro_batch)
         kl, out, start = per_prompt_query_kl(score(self.ids), self.ref), {}, 0
         for name, n in self.sets.items():
-            out[f"eval_query_kl/{name}"] = kl[start:start + n].mean().item() if n else float("nan")
+            out[f"eval_query_kl/{name}"] = kl[start:start + n].mean().item() if n else None
             start += n
         out["eval_query_kl"] = out[f"eval_query_kl/{next(iter(self.sets))}"]
         if self.train_ids:

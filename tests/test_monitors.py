@@ -21,13 +21,13 @@ WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
 
 def test_geometry_of_two_known_gradients():
     """pg = (3, 0 | 0, 4), query_kl = (1, 0 | -, -) (a parameter it does not reach), entropy = 0:
-    norms 5, 1, 0; cos(pg, query_kl) = 3 / 5; a zero gradient has no direction (nan)."""
+    norms 5, 1, 0; cos(pg, query_kl) = 3 / 5; a zero gradient has no direction (None)."""
     pg = [torch.tensor([3.0, 0.0]), torch.tensor([[0.0, 4.0]])]
     q, ent = [torch.tensor([1.0, 0.0]), None], [torch.zeros(2), torch.zeros(1, 2)]
     g = monitors.geometry(pg, {"query_kl": q, "entropy": ent})
     assert g["grad_norm/pg"] == 5.0 and g["grad_norm/query_kl"] == 1.0 and g["grad_norm/entropy"] == 0.0
     assert g["grad_cos/pg_query_kl"] == pytest.approx(0.6, abs=1e-15)
-    assert math.isnan(g["grad_cos/pg_entropy"])
+    assert g["grad_cos/pg_entropy"] is None
     opposite = monitors.geometry(pg, {"policy_kl": [-2 * x for x in pg]})
     assert opposite["grad_cos/pg_policy_kl"] == pytest.approx(-1.0, abs=1e-15)
     assert opposite["grad_norm/policy_kl"] == pytest.approx(10.0, abs=1e-14)
@@ -88,7 +88,7 @@ def test_premise_r_is_pearson_over_prompts_of_their_rows_mean():
     s = {k: float(v) for k, v in experience.premise_sums(ref * pmask, pmask, old, rmask, valid, G).items()}
     assert s["premise_n"] == n - 1
     assert experience.premise_r(s) == pytest.approx(analysis.pearson(xs, ys), abs=1e-12)
-    assert math.isnan(experience.premise_r({**s, "premise_n": 1.0}))
+    assert experience.premise_r({**s, "premise_n": 1.0}) is None
 
 
 def run(out, data, *extra):
