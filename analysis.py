@@ -7,9 +7,12 @@
 
 `runs` plots Query-KL vs Policy-KL over steps (kl.png) and training vs held-out accuracy
 (train_eval_gap.png, with 95% Wilson intervals) from each run's metrics.jsonl, and prints the mean
-train - held-out gap. `compare` prints one table of runs side by side: the last held-out accuracy
-per set with its 95% Wilson interval, train accuracy, Query-KL, Policy-KL and entropy averaged over
-the last --last steps, the steps, and each run minus the first (B - A).
+train - held-out gap; and the instruments (rl/monitors.py), where logged: each loss term's gradient
+norm and its cosine with the policy gradient (grad_norms.png, grad_cos.png), held-out vs training
+Query-KL at evaluations (query_kl_heldout.png), the premise meter (premise.png).
+`compare` prints one table of runs side by side: the last held-out accuracy per set with its 95%
+Wilson interval, train accuracy, Query-KL, Policy-KL and entropy averaged over the last --last
+steps, the steps, and each run minus the first (B - A).
 `nll` samples one response per problem and relates the query's mean per-token NLL to the
 response's (one forward over [prompt | response]): their Pearson correlation is the paper's
 motivation for query weights (method.md §4).
@@ -78,13 +81,58 @@ def analyze_runs(runs, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     paths = [p for p in (plots.kl_over_steps(data, os.path.join(out_dir, "kl.png")),
                          plots.train_vs_heldout(data, os.path.join(out_dir, "train_eval_gap.png"),
-                                                {k: v for k, v in first_set.items() if v})) if p]
+                                                {k: v for k, v in first_set.items() if v}),
+                         *monitor_plots(data, out_dir)) if p]
     for name, rows in data.items():
         gap = train_eval_gap(rows)
         print(f"{name}: mean train - held-out accuracy gap = "
               f"{'-' if gap is None else f'{100 * gap:.2f} pts'}")
     print("wrote " + (", ".join(paths) if paths else "no plots (no KL or accuracy keys logged)"))
     return paths
+
+
+# The instruments of issue #43 (rl/monitors.py; method.md §11): one figure each, None where no run logged them
+GRAD_TERMS = ("policy_kl", "query_kl", "entropy")
+
+
+def _step_figure(runs, path, title, ylabel, curves, log=False):
+    """One figure over steps: for each run (colour) each (key, style, label) of `curves` it logged."""
+    plt = plots._plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (name, rows) in enumerate(runs.items()):
+        for key, style, what in curves:
+            x, y = plots.series(rows, key)
+            if x:
+                ax.plot(x, y, style, color=f"C{i}", ms=3, label=f"{name} {what}")
+    out = None
+    if ax.lines:
+        if log:
+            ax.set_yscale("log", nonpositive="mask")      # (exact zeros, e.g. step 0's, left out)
+        else:
+            ax.axhline(0, color="grey", lw=0.5)
+        out = plots._save_step_plot(fig, ax, ylabel, path, title)
+    plt.close(fig)
+    return out
+
+
+def monitor_plots(runs: dict, out_dir) -> list:
+    """grad_norms.png (each loss term's gradient norm, log scale), grad_cos.png (the cosine of the
+    policy gradient with each regulariser's), query_kl_heldout.png (Query-KL of held-out vs training
+    prompts at each evaluation: their gap is the memorisation curve), premise.png (premise_r)."""
+    styles = dict(zip(("pg", *GRAD_TERMS), ("-", "--", ":", "-.")))
+    return [
+        _step_figure(runs, os.path.join(out_dir, "grad_norms.png"), "Gradient norm of each loss term "
+                     "(as it enters the loss; one micro-batch)", "gradient norm",
+                     [(f"grad_norm/{t}", styles[t] + "o", t) for t in styles], log=True),
+        _step_figure(runs, os.path.join(out_dir, "grad_cos.png"), "Cosine of the policy gradient with each "
+                     "regulariser's", "cosine",
+                     [(f"grad_cos/pg_{t}", styles[t] + "o", t) for t in GRAD_TERMS]),
+        _step_figure(runs, os.path.join(out_dir, "query_kl_heldout.png"), "Query-KL at evaluations: held-out "
+                     "(solid) vs training prompts (dashed)", "Query-KL",
+                     [("eval_query_kl", "-o", "held-out"), ("eval_query_kl_train", "--s", "training")],
+                     log=True),
+        _step_figure(runs, os.path.join(out_dir, "premise.png"), "Premise meter: r(prompt NLL under pi_0, "
+                     "response NLL under pi_old) per step", "Pearson r", [("premise_r", "-", "r")])]
 
 
 # ----------------------------------------------------------------------------- two runs, one table

@@ -26,11 +26,11 @@ try:                                       # Ctrl-C during these imports: one li
     from rl import query_reference
     import sft
     import tasks
-    from evaluation.heldout import check_fits, heldout_at_temperatures
+    from evaluation.heldout import check_fits
     from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan,
                           extension, optimizer, options, run_dir, time_model)
     from plumbing.distributed import all_sum, print0
-    from rl import controllers, run_setup
+    from rl import controllers, monitors, run_setup
     from rl.run_setup import Run, needs_reference_model, old_rows, setup_rl
 except KeyboardInterrupt:
     os.write(2, b"interrupted (SIGINT): stopped while starting, nothing written\n")
@@ -131,6 +131,7 @@ OPTIONS = [
                                                                "first's; with several, each is also logged as "
                                                                "eval_acc@T<t>*", ">=0"),
     ("eval_limit",        200,                                 "problems per held-out set (0 = all)", ">=0"),
+    ("monitor_every",     10,                                  "each loss term's gradient norm, cosine to the PG's, every N steps (0 = never; not with --fsdp)", ">=0"),
     ("save_every",        20,                                  "checkpoint every N steps and at the end (0 = never)", ">=0"),
     ("resume",            False,                               "continue the run in --out from its checkpoint (options "
                                                                "that fix the run must not change; those in "
@@ -159,7 +160,7 @@ ACTS_ONLY_WITH = {"lr_floor": _DECAYS, "lr_decay_steps": _DECAYS,
 # --resume continues the run its config.json describes: these options may change (they apply from
 # the resumed step and are recorded in config.json's "resumed"); every other option and loss knob
 # fixes what the run is (the algorithm, the data and its order, the sampled rows) and must not.
-RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_bad_steps", "eval_every",
+RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_bad_steps", "eval_every", "monitor_every",
                      "save_every", "log", "export", "export_dtype", "nccl_timeout", "query_cache_dir",
                      "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
                      "measure_policy_kl", "lr_decay_steps", "pack"}
@@ -186,7 +187,7 @@ BEFORE_OPTION = {
 def rl_step(run, step):
     """Everything of one RL step; returns its metrics (reduced over ranks)."""
     run.algo = extension.steer(run.algo, run.controllers)                # per-step coefficients (§8.7)
-    G, dev = run.args.group_size, run.dist.device
+    G, dev, every = run.args.group_size, run.dist.device, run.args.monitor_every
     collected = rollouts(run, step)                                      # G responses per prompt, graded
     ro, valid = collected.ro.to(dev), collected.valid.to(dev)
     packed = ro.packed()                                                 # [prompt | response] rows
@@ -205,6 +206,7 @@ def rl_step(run, step):
     experience.judge_signal(plan, signal, valid, update_rows)           # which updates step (§8.6)
     w = row_weights(run, collected.prompt_idx, scores.prompt, prompt_mask, valid, update_rows)  # w(q)
     batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w, ro.logprobs)
+    grads = monitors.term_gradients(run, batch, plan) if every and (step + 1) % every == 0 else {}  # pi_old
     with run.timer("update"):
         update = ppo_update(run, batch, plan)
     if update["grad_norm"] is None:                                      # no optimizer step applied: are
@@ -212,7 +214,7 @@ def rl_step(run, step):
     run.qref.after_step(prompts)                                         # (scores.prompt is complete now)
     initial = query_reference.monitor_logp(run.qref, qref, prompts, run.cache)  # query_kl: drift from pi_0
     m = experience.step_metrics(run, step, collected, ro, batch, initial, update)
-    return extension.after_step(run.controllers, m)                      # + the coefficients it used
+    return extension.after_step(run.controllers, {**m, **grads})         # + the coefficients it used
 
 
 def rollouts(run, step) -> experience.Collected:
@@ -375,22 +377,12 @@ def measure_memory(args, algo, world=1, fake=True, max_micro_batches=3) -> memor
 # Set-up and the loop
 
 
-def heldout_metrics(run, evalsets) -> dict:
-    """eval_acc and eval_acc/<set>[/L<level>] at each --eval-temperatures (heldout_at_temperatures),
-    each set graded by its task."""
-    return heldout_at_temperatures(run.policy, run.tokenizer, evalsets, run.spec, run.args.eval_temperatures,
-                                   run.args.seed)
-
-
 def train_rl(run, evalsets, log, start, amp):
     """Steps start..--steps, each logged, with held-out evaluations and checkpoints at their
     cadence. Ctrl-C / SIGTERM end the run at the next step boundary, with a checkpoint."""
     args = run.args
-    if start == 0 and args.eval_every:                                   # the starting point
-        with amp():
-            m = {"step": 0, **heldout_metrics(run, evalsets)}
-        log(m)
-        print0(f"step 0: eval_acc {m.get('eval_acc', float('nan')):.3f}")
+    evaluation = monitors.Evaluation(run, evalsets, amp, start)         # accuracy, held-out Query-KL
+    evaluation.first(log)                                                # the starting point (step 0)
     bar = tqdm(range(start, args.steps), desc=args.algo, initial=start, total=args.steps,
                disable=not run.dist.main)
     shown = ("train_acc", "eval_acc", "query_kl", "policy_kl", "entropy")
@@ -401,9 +393,7 @@ def train_rl(run, evalsets, log, start, amp):
             with amp():
                 m = {**rl_step(run, step), "step_time": time.time() - t0}
             last = step + 1 == args.steps
-            if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
-                with amp(), run.timer("eval"):
-                    m.update(heldout_metrics(run, evalsets))
+            m.update(evaluation.at(step + 1, last))                      # every --eval-every steps, the last
             log({**m, **run.timer.metrics()})                            # + time_gen, time_reward, ...
             if m["no_signal_steps"] and not said_no_signal:
                 said_no_signal = print0(NO_SIGNAL) or True

@@ -23,6 +23,8 @@ lengths, the update's statistics (`update_statistics`) and query weights. Argume
 train.rl_step: `c` its experience.Collected, `batch` its experience.UpdateBatch.
 """
 
+import hashlib
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -344,7 +346,9 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
     global counts. c: the step's experience.Collected; batch: its experience.UpdateBatch (masks, pi_old
     scores, weights); qref: (B, P-1) the initial policy's prompt log-probs (the query_kl monitor's
     reference); upd: the update's statistics. With more than one task among the training rows,
-    train_acc/<task> too (the same keys on every rank)."""
+    train_acc/<task> too (the same keys on every rank). The premise meter premise_r (premise_sums,
+    method.md §11) every step, its prompt NLLs the Query-KL cache's where the run has one (else
+    qref's); at step 1, sample_digest (a GRPO / ERPO pair of one seed shares it)."""
     sc, qmask, resp_mask, w = batch.scores, batch.prompt_mask, batch.resp_mask, batch.weights
     world, seconds = run.dist.world, run.timer.seconds                  # seconds per phase on this rank
     update_tokens = batch.packed.attention_mask.sum() * run.args.ppo_epochs  # the update's forwards
@@ -353,6 +357,8 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
     info, mask = c.info, ro.response_mask                               # mask: (B, R) response tokens
     kl = 0.0 if sc.ref is None else losses.policy_kl(sc.old, sc.ref, "k3") * resp_mask  # k3 of KL(pi || ref)
     sampler = sampler_vs_old(batch.sampler, sc.old, resp_mask)
+    G = run.args.group_size                                             # premise_r's prompt NLLs: the cache's
+    ref = qref if run.cache is None else run.cache.ref_logp(c.prompt_idx, G, qmask.shape[1]).to(qmask.device)
     s = all_sums({
         "rows": len(c.first_rewards), "tok": mask.sum(), "valid": c.valid, "kl_tok": resp_mask.sum(),
         "reward": c.first_rewards, "acc": c.first_acc,                  # the first sampling round's
@@ -362,7 +368,8 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
         "kept_groups": info.get("kept_groups", 0), "update_tokens": update_tokens, **sampler,
         **{f"reward_{k}": info.get(k, 0) for k in ("timeout", "error", "no_answer")},
         **{f"{k}/{t}": info.get(f"{k}/{t}", 0) for t in per_task for k in ("total", "correct")},
-        **{f"{k}_{part}": v for k, pair in released.items() for part, v in zip(("sum", "n"), pair)}})
+        **{f"{k}_{part}": v for k, pair in released.items() for part, v in zip(("sum", "n"), pair)},
+        **premise_sums(ref, qmask, sc.old, resp_mask, batch.valid, G)})
     n = s["rows"]
     m = {"step": step + 1, "reward": s["reward"] / n, "train_acc": s["acc"] / n,
          "query_kl": s["qkl"] / max(1.0, s["valid"]), "entropy": s["ent"] / s["tok"],
@@ -374,6 +381,7 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
          # named loss_* (the loss's own, over the update's policies; the monitors above are pi_old's)
          **{f"loss_{k}" if k in ("policy_kl", "query_kl") else k: v for k, v in upd.items() if k != "lr"},
          "lr": upd["lr"], "gen_tok_per_s": s["tok"] / seconds["gen"],
+         "premise_r": premise_r(s),            # r(prompt NLL under pi_0, response NLL under pi_old)
          "update_tok_per_s": s["update_tokens"] / seconds["update"],
          **{k: s[k] for k in ("reward_timeout", "reward_error", "reward_no_answer")}}
     for k in released:
@@ -388,4 +396,43 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
     if run.algo.dynamic_sampling:
         m["resample_rounds"] = all_max(torch.tensor(float(info["resample_rounds"]))).item()
         m["kept_groups"] = s["kept_groups"]
+    if step == 0:                                       # a GRPO and an ERPO run of one seed sample alike
+        m["sample_digest"] = sample_digest(ro)          # at step 1 (study.headline pairs them by it)
     return m
+
+
+def sample_digest(ro: rollout.Rollout) -> str:
+    """16 hex digits of sha256 over every rank's sampled response ids (padding zeroed), in rank order:
+    equal for two runs that sampled the same tokens at the same world size."""
+    ids = (ro.response_ids * ro.response_mask).cpu().numpy()
+    mine = hashlib.sha256(str(ids.shape).encode() + ids.tobytes()).hexdigest()
+    return hashlib.sha256("".join(distributed.all_gather_list([mine])).encode()).hexdigest()[:16]
+
+
+# The premise meter (issue #43; method.md §11): the paper's App. D coupling, live, from the step's tensors
+
+def premise_sums(ref_prompt, prompt_mask, old, resp_mask, valid, group_size) -> dict[str, torch.Tensor]:
+    """This rank's sums for premise_r over its prompts with a valid row. ref_prompt (B, P-1): the
+    initial policy's prompt log-probs; old (B, R): pi_old's response log-probs; the masks are 0 on
+    invalid rows (DAPO's filler); rows of a prompt consecutive. x: the prompt's mean per-token NLL,
+    y: the mean over its valid rows of each response's mean per-token NLL (float64)."""
+    pm, rm = prompt_mask.double(), resp_mask.double()
+    q = -(ref_prompt.double() * pm).sum(1) / pm.sum(1).clamp_min(1.0)                  # (B,)
+    r = -(old.double() * rm).sum(1) / rm.sum(1).clamp_min(1.0)                          # (B,)
+    v = valid.double().view(-1, group_size)
+    rows = v.sum(1)
+    ok = rows > 0
+    x = ((q.view(-1, group_size) * v).sum(1) / rows.clamp_min(1.0))[ok]
+    y = ((r.view(-1, group_size) * v).sum(1) / rows.clamp_min(1.0))[ok]
+    return {"premise_n": ok.sum(), "premise_x": x.sum(), "premise_y": y.sum(), "premise_xx": (x * x).sum(),
+            "premise_yy": (y * y).sum(), "premise_xy": (x * y).sum()}
+
+
+def premise_r(s: dict) -> float:
+    """Pearson's r from premise_sums' sums (over ranks); None (null in metrics.jsonl, which a NaN would
+    not compare equal to) under 2 prompts or a constant side."""
+    n = s["premise_n"]
+    sxx, syy = n * s["premise_xx"] - s["premise_x"] ** 2, n * s["premise_yy"] - s["premise_y"] ** 2
+    if n < 2 or sxx <= 0 or syy <= 0:
+        return None
+    return (n * s["premise_xy"] - s["premise_x"] * s["premise_y"]) / math.sqrt(sxx * syy)

@@ -86,6 +86,7 @@ def summarize(run: Run, out, seconds, size, started_at) -> dict:
     return {"name": run.name, "algo": run.algo, "seed": run.seed, "kernels": run.kernels, "size": size,
             "step0": acc.get(0, {}), "final": acc.get(last, {}), "last_step": last,
             **{f"{k}_tail": sum(m[k] for m in tail) / len(tail) for k in MONITORS if all(k in m for m in tail)},
+            "sample_digest": next((m.get("sample_digest") for m in lines if m["step"] == 1), None),
             "seconds": round(seconds), "commit": started_at, "golden": golden_digest(),
             "cpu": cpu(), "torch": torch.__version__}
 
@@ -139,7 +140,39 @@ def aggregate(summaries) -> dict:
             "kernels": {k: [min(v), max(v)] for k in keys
                         if (v := [numbers(s)[k] for s in variants if k in numbers(s)])},
             "n_seeds": len(seeds), "n_kernels": len(variants)}
+    out["paired"] = paired(summaries)
     return out
+
+
+def paired(summaries) -> dict:
+    """ERPO - GRPO per seed (native kernels), each metric's mean +- the 95% Student-t half-width over
+    the seed pairs (a paired interval: what the seed moves in both runs alike cancels); and per seed
+    whether the pair shared its step-1 samples (equal sample_digest; None: a summary without one)."""
+    pairs = [(summaries[f"grpo-s{s}"], summaries[f"erpo-s{s}"]) for s in SEEDS
+             if f"grpo-s{s}" in summaries and f"erpo-s{s}" in summaries]
+    keys = [k for k in (numbers(pairs[0][0]) if pairs else {}) if all(k in numbers(e) for _, e in pairs)]
+    shared = {str(g["seed"]): (None if g.get("sample_digest") is None or e.get("sample_digest") is None
+                               else g["sample_digest"] == e["sample_digest"]) for g, e in pairs}
+    return {"diff": {k: interval([numbers(e)[k] - numbers(g).get(k) for g, e in pairs
+                                  if numbers(g).get(k) is not None]) for k in keys},
+            "shared_step1_samples": shared, "n_pairs": len(pairs)}
+
+
+def paired_table(study) -> str:
+    """ERPO - GRPO, paired by seed: mean +- 95% interval [each seed's difference], and the pairs'
+    step-1 samples (shared / differ / unknown)."""
+    p = study["paired"]
+    word = {True: "shared", False: "DIFFER", None: "unknown (no digest)"}
+    lines = [f"| ERPO − GRPO, paired by seed ({p['n_pairs']} pairs) | mean ± 95% [per seed] |", "|---|---|"]
+    for label, key, scale, digits in ROWS:
+        c = p["diff"].get(key)
+        if c:
+            unit = " ×10⁻³" if scale == 1000 else (" pts" if scale == 100 else "")
+            each = " / ".join(f"{v * scale:+.{digits}f}" for v in c["values"])
+            lines.append(f"| {label}{unit} | {cell(c, scale, digits)} [{each}] |")
+    lines.append("| step-1 samples | " + ", ".join(f"seed {s}: {word[v]}"
+                                                   for s, v in p["shared_step1_samples"].items()) + " |")
+    return "\n".join(lines) + "\n"
 
 
 ROWS = [*((f"{s} (step 50)", f"final/{s}", 100, 1) for s in SETS),
@@ -181,7 +214,9 @@ def report(results) -> dict:
         f.write("\n")
     with open(os.path.join(results, "table.md"), "w") as f:
         f.write(table(study))
-    print(table(study) + f"machine: {'; '.join(study['machine'])}")
+    with open(os.path.join(results, "paired.md"), "w") as f:
+        f.write(paired_table(study))
+    print(table(study) + "\n" + paired_table(study) + f"machine: {'; '.join(study['machine'])}")
     return study
 
 

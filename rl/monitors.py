@@ -1,0 +1,238 @@
+"""The run's instruments (issue #43; definitions: docs/method.md §11): is the regulariser doing
+anything, is the policy drifting on questions it never trained on, and is the paper's premise in
+this data? Each is a pure function here with a small hook in train.py.
+
+- Per-term gradients (`term_gradients`, every --monitor-every steps): the gradient of each loss term
+  as it enters the loss (its coefficient and sign: PG, beta * Policy-KL, alpha * Query-KL,
+  -c * entropy), measured on one micro-batch (`measured_micro_batch`: the first, among the update
+  batches that take a step, with a row of nonzero advantage) at the rollout weights, before any
+  update: its norm (grad_norm/<term>) and the cosine between the policy gradient and each
+  regulariser's (grad_cos/pg_<term>). A forward of its own on the unwrapped policy, and one backward
+  per term (torch.autograd.grad: nothing accumulates into .grad), so the update itself is untouched.
+  Its terms are divided by the micro-batch's own counts (tokens, sequences), so each norm is on the
+  scale of the whole update's grad_norm (before clipping).
+- Held-out Query-KL (`HeldoutQueryKL`, at every evaluation): the Query-KL monitor's estimator (k3 over
+  the prompt tokens, mean over prompts) of the held-out prompts against their log-probs under the
+  initial policy, cached before RL as the training prompts' are (<out>/heldout_query_cache.pt, shared
+  by --query-cache-dir), beside the same number of training prompts scored by the same weights:
+  eval_query_kl[/<set>] and eval_query_kl_train. Their gap is the memorisation curve.
+- The premise meter, premise_r, every step, is rl/experience.py's (`premise_sums`, beside the step's
+  other monitors in step_metrics): the Pearson correlation over the step's prompts between each
+  prompt's mean per-token NLL under the initial policy (the Query-KL cache's) and the
+  mean over its G rows of each response's mean per-token NLL under pi_old (paper App. D, measured
+  offline by `analysis.py nll`), from tensors the step already has.
+"""
+
+import math
+import os
+
+import torch
+
+import losses
+from evaluation.heldout import heldout_at_temperatures
+from modeling import logprobs
+from plumbing import distributed
+from plumbing.distributed import print0
+from rl import query_reference
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-term gradients
+
+
+def loss_terms(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights, prompt_logp,
+               prompt_ref_logp, prompt_mask, num_tokens, num_seqs, max_len, sampler_logp=None,
+               entropy=None) -> dict[str, torch.Tensor]:
+    """losses.rl_loss's terms one at a time, each as it enters the loss (coefficient and sign), for
+    the terms `algo` has: {"pg", "policy_kl", "query_kl", "entropy"}. Their sum is rl_loss's loss
+    (a test), whose arguments these are."""
+    denom = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
+    adv = advantages if weights is None else advantages * (weights if advantages.dim() == 1
+                                                           else weights[:, None])
+    sur = losses.surrogate_loss(algo, logp, old_logp, adv, resp_mask, sampler_logp)
+    kept = 1.0 if algo.top_entropy_quantile >= 1 else losses.high_entropy_tokens(entropy, resp_mask,
+                                                                                 algo.top_entropy_quantile)
+    terms = {"pg": losses.aggregate(sur.loss * kept, resp_mask, algo.agg, **denom)}
+    if algo.has_policy_kl_loss:
+        kl = losses.policy_kl(logp, ref_logp, algo.kl, clamp=algo.kl_clamp, old_logp=old_logp)
+        terms["policy_kl"] = algo.beta * losses.aggregate(kl, resp_mask, algo.agg, **denom)
+    if algo.alpha > 0:
+        qkl = losses.query_kl(prompt_logp, prompt_ref_logp, prompt_mask, algo.qkl_estimator, algo.kl_clamp)
+        terms["query_kl"] = algo.alpha * losses.aggregate(qkl, None, "seq-mean", num_seqs=num_seqs)
+    if algo.entropy_coef > 0:
+        terms["entropy"] = -algo.entropy_coef * losses.aggregate(entropy, resp_mask, algo.agg, **denom)
+    return terms
+
+
+def dot(a: list, b: list) -> float:
+    """<a, b> of two gradients given per parameter (None: a parameter the term does not reach), in
+    float64 one parameter at a time (no flat copy of the model's size)."""
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    return sum(float((x.double() * y.double()).sum()) for x, y in pairs)
+
+
+def geometry(pg: list, others: dict[str, list]) -> dict:
+    """grad_norm/pg, grad_norm/<term> and grad_cos/pg_<term> (None where a norm is 0: no direction)."""
+    pp = dot(pg, pg)
+    out = {"grad_norm/pg": math.sqrt(pp)}
+    for name, g in others.items():
+        gg = dot(g, g)
+        out[f"grad_norm/{name}"] = math.sqrt(gg)
+        out[f"grad_cos/pg_{name}"] = dot(pg, g) / math.sqrt(pp * gg) if pp > 0 and gg > 0 else None
+    return out
+
+
+def term_gradients(run, batch, plan) -> dict:
+    """geometry of the loss terms' gradients on one micro-batch at the rollout weights (module doc):
+    measured_micro_batch's. train.rl_step
+    calls it every --monitor-every steps. None under --fsdp ({}): its parameters are shards, and
+    autograd.grad would run FSDP2's gradient hooks."""
+    if distributed.is_fsdp(run.policy):
+        return {}
+    with run.timer("monitors"):
+        return _term_gradients(run, batch, plan)
+
+
+def measured_micro_batch(plan, adv, no_signal):
+    """The first micro-batch of this rank, in update order among the update batches that take a step,
+    with a row whose advantage is not 0 (a policy gradient to compare with; one host read each);
+    else the first update's first."""
+    for update in plan.updates:
+        if update.takes_step(no_signal):
+            for mb in update.micro_batches:
+                if len(mb.rows) and bool((adv[mb.rows] != 0).any()):
+                    return mb
+    return plan.updates[0].micro_batches[0]
+
+
+def _term_gradients(run, batch, plan) -> dict:
+    args, algo = run.args, run.algo
+    mb = measured_micro_batch(plan, batch.adv, args.no_signal)
+    part, pcols, rcols = batch.packed.trimmed(mb)
+    rows, policy = mb.rows, distributed.unwrap(run.policy)              # (no DDP hooks: nothing syncs)
+    now = logprobs.score_tokens(policy, part, args.temperature, algo.uses_entropy, plan.group, checked=True,
+                                entropy_grad=algo.entropy_coef > 0)
+    resp_mask = batch.resp_mask[rows, rcols]
+    terms = loss_terms(
+        algo, logp=now.response, old_logp=now.response.detach(),     # the rollout weights: pi_old's, exactly
+        ref_logp=batch.scores.ref[rows, rcols] if algo.has_policy_kl_loss else None, resp_mask=resp_mask,
+        advantages=batch.adv[rows], weights=None if batch.weights is None else batch.weights[rows],
+        prompt_logp=now.prompt, prompt_ref_logp=batch.qref[rows, pcols],
+        prompt_mask=batch.prompt_mask[rows, pcols], num_tokens=resp_mask.sum().clamp_min(1.0),
+        num_seqs=batch.valid[rows].sum(), max_len=args.max_new_tokens,
+        sampler_logp=batch.sampler[rows, rcols], entropy=now.entropy)
+    params = [p for p in policy.parameters() if p.requires_grad]
+
+    def grad(term):
+        return torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
+    pg = grad(terms.pop("pg"))
+    out = geometry(pg, {})
+    for name, term in terms.items():                   # one term's gradient at a time (memory: two)
+        out.update(geometry(pg, {name: grad(term)}))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Held-out Query-KL, at every evaluation
+
+
+def per_prompt_query_kl(logp: list, ref: list) -> torch.Tensor:
+    """(N,) the Query-KL monitor's estimator (losses.query_kl, k3, clamped) of each prompt, from
+    per-prompt 1-D log-prob tensors (query_reference.build's) and their references."""
+    width = max((len(t) for t in logp), default=1) or 1
+    mask = logprobs.right_align([torch.ones_like(t) for t in logp], width)
+    return losses.query_kl(logprobs.right_align(logp, width), logprobs.right_align(ref, width), mask)
+
+
+class HeldoutQueryKL:
+    """The held-out prompts (each set's, in --eval-data order) and the initial policy's log-probs of
+    them; `train` / `train_ref`: as many training prompts and the training cache's log-probs of
+    them (None without a cache)."""
+    FILE = "heldout_query_cache.pt"
+
+    def __init__(self, sets: dict, ids: list, ref: list, train_ids=None, train_ref=None):
+        self.sets, self.ids, self.ref, self.train_ids, self.train_ref = sets, ids, ref, train_ids, train_ref
+
+    @classmethod
+    def for_run(cls, run, evalsets: dict, resuming: bool) -> "HeldoutQueryKL | None":
+        """Built as the training cache is (query_reference: shared by its meta, else scored by the
+        initial policy before RL; on --resume, the run folder's). On --resume without a usable file
+        (a run from before it existed, a damaged one): None, said in one line -- a measurement does
+        not stop the training."""
+        a, d, pad = run.args, run.dist, run.tokenizer.pad_token_id
+        ids = [x for ps in evalsets.values() for x in ps.ids]
+        if not ids:
+            return None
+        path = os.path.join(a.out, cls.FILE)
+        numerics = query_reference.numerics_of(a, d, run.policy)
+        what = "held-out: " + ",".join(map(str, evalsets))             # (meta's "data": the sets' names)
+        meta = query_reference.cache_meta(a.model, what, a.template, a.temperature, ids, weights=None,
+                                          numerics=numerics, batch=a.micro_batch)
+        if resuming and not os.path.exists(path):
+            print0(f"held-out Query-KL: not measured ({path} is missing: the run began before it existed)")
+            return None
+        if resuming:
+            try:
+                cache = query_reference.resumed(path, meta, a, d, ids, pad)
+            except SystemExit as e:
+                print0(f"held-out Query-KL: not measured ({str(e.code).removeprefix('error: ')})")
+                return None
+        else:
+            meta["weights"] = query_reference.weights_fingerprint(run.policy)
+            cache = query_reference.load_or_build(path, meta, run.policy, ids, pad, a.temperature, d.device,
+                                                  a.query_cache_dir)
+        sets = {name: len(ps) for name, ps in evalsets.items()}
+        n = min(len(run.data.ids), next(iter(sets.values())))
+        train = (run.data.ids[:n], run.cache.logp[:n]) if run.cache is not None else (None, None)
+        return cls(sets, ids, cache.logp, *train)
+
+    def measure(self, run) -> dict:
+        """eval_query_kl (the first set's), eval_query_kl/<set>, eval_query_kl_train: this policy's
+        prompt log-probs (one forward over the prompts, as the caches are built) against the caches."""
+        a, d, pad = run.args, run.dist, run.tokenizer.pad_token_id
+
+        def score(ids):
+            return query_reference.build(distributed.unwrap(run.policy), ids, pad, a.temperature, d.device,
+                                         a.micro_batch)
+        kl, out, start = per_prompt_query_kl(score(self.ids), self.ref), {}, 0
+        for name, n in self.sets.items():
+            out[f"eval_query_kl/{name}"] = kl[start:start + n].mean().item() if n else None
+            start += n
+        out["eval_query_kl"] = out[f"eval_query_kl/{next(iter(self.sets))}"]
+        if self.train_ids:
+            kl = per_prompt_query_kl(score(self.train_ids), self.train_ref)
+            out["eval_query_kl_train"] = kl.mean().item()
+        return out
+
+
+class Evaluation:
+    """train.py's held-out evaluations: at step 0 and every --eval-every steps and the last, the
+    accuracy (heldout_at_temperatures, each set graded by its task: eval_acc, eval_acc/<set>[/L<level>])
+    and the held-out Query-KL (its cache built here, before RL, under the run's autocast `amp`)."""
+
+    def __init__(self, run, evalsets: dict, amp, start: int):
+        self.run, self.evalsets, self.amp, self.start = run, evalsets, amp, start
+        self.every = run.args.eval_every
+        with amp():
+            self.qkl = HeldoutQueryKL.for_run(run, evalsets, start > 0) if self.every else None
+
+    def __call__(self) -> dict:
+        run = self.run
+        with self.amp():
+            out = heldout_at_temperatures(run.policy, run.tokenizer, self.evalsets, run.spec,
+                                          run.args.eval_temperatures, run.args.seed)
+            return {**out, **(self.qkl.measure(run) if self.qkl else {})}
+
+    def first(self, log):
+        """The starting point (step 0 of a fresh run, where evaluations are on): logged, said in one line."""
+        if self.start == 0 and self.every:
+            m = {"step": 0, **self()}
+            log(m)
+            print0(f"step 0: eval_acc {m.get('eval_acc', float('nan')):.3f}")
+
+    def at(self, step: int, last: bool) -> dict:
+        """After RL step `step` (1-based): an evaluation's metrics where one is due (timed: eval), else {}."""
+        if not self.every or (step % self.every and not last):
+            return {}
+        with self.run.timer("eval"):
+            return self()
