@@ -281,3 +281,24 @@ def test_the_continued_sft_stops_inside_the_target_and_halves_an_overshoot():
     assert zipf.sft_decision(0.40, 50) == "stop" and zipf.sft_decision(0.37, 50) == "stop"
     assert zipf.sft_decision(0.47, 50) == "halve"
     assert zipf.sft_decision(0.47, 8) == "stop"          # a 4-step chunk is too short: keep the nearest
+
+
+def test_design4s_recorded_warm_start_followed_its_rule_and_met_its_targets():
+    """study/results/zipf/design4/: every chunk's decision is sft_decision's on its pass@1, the last
+    one stopped inside the target, the hot temperature is hot_temperature's pick from the recorded
+    curve, and the committed warm start is there."""
+    import json
+    import os
+
+    from study import zipf
+
+    with open(os.path.join(zipf.RESULTS, "design4", "warmstart.json")) as f:
+        chunks = json.load(f)["chunks"]
+    assert all(c["decision"] == zipf.sft_decision(c["pass1_rl"], c["steps"]) for c in chunks)
+    lo, hi = zipf.DESIGN4["solve_target"]
+    assert chunks[-1]["decision"] == "stop" and lo <= chunks[-1]["pass1_rl"] <= hi
+    with open(os.path.join(zipf.RESULTS, "design4", "hot.json")) as f:
+        hot = json.load(f)
+    curve = {float(t): p for t, p in hot["pass1"].items()}
+    assert zipf.hot_temperature(curve) == hot["hot"] and abs(curve[hot["hot"]] / curve[1.0] - 0.19) < 0.05
+    assert os.path.isfile(os.path.join(zipf.WARMSTART4, "model.safetensors"))
