@@ -163,7 +163,7 @@ ACTS_ONLY_WITH = {"lr_floor": _DECAYS, "lr_decay_steps": _DECAYS,
 RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_bad_steps", "eval_every", "monitor_every",
                      "save_every", "log", "export", "export_dtype", "nccl_timeout", "query_cache_dir",
                      "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
-                     "measure_policy_kl", "lr_decay_steps", "pack"}
+                     "measure_policy_kl", "lr_decay_steps", "pack", "compile_decode"}
 NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu", "plan_lengths"}   # how this command runs, not what
 # --resume of a run made before an option existed: its config.json lacks the option, and the run
 # continues as it trained -- the option's value before it existed (a value, or one computed from the
@@ -555,7 +555,10 @@ def train_in_folder(args, algo, dist, lock):
     older = run_dir.older_config(args, NOT_THE_RUN, BEFORE_OPTION) if args.resume else {}  # said in one line
     (dtype, amp), bf16 = distributed.precision(args.dtype, dist.device), distributed.uses_bf16(args.dtype,
                                                                                                dist.device)
-    shard = distributed.sharder(args.fsdp, dist.device, bf16, args.grad_ckpt)
+    if algo is not None:                                             # --grad-ckpt auto: the plan's rule, once
+        run_setup.resolve_grad_ckpt(args, algo, dist.world, dist.device)
+    shard = distributed.sharder(args.fsdp, dist.device, bf16, args.grad_ckpt is True or (  # SFT's auto:
+        args.grad_ckpt == memory_plan.AUTO and args.fsdp))                                # on where sharded
     # --resume: the checkpoint's weights (LoRA: the base, --model; its adapters come with setup_rl)
     source = checkpoints.model_source(args.out, state is not None and not args.lora_rank, args.model)
     attention = models.attention_for(dist.device, dtype, bf16)        # the reference gets the same

@@ -371,9 +371,15 @@ def needs_checkpointing(arch: Arch, a, gpus: int, needs_ref: bool, card: float |
 
 def resolve_grad_ckpt(a, gpus: int, needs_ref: bool, card: float | None, device="cuda") -> bool:
     """--grad-ckpt as a bool: true and false as given, auto by needs_checkpointing."""
-    if a.grad_ckpt == "auto":
-        return needs_checkpointing(arch_for(a.model), a, gpus, needs_ref, card, device)
-    return bool(a.grad_ckpt)
+    if a.grad_ckpt != "auto":
+        return bool(a.grad_ckpt)
+    if device == "cpu":
+        return False
+    try:
+        arch = arch_for(a.model)
+    except SystemExit:     # a hub id the plan has no config.json for: checkpoint, the safe side
+        return True
+    return needs_checkpointing(arch, a, gpus, needs_ref, card, device)
 
 
 def as_planned(a, gpus: int, needs_ref: bool, device="cuda"):
