@@ -28,7 +28,7 @@ try:                                       # Ctrl-C during these imports: one li
     import tasks
     from evaluation.heldout import check_fits
     from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan,
-                          extension, optimizer, options, run_dir, time_model)
+                          extension, optimizer, options, run_dir, time_check, time_model)
     from plumbing.distributed import all_sum, print0
     from rl import controllers, monitors, run_setup
     from rl.run_setup import Run, needs_reference_model, old_rows, setup_rl
@@ -387,6 +387,8 @@ def train_rl(run, evalsets, log, start, amp):
                disable=not run.dist.main)
     shown = ("train_acc", "eval_acc", "query_kl", "policy_kl", "entropy")
     said_no_signal = False
+    check = time_check.FirstSteps(args, run.dist, needs_reference_model(args, run.algo),  # on a GPU: the
+                                  old_rows(args, run.algo), start, say=print0)  # time model vs steps 2-3
     with interrupts.deferred() as stop:
         for step in bar:
             t0 = time.time()
@@ -394,7 +396,7 @@ def train_rl(run, evalsets, log, start, amp):
                 m = {**rl_step(run, step), "step_time": time.time() - t0}
             last = step + 1 == args.steps
             m.update(evaluation.at(step + 1, last))                      # every --eval-every steps, the last
-            log({**m, **run.timer.metrics()})                            # + time_gen, time_reward, ...
+            log(check({**m, **run.timer.metrics()}))                     # + time_gen, time_reward, ...
             if m["no_signal_steps"] and not said_no_signal:
                 said_no_signal = print0(NO_SIGNAL) or True
             if run.guard.idle_streak == IDLE_STEPS:                           # said once per such streak

@@ -1,7 +1,9 @@
 """The --dry-run's time model (plumbing/time_model.py): its default lengths against issue #42's
 review, its closed-form schedule against a replay of the code's own decode_pass and micro-batch plan
-on sampled lengths, the --plan-lengths readers, and its terms by hand."""
+on sampled lengths, the --plan-lengths readers, its terms by hand, and a run's first steps against it
+(plumbing/time_check.py: what train.py prints and logs at step 3 on a GPU, nothing on CPU)."""
 
+import argparse
 import json
 import os
 
@@ -11,7 +13,7 @@ import torch
 
 import train
 from data.prompts import encode_prompts
-from plumbing import batching, memory_plan, time_model
+from plumbing import batching, memory_plan, time_check, time_model
 from sampler import kv_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -298,3 +300,133 @@ def test_a_run_resolves_grad_ckpt_auto_once_on_its_card(monkeypatch):
     assert run_setup.resolve_grad_ckpt(a, algo, 8, torch.device("cpu")) is False and a.grad_ckpt is False
     a, algo = paper("--grad-ckpt", "true")
     assert run_setup.resolve_grad_ckpt(a, algo, 8, torch.device("cpu")) is True      # as given
+
+
+# ----------------------------------------------------------------------------------------------
+# The run's first steps against the model (plumbing/time_check.py: train.py's hook at step 3)
+
+def modelled_at(a, length, cut, gpus=8, needs_ref=False, old=0.5):
+    """The model's phases at these measured lengths (the lines carry no times yet)."""
+    lines = [{"step": s, "step_time": 0.0, "response_len": length, "truncated_frac": cut} for s in (1, 2, 3)]
+    return time_check.against_measured(a, gpus, needs_ref, "h100", old, lines)["phases"]
+
+
+def test_measured_at_twice_the_model_reads_ratio_two_and_its_hours():
+    """Steps 2-3 at exactly twice the model's seconds: every ratio 2, the projection the measured
+    step x --steps; step 1 (its warm-up, here 100x) does not count; the lengths are every step's."""
+    a = paper()[0]
+    model = modelled_at(a, 900, 0.08)
+    keys = time_check.MEASURED
+    warm = {"step": 1, "response_len": 800, "truncated_frac": 0.06, **{keys[p]: 100 * model[p]["modelled"]
+                                                                       for p in keys}}
+    later = [{"step": s, "response_len": 950, "truncated_frac": 0.09, **{keys[p]: 2 * model[p]["modelled"]
+                                                                         for p in keys}} for s in (2, 3)]
+    check = time_check.against_measured(a, 8, False, "h100", 0.5, [{"step": 0, "eval_acc": 0.3}, warm, *later])
+    assert check["steps"] == [2, 3] and not check["warm_up"]
+    one = time_check.against_measured(a, 8, False, "h100", 0.5, [warm])     # only step 1: it counts
+    assert one["steps"] == [1] and one["warm_up"] and one["phases"]["gen"]["measured"] == warm["time_gen"]
+    assert "step 1 (its warm-up included)" in time_check.format_check(one)
+    for p in keys:
+        assert check["phases"][p]["modelled"] == pytest.approx(model[p]["modelled"])
+        assert check["phases"][p]["ratio"] == pytest.approx(2.0)
+    step = 2 * model["step"]["modelled"]
+    assert check["projected_h"] == pytest.approx(step * a.steps / 3600)
+    assert check["modelled_h"] == pytest.approx(model["step"]["modelled"] * a.steps / 3600)
+    assert model["step"]["modelled"] == pytest.approx(sum(model[p]["modelled"] for p in ("gen", "score", "update")))
+    m = time_check.check_metrics(check)
+    assert m["time_model/gen_ratio"] == pytest.approx(2.0) and m["time_model/projected_h"] == check["projected_h"]
+    assert all(k.startswith("time_model/") for k in m) and len(m) == 4 * 3 + 3
+    text = time_check.format_check(check)
+    assert "steps 2-3" in text and "x 2.00" in text and f"{check['projected_h']:.3g} h" in text
+
+
+def test_at_the_plan_s_lengths_the_model_is_the_dry_run_s_estimate():
+    """A run that measures the review's central case (mean 753, 5% cut at 3,072) is modelled as
+    --dry-run models it: the report's realistic step and hours; longer responses cost more."""
+    a, algo = paper()
+    needs_ref, old = train.needs_reference_model(a, algo), train.old_rows(a, algo)
+    lines = [{"step": s, "step_time": 100.0, "response_len": 753, "truncated_frac": 0.05} for s in (1, 2, 3)]
+    check = time_check.against_measured(a, 8, needs_ref, "h100", old, lines)
+    report = time_model.report(a, 8, needs_ref, "h100", old)
+    step_line = next(ln for ln in report.splitlines() if ln.lstrip().startswith("step "))
+    assert check["phases"]["step"]["modelled"] == pytest.approx(float(step_line.split()[1]), abs=0.05)
+    assert check["modelled_h"] == pytest.approx(check["dry_run_h"], rel=1e-3)
+    assert f"{check['dry_run_h']:.1f} h realistic" in report
+    assert check["projected_h"] == pytest.approx(100.0 * 240 / 3600)
+    longer = modelled_at(a, 1500, 0.2, needs_ref=needs_ref, old=old)
+    assert longer["gen"]["modelled"] > check["phases"]["gen"]["modelled"]
+    assert longer["update"]["modelled"] > check["phases"]["update"]["modelled"]
+
+
+def test_a_cpu_run_s_own_lines():
+    """The golden ERPO run's metrics.jsonl (3 steps of the tiny world on CPU): its step-0 evaluation
+    line skipped, steps 2-3 measured, the model given the run's mean response length."""
+    with open(os.path.join(ROOT, "tests", "golden", "erpo.jsonl")) as f:
+        lines = [json.loads(ln) for ln in f][1:]
+    a, algo = train.parse_args(["--steps", "3"])
+    check = time_check.against_measured(a, 1, train.needs_reference_model(a, algo), "h100",
+                                        train.old_rows(a, algo), lines)
+    steps = [r for r in lines if "step_time" in r]
+    assert check["steps"] == [2, 3]
+    assert check["phases"]["gen"]["measured"] == pytest.approx((steps[1]["time_gen"] + steps[2]["time_gen"]) / 2)
+    mean = sum(r["response_len"] for r in steps) / 3
+    assert f"{mean:.0f} tokens" in check["lengths"]
+    assert all(p["modelled"] > 0 and p["ratio"] > 0 for p in check["phases"].values())
+
+
+@pytest.mark.parametrize("mean,cut", [(753, 0.05), (90, 0.0), (95, 0.5), (96, 1.0), (49, 0.004)])
+def test_measured_responses_keep_the_run_s_mean_and_cut_fraction(mean, cut):
+    """Fitted where a gamma fits, else two point masses (a mean near the limit, every row cut): the
+    run's mean length and its fraction cut at the limit either way."""
+    limit = 3072 if mean > 100 else 96
+    resp = time_check.measured_responses(mean, cut, limit, "run")
+    assert resp.mean() == pytest.approx(mean, abs=0.5) and resp.truncated() == pytest.approx(cut)
+    assert len(resp.pmf) == limit + 1
+
+
+@pytest.mark.parametrize("name,key", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 SXM5 80GB", "h100"), ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+    ("NVIDIA L40S", "l40s"), ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA H200 NVL", None),
+    ("NVIDIA GH200 480GB", None), ("NVIDIA GeForce RTX 4090", None), ("Tesla V100-SXM2-16GB", None)])
+def test_the_device_name_maps_to_its_card(name, key):
+    assert time_check.gpu_key(name) == key
+
+
+class FakeCuda:
+    def __init__(self, name):
+        self.name = name
+
+    def get_device_name(self):
+        return self.name
+
+
+def hook(device, steps=50, start=0, name="NVIDIA H100 80GB HBM3"):
+    a = train.parse_args(["--steps", str(steps)])[0]
+    dist = argparse.Namespace(world=1, device=torch.device(device))
+    said = []
+    return time_check.FirstSteps(a, dist, False, 0.5, start, cuda=FakeCuda(name), say=said.append), said
+
+
+def step_line(s):
+    return {"step": s, "step_time": 2.0, "time_gen": 1.0, "time_score": 0.2, "time_update": 0.7,
+            "response_len": 49.0, "truncated_frac": 0.0}
+
+
+def test_the_hook_on_a_gpu_logs_once_at_step_three_and_on_cpu_never():
+    """On CUDA: lines 1, 2 and 4.. pass unchanged, line 3 gets the time_model/ keys, printed once;
+    a run of 2 steps (or 2 left after --resume) at its last; an unknown card: one line, no keys. On
+    CPU: no line changes and nothing is said (train.py's metrics.jsonl of a CPU run has no keys)."""
+    check, said = hook("cuda")
+    out = [check(step_line(s)) for s in range(1, 6)]
+    assert [any(k.startswith("time_model/") for k in o) for o in out] == [False, False, True, False, False]
+    assert out[2]["time_model/step_measured"] == pytest.approx(2.0) and len(said) == 1 and "steps 2-3" in said[0]
+    for steps, start in ((2, 0), (12, 10)):
+        check, said = hook("cuda", steps, start)
+        out = [check(step_line(s)) for s in range(start + 1, steps + 1)]
+        assert "time_model/step_measured" in out[-1] and len(said) == 1 and f"step {start + 2} (step {start + 1}: its warm-up, not)" in said[0]
+    check, said = hook("cuda", name="NVIDIA GeForce RTX 4090")
+    assert all(check(step_line(s)) == step_line(s) for s in range(1, 6))
+    assert len(said) == 1 and "no entry for this GPU (NVIDIA GeForce RTX 4090" in said[0]
+    check, said = hook("cpu")
+    assert all(check(step_line(s)) == step_line(s) for s in range(1, 6)) and said == []
