@@ -316,6 +316,18 @@ def decode_once(policy, spec: rollout.SampleSpec, prompts: list[list[int]], max_
             del pre
 
 
+def autocast_of(dtype_name, device, tensors_on):
+    """The step's autocast context factory on `device` (what the run computes on: "cuda" for fake
+    tensors) for tensors on `tensors_on`. Fake tensors live on the CPU, where --dtype auto means
+    float32 (distributed.precision): their GPU's bf16 autocast is CPU autocast in bf16. (Was the
+    CPU's choice: a --dtype auto DDP step measured in float32 -- a float32 KV cache, float32
+    prefill -- 45.5 GiB at the 1.5B config's rollout against 35.3 planned, issue #42.)"""
+    if tensors_on.type == device.type:
+        return distributed.precision(dtype_name, device)[1]
+    return (lambda: torch.autocast(tensors_on.type, dtype=torch.bfloat16)) \
+        if distributed.uses_bf16(dtype_name, device) else nullcontext
+
+
 # ----------------------------------------------------------------------------------------------
 # The step, measured
 
@@ -362,7 +374,7 @@ def measure_step(a, algo, code: StepCode, needs_ref: bool, world=1, fake=True,
                 del mbs[max_micro_batches:]
         tracker = PhasePeaks()
         stub = stub_scalar_reads() if fake else nullcontext()
-        with tracker, stub, distributed.precision(a.dtype, d.device)[1]():
+        with tracker, stub, autocast_of(a.dtype, device, d.device)():
             tracker.track_external(m.policy, m.opt, *[m.ref] * (m.ref is not None), w.packed.input_ids,
                                    w.packed.attention_mask, w.resp_mask, w.prompt_mask, w.qref)
             tracker.optimizer_phase(m.opt)

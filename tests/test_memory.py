@@ -61,20 +61,27 @@ def test_dry_run_measures_the_paper_step_on_fake_tensors(capsys):
     assert last.startswith("plan: ") and fields["gpus"] == "8" and int(fields["decode_rows"]) >= 128
     limit = (1 - memory_plan.KV_MARGIN) * memory_plan.CARD_GIB["h100"]
     assert float(fields["measured_update_gib_per_gpu"]) <= limit and float(fields["measured_rollout_gib_per_gpu"]) <= limit
+    assert_plan_within_15_percent(out)
+    assert "CUDA context" in out  # what is not counted is said
+    assert "time model of one RL step on 8 x H100" in out and "9,216" in out   # one pass, 229 slots
+    assert "no activation checkpointing (--grad-ckpt auto" in out and "reference  " not in out
+
+
+def assert_plan_within_15_percent(out):
+    """--dry-run's table: every phase's plan within 15% of its measurement."""
     lines = out.splitlines()
     table = lines[next(i for i, ln in enumerate(lines) if ln.split()[:3] == ["phase", "plan", "GiB"]) + 1:][:4]
     assert [ln.split()[0] for ln in table] == list(memory_plan.PHASES)
     for row in table:
         planned, measured = map(float, row.split()[1:3])
         assert abs(planned / measured - 1) <= 0.15, row
-    assert "CUDA context" in out  # what is not counted is said
-    assert "time model of one RL step on 8 x H100" in out and "9,216" in out   # one pass, 229 slots
-    assert "no activation checkpointing (--grad-ckpt auto" in out and "reference  " not in out
 
 
 def test_dry_run_of_the_one_gpu_config(capsys):
     """configs/one_gpu_qwen15b.json on one card, on a CPU without the hub (configs/models/ has the
-    1.5B's config.json): the estimate, realistic and worst, and the measured peaks within the card."""
+    1.5B's config.json): the estimate, realistic and worst, and the measured peaks within the card
+    and within 15% of the plan -- its --dtype auto is bf16-mixed on the fake GPU (a bf16 KV cache;
+    measured in float32 until issue #42's fix, its rollout was 45.5 GiB against 35.3 planned)."""
     import train
 
     train.main(["--config", os.path.join(ROOT, "configs", "one_gpu_qwen15b.json"), "--dry-run", "--plan-gpus", "1"])
@@ -84,6 +91,7 @@ def test_dry_run_of_the_one_gpu_config(capsys):
     fields = dict(kv.split("=") for kv in out.strip().splitlines()[-1].split()[1:])
     for key in ("measured_update_gib_per_gpu", "measured_rollout_gib_per_gpu"):
         assert float(fields[key]) <= memory_plan.CARD_GIB["h100"], key
+    assert_plan_within_15_percent(out)
 
 
 def test_the_fake_measurement_stubs_only_the_two_scalar_reads():
