@@ -7,8 +7,8 @@ on the tiny world. Ratios from one invocation on one machine, never absolute tim
     python bench/bench_monitors.py --algo grpo --steps 20 --repeats 2
 
 Each run is a subprocess of train.py (the embedded warm start, the first 256 problems of its training
-set, the sizes of SMALL or train.py's defaults, no evaluation, no checkpoint); the configurations alternate, so a drift of this shared
-machine's speed hits all alike. Printed per configuration: the MEAN step_time over steps 2..N (a
+set, the sizes of SMALL or train.py's defaults, no evaluation, no checkpoint); the configurations
+alternate, so a drift of this shared machine's speed hits all alike. Printed per configuration: the MEAN step_time over steps 2..N (a
 median would hide the one monitored step in N; step 1 warms up) and its ratio to "off"; then the
 monitors' own phase (time_monitors, the extra forward and one backward per loss term, on one
 micro-batch) per monitored step, and what it adds per step at each cadence as a fraction of the
@@ -56,7 +56,7 @@ def one_run(algo, extra, steps, out, sizes, data) -> list[dict]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--algo", default="erpo")
     p.add_argument("--steps", type=int, default=10, help="RL steps per run (>= 2; step 1 is not timed)")
     p.add_argument("--repeats", type=int, default=1)

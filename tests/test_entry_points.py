@@ -27,6 +27,7 @@ COMMANDS = {
     "study/headline.py": [["--help"]],
     "study/zipf.py": [["--help"]],
     "bench/bench_rl.py": [["--help"]],
+    "bench/bench_monitors.py": [["--help"]],
     "bench/bench_sampler.py": [["--help"]],
     "bench/bench_grader_pool.py": [["--help"]],
     "bench/bench_grader_timing.py": [["--help"]],
