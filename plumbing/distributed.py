@@ -5,6 +5,7 @@ helper here is then a no-op, so the training script reads the same either way. T
 engine is PyTorch's own (DDP, or FSDP2's `fully_shard`); nothing here re-implements one.
 """
 
+import gc
 import math
 import os
 from contextlib import contextmanager
@@ -52,8 +53,13 @@ def setup(device="auto", fsdp=False, timeout_min=120.0) -> Dist:
 
 
 def teardown():
-    """Leave the process group together: a rank that destroys it while another still has
-    collectives in flight can abort the job at exit (seen once with gloo under FSDP2)."""
+    """Free what still uses the process group, then leave it together. The models, optimizers and
+    FSDP2 states of a finished run sit in reference cycles: left to Python's last collection at
+    interpreter exit, they are destroyed after the group is gone, and a gloo rank could abort there
+    ("terminate called without an active exception", SIGABRT after the run's last line: seen in CI).
+    The barrier: a rank that destroys the group while another still has collectives in flight can
+    abort the job too."""
+    gc.collect()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

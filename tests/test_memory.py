@@ -3,6 +3,7 @@ fixes that measurement found: the decoding copy freed before scoring, no unshard
 between micro-batches, micro-batches within --micro-tokens, the KV cache in the compute dtype,
 flash-attn only for bf16/fp16."""
 
+import gc
 import json
 import os
 import sys
@@ -107,7 +108,10 @@ def test_the_fake_measurement_stubs_only_the_two_scalar_reads():
 
 def test_the_decoding_copy_is_freed_before_scoring(tmp_path, monkeypatch):
     """FSDP2 (a process group of one: --fsdp true at world size 1 shards, it does not silently run
-    unsharded) decodes from a gathered copy; nothing holds it once scoring starts."""
+    unsharded) decodes from a gathered copy; nothing holds it once scoring starts, and nothing
+    sharded is left for interpreter exit once the run returns."""
+    from torch.distributed.fsdp import FSDPModule
+
     import train
 
     copies, seen = [], []
@@ -133,10 +137,16 @@ def test_the_decoding_copy_is_freed_before_scoring(tmp_path, monkeypatch):
         return real_score(*a, **k)
     monkeypatch.setattr(distributed, "gathered", gathered)
     monkeypatch.setattr(train, "score_old_and_ref", score)
+    sharded = lambda: sum(isinstance(o, FSDPModule) for o in gc.get_objects())   # noqa: E731
+    gc.collect()
+    before = sharded()
     train.main(["--fsdp", "true", "--steps", "1", "--rollout-batch", "4", "--update-batch", "4", "--group-size", "2",
                 "--eval-every", "0", "--save-every", "0", "--max-new-tokens", "8", "--out", str(tmp_path / "run"),
                 "--query-cache-dir", ""])
     assert seen and all(all(freed) for freed in seen), seen
+    # and no sharded module outlives the run's process group (distributed.teardown): one left to the
+    # collection at interpreter exit is destroyed after the group, where a gloo rank can abort
+    assert sharded() <= before
 
 
 def test_fsdp2_keeps_no_unsharded_gradient_between_micro_batches():
