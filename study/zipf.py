@@ -554,7 +554,8 @@ def design4_pilot_args(rl_jsonl, hot, d=DESIGN4) -> list:
     return ["--task", "zipf", "--algo", "grpo", "--train-data", rl_jsonl, "--max-new-tokens", "160",
             "--rollout-batch", str(d["rollout_batch"]), "--update-batch", str(d["update_batch"]),
             "--group-size", str(d["group_size"]), "--steps", str(d["steps"]), "--eval-every", str(d["eval_every"]),
-            "--eval-temperatures", str(hot), "1.0", "--eval-limit", "0", "--save-every", "0", "--query-cache-dir", ""]
+            "--eval-temperatures", str(hot), "1.0", "--eval-limit", "0", "--save-every", str(d["eval_every"]),
+            "--query-cache-dir", ""]            # a checkpoint at each evaluation: a killed pilot resumes
 
 
 def design4_pilot_summary(out, seed, hot) -> dict:
@@ -573,14 +574,19 @@ def design4_pilot_summary(out, seed, hot) -> dict:
     return {"seed": seed, "hot": hot, "curve": curve, **numbers, "degrades": numbers["onset"] != long_run.NEVER}
 
 
-def run_pilot(seed, model, runs, results, args=PILOT_ARGS, summarize=pilot_summary, folder="pilots") -> dict:
+def run_pilot(seed, model, runs, results, args=PILOT_ARGS, summarize=pilot_summary, folder="pilots",
+              resume=False) -> dict:
+    """One GRPO pilot in runs/grpo-s<seed>, its summary in results/<folder>/. resume: continue the
+    folder's run from its last checkpoint (a pilot killed part-way; resuming is exact), else start over."""
     import subprocess
 
+    from plumbing.checkpoints import has_checkpoint
     from study.long_run import commit
 
     started_at = commit()                        # the code the run starts from (the tree may move on)
     out = os.path.join(runs, f"grpo-s{seed}")
-    argv = [*args, "--model", model, "--seed", str(seed), "--out", out, "--overwrite",
+    resumed = resume and has_checkpoint(out)
+    argv = [*args, "--model", model, "--seed", str(seed), "--out", out, "--resume" if resume else "--overwrite",
             "--export", os.path.join(out, "final")]
     t0 = time.time()
     r = subprocess.run([sys.executable, "-c", ONE_THREAD, *argv], cwd=ROOT, capture_output=True, text=True,
@@ -588,7 +594,7 @@ def run_pilot(seed, model, runs, results, args=PILOT_ARGS, summarize=pilot_summa
     if r.returncode:
         raise RuntimeError(f"pilot seed {seed}: exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
     summary = {**summarize(out, seed), "seconds": round(time.time() - t0), "argv": argv,
-               "commit": started_at}
+               "commit": started_at, **({"resumed": True} if resumed else {})}   # seconds: this leg's
     os.makedirs(os.path.join(results, folder), exist_ok=True)
     with open(os.path.join(results, folder, f"grpo-s{seed}.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -610,7 +616,8 @@ def pilots(model, runs, results, jobs=3) -> list:
 
 def design4_pilots(runs, results, jobs=3) -> list:
     """Design 4's GRPO pilots (seeds PILOT_SEEDS at once, one thread each) from the warm start and
-    hot temperature `--design4` recorded; summaries in results/design4/pilots/."""
+    hot temperature `--design4` recorded; summaries in results/design4/pilots/. Run again after a
+    kill, each pilot continues from its last checkpoint (every 20 steps)."""
     import concurrent.futures
 
     with open(os.path.join(results, "design4", "hot.json")) as f:
@@ -621,7 +628,7 @@ def design4_pilots(runs, results, jobs=3) -> list:
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         done = list(pool.map(lambda s: run_pilot(s, model, runs, results, args,
                                                  lambda out, seed: design4_pilot_summary(out, seed, hot),
-                                                 os.path.join("design4", "pilots")), PILOT_SEEDS))
+                                                 os.path.join("design4", "pilots"), resume=True), PILOT_SEEDS))
     for d in done:
         print(f"seed {d['seed']}: pooled pass@1 at T={hot}: best {100 * d['best']:.1f}, end {100 * d['final']:.1f}, "
               f"onset {d['onset']}; degrades: {d['degrades']}")
