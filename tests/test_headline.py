@@ -25,3 +25,15 @@ def test_the_table_shows_the_seed_interval_and_the_kernel_range():
                       "[55.0 / 55.0 / 55.0] | 48.0–55.0 |"
     with pytest.raises(SystemExit):
         H.aggregate({**{s["name"]: s for s in runs}, "x": {**runs[0], "name": "x", "golden": "other"}})
+
+
+def test_the_committed_pairs_shared_their_step1_samples():
+    """Each committed GRPO/ERPO pair (a seed on this machine's kernels, or seed 0 under another kernel
+    variant) sampled the same step-1 tokens (equal digests of the sampled tokens): the pair's
+    difference starts from one batch, so the sampled data's share of the seed spread cancels."""
+    runs = H.load_summaries(H.RESULTS)
+    assert {r.name for r in H.RUNS} <= set(runs), sorted(set(r.name for r in H.RUNS) - set(runs))
+    for g in (r for r in H.RUNS if r.algo == "grpo"):
+        grpo, erpo = runs[g.name], runs[H.Run("erpo", g.seed, g.kernels).name]
+        assert grpo["sample_digest"] and grpo["sample_digest"] == erpo["sample_digest"], g.name
+    assert set(H.aggregate(runs)["paired"]["shared_step1_samples"].values()) == {True}

@@ -161,3 +161,5 @@ def test_the_headline_table_is_the_one_built_from_the_summaries():
     table = headline.table(study)
     assert table in text(README)
     assert text(os.path.join(headline.RESULTS, "table.md")) == table
+    paired = headline.paired_table(study)                  # the verdict's numbers: ERPO - GRPO by seed
+    assert paired in text(README) and text(os.path.join(headline.RESULTS, "paired.md")) == paired
