@@ -137,7 +137,7 @@ def test_the_decoding_copy_is_freed_before_scoring(tmp_path, monkeypatch):
         return real_score(*a, **k)
     monkeypatch.setattr(distributed, "gathered", gathered)
     monkeypatch.setattr(train, "score_old_and_ref", score)
-    sharded = lambda: sum(isinstance(o, FSDPModule) for o in gc.get_objects())   # noqa: E731
+    sharded = lambda: sum(issubclass(type(o), FSDPModule) for o in gc.get_objects())   # noqa: E731
     gc.collect()
     before = sharded()
     train.main(["--fsdp", "true", "--steps", "1", "--rollout-batch", "4", "--update-batch", "4", "--group-size", "2",
