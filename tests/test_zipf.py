@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import random
+import subprocess
 from collections import Counter
 
 import pytest
@@ -302,3 +303,39 @@ def test_design4s_recorded_warm_start_followed_its_rule_and_met_its_targets():
     curve = {float(t): p for t, p in hot["pass1"].items()}
     assert zipf.hot_temperature(curve) == hot["hot"] and abs(curve[hot["hot"]] / curve[1.0] - 0.19) < 0.05
     assert os.path.isfile(os.path.join(zipf.WARMSTART4, "model.safetensors"))
+
+
+def test_design4s_pilots_ran_the_design_and_their_verdicts_are_the_rules():
+    """study/results/zipf/design4/pilots/: each seed ran design 4's arguments (its RL set, batch,
+    240 steps, the recorded hot temperature) from the committed warm start, after the design's
+    commit; its curve has the 13 evaluations, and its verdict is the long-run rule's on that curve."""
+    import json
+    import os
+
+    from study import long_run, zipf
+
+    with open(os.path.join(zipf.RESULTS, "design4", "hot.json")) as f:
+        hot = json.load(f)["hot"]
+    pilots = []
+    for seed in zipf.PILOT_SEEDS:
+        with open(os.path.join(zipf.RESULTS, "design4", "pilots", f"grpo-s{seed}.json")) as f:
+            pilots.append(s := json.load(f))
+        argv = s["argv"]
+        expected = zipf.design4_pilot_args(argv[argv.index("--train-data") + 1], hot)
+        assert argv[:len(expected)] == expected and argv[argv.index("--seed") + 1] == str(seed)
+        assert os.path.basename(argv[argv.index("--model") + 1]) == "warmstart4"
+        steps = sorted(int(k) for k in s["curve"])
+        assert steps == list(range(0, zipf.DESIGN4["steps"] + 1, zipf.DESIGN4["eval_every"]))
+        numbers = long_run.curve_numbers(steps, [s["curve"][str(k)] for k in steps])
+        assert numbers == pytest.approx({k: s[k] for k in numbers})
+        assert s["degrades"] == (numbers["onset"] != long_run.NEVER)
+        # the design (57fd469) and its measurements (193d1d4) were committed before the pilot ran
+        for before in ("57fd469", "193d1d4"):
+            r = subprocess.run(["git", "merge-base", "--is-ancestor", before, s["commit"].split("+")[0]], cwd=ROOT,
+                               capture_output=True)
+            assert r.returncode != 1, (before, s["commit"])      # (128: a checkout without that history)
+    with open(os.path.join(ROOT, "README.md")) as f:                # the README's sentence, from them
+        readme = " ".join(f.read().split())
+    span = lambda k: "–".join(f"{100 * v:.1f}" for v in (min(p[k] for p in pilots), max(p[k] for p in pilots)))  # noqa: E731
+    assert f"rises from {span('start')}% to {span('final')}% (smoothed) in all 3 seeds" in readme
+    assert not any(p["degrades"] for p in pilots) and "do not degrade either" in readme
