@@ -641,10 +641,10 @@ def design4_pilots(runs, results, jobs=3) -> list:
     model = WARMSTART4 if os.path.isdir(WARMSTART4) else os.path.join(ROOT, made["model"])
     args = design4_pilot_args(rl_set(os.path.join(runs, "rl512.jsonl")), hot)
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        done = list(pool.map(lambda s: run_pilot(s, model, runs, results, args,
-                                                 lambda out, seed: design4_pilot_summary(out, seed, hot),
-                                                 os.path.join("design4", "pilots"), resume=True), PILOT_SEEDS))
-    return design4_pilot_report(results)
+        list(pool.map(lambda s: run_pilot(s, model, runs, results, args,
+                                          lambda out, seed: design4_pilot_summary(out, seed, hot),
+                                          os.path.join("design4", "pilots"), resume=True), PILOT_SEEDS))
+    return design4_pilot_report(results)                             # (from the summaries just written)
 
 
 def design4_pilot_report(results) -> list:
