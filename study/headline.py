@@ -9,17 +9,18 @@ What runs. `train.py --algo erpo` (the README's main command: 50 RL steps of 32 
 responses, its defaults otherwise) and `--algo grpo`, seeds 0, 1 and 2, on this machine's own
 float32 kernels; and seed 0 of both again under each of the other four kernel variants
 tests/rounding.py uses to measure how far rounding moves a result (avx2 kernels, AVX-512 without
-AMX, ATen's default kernels, MKL's conditional-numerical-reproducibility mode). A CPU of another kind rounds like one
-of them, not like this one: the kernel spread says how far a figure moves on another machine, the
-seed spread how far it moves with the sampled data. Each run is a `train.py` subprocess on one
-intra-op thread (the numbers do not depend on the core count), --jobs at a time.
+AMX, ATen's default kernels, MKL's conditional-numerical-reproducibility mode). A CPU of another
+kind rounds like one of them, not like this one: the kernel spread says how far a figure moves on
+another machine, the seed spread how far it moves with the sampled data. Each run is a `train.py`
+subprocess on one intra-op thread (the numbers do not depend on the core count), --jobs at a time.
 
 What is reported, per algorithm: held-out pass@1 at step 50 (`eval_acc/<set>` of metrics.jsonl: one
 sample at T = 1.0 on the first 200 problems of each set) and the step-0 value, Query-KL, Policy-KL
 and entropy averaged over steps 41-50; as the mean over the three seeds +- the 95% Student-t
 half-width (t = 4.30 for 3 seeds) with each seed's value, and the min-max over the five kernel
 variants of seed 0; and ERPO - GRPO paired by seed (the pairs share their step-1 samples), with
-its Student-t interval over the three differences (paired.md). Each run's summary (study/results/headline/summaries/<name>.json: its
+its Student-t interval over the three differences (paired.md). Each run's summary
+(study/results/headline/summaries/<name>.json: its
 numbers, the commit, the golden digest of that code, the CPU and torch it ran on) is committed;
 the report is rebuilt from them alone, and the README's table comes from its JSON (a test).
 """

@@ -62,13 +62,15 @@ def assert_same_math(model, packed):
     (a, ga), (b, gb) = scores_and_grads(model, packed, True), scores_and_grads(model, packed, False)
     resp, prompt = packed.attention_mask[:, packed.P:].bool(), packed.prompt_tok_mask.bool()
     for what, got, want, m in (("response log-probs", a.response, b.response, resp),
-                               ("prompt log-probs", a.prompt, b.prompt, prompt), ("entropies", a.entropy, b.entropy, resp)):
+                               ("prompt log-probs", a.prompt, b.prompt, prompt),
+                               ("entropies", a.entropy, b.entropy, resp)):
         assert_rounding(f"packed vs padded forward: {what}", got[m], want[m])
         assert (got[~m] == 0).all()                                   # nothing lands on padding
     assert ga.keys() == gb.keys()                 # each parameter's gradient, over its own largest value
     unit = {n: float(gb[n].abs().max()) or 1.0 for n in gb}
     relative = lambda grads: torch.cat([(grads[n] / unit[n]).flatten() for n in gb])   # noqa: E731
-    assert_rounding("packed vs padded forward: gradients / each parameter's largest", relative(ga), relative(gb))
+    assert_rounding("packed vs padded forward: gradients / each parameter's largest",
+                    relative(ga), relative(gb))
 
 
 def test_packed_scores_and_gradients_are_the_padded_forwards(tiny):

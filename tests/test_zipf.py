@@ -331,11 +331,12 @@ def test_design4s_pilots_ran_the_design_and_their_verdicts_are_the_rules():
         assert s["degrades"] == (numbers["onset"] != long_run.NEVER)
         # the design (57fd469) and its measurements (193d1d4) were committed before the pilot ran
         for before in ("57fd469", "193d1d4"):
-            r = subprocess.run(["git", "merge-base", "--is-ancestor", before, s["commit"].split("+")[0]], cwd=ROOT,
-                               capture_output=True)
+            r = subprocess.run(["git", "merge-base", "--is-ancestor", before, s["commit"].split("+")[0]],
+                               cwd=ROOT, capture_output=True)
             assert r.returncode != 1, (before, s["commit"])      # (128: a checkout without that history)
     with open(os.path.join(ROOT, "README.md")) as f:                # the README's sentence, from them
         readme = " ".join(f.read().split())
-    span = lambda k: "–".join(f"{100 * v:.1f}" for v in (min(p[k] for p in pilots), max(p[k] for p in pilots)))  # noqa: E731
+    def span(k):
+        return "–".join(f"{100 * v:.1f}" for v in (min(p[k] for p in pilots), max(p[k] for p in pilots)))
     assert f"rises from {span('start')}% to {span('final')}% (smoothed) in all 3 seeds" in readme
     assert not any(p["degrades"] for p in pilots) and "do not degrade either" in readme
