@@ -7,8 +7,10 @@ this data? Each is a pure function here with a small hook in train.py.
   -c * entropy), measured on one micro-batch (`measured_micro_batch`: the first, among the update
   batches that take a step, with a row of nonzero advantage) at the rollout weights, before any
   update: its norm (grad_norm/<term>) and the cosine between the policy gradient and each
-  regulariser's (grad_cos/pg_<term>). A forward of its own on the unwrapped policy, and one backward
-  per term (torch.autograd.grad: nothing accumulates into .grad), so the update itself is untouched.
+  regulariser's (grad_cos/pg_<term>), null where the term's gradient is under its noise floor
+  (NOISE_FLOOR: rounding has no direction) and for a regulariser the loss lacks (its norm: 0). A
+  forward of its own on the unwrapped policy, and one backward per term (torch.autograd.grad:
+  nothing accumulates into .grad), so the update itself is untouched.
   Its terms are divided by the micro-batch's own counts (tokens, sequences), so each norm is on the
   scale of the whole update's grad_norm (before clipping).
 - Held-out Query-KL (`HeldoutQueryKL`, at every evaluation): the Query-KL monitor's estimator (k3 over
@@ -71,15 +73,35 @@ def dot(a: list, b: list) -> float:
     return sum(float((x.double() * y.double()).sum()) for x, y in pairs)
 
 
-def geometry(pg: list, others: dict[str, list]) -> dict:
-    """grad_norm/pg, grad_norm/<term> and grad_cos/pg_<term> (None where a norm is 0: no direction)."""
+# A regulariser's gradient per unit of its coefficient below this fraction of the policy gradient's
+# norm is float32 rounding, not a direction: at step 1 (pi = pi_0) the Query-KL term's is exactly 0
+# in theory, yet a cache one ulp off the forward (another kernel, another layout) leaves 1.1-1.5e-7
+# of ||g_pg|| per unit of alpha (alpha 0.01 to 100, the tiny world), against 0.03-0.05 one step
+# later. 1e-5 sits ~100x above the first and ~3000x below the second (docs/method.md §11).
+NOISE_FLOOR = 1e-5
+TERMS = ("policy_kl", "query_kl", "entropy")          # the regularisers: each logged, 0 where absent
+
+
+def geometry(pg: list, others: dict[str, list], coefs: dict | None = None) -> dict:
+    """grad_norm/pg, grad_norm/<term> and grad_cos/pg_<term>. The cosine is None where a norm is 0 (no
+    direction) or where the term's norm is under its noise floor, NOISE_FLOOR * |coef| * ||g_pg||
+    (`coefs`: each term's coefficient; a term without one gets no floor)."""
     pp = dot(pg, pg)
     out = {"grad_norm/pg": math.sqrt(pp)}
     for name, g in others.items():
         gg = dot(g, g)
+        floor = NOISE_FLOOR * abs((coefs or {}).get(name, 0.0)) * math.sqrt(pp)
         out[f"grad_norm/{name}"] = math.sqrt(gg)
-        out[f"grad_cos/pg_{name}"] = dot(pg, g) / math.sqrt(pp * gg) if pp > 0 and gg > 0 else None
+        above = pp > 0 and gg > 0 and math.sqrt(gg) >= floor
+        out[f"grad_cos/pg_{name}"] = dot(pg, g) / math.sqrt(pp * gg) if above else None
     return out
+
+
+def absent_terms(measured: dict) -> dict:
+    """The regularisers a run's loss does not have (alpha = 0, GRPO's Query-KL, ...): a gradient of
+    exactly 0 and no cosine, logged so that every run draws every term (an alpha = 0 run included)."""
+    return {k: v for t in TERMS if f"grad_norm/{t}" not in measured
+            for k, v in ((f"grad_norm/{t}", 0.0), (f"grad_cos/pg_{t}", None))}
 
 
 def term_gradients(run, batch, plan) -> dict:
@@ -126,10 +148,11 @@ def _term_gradients(run, batch, plan) -> dict:
     def grad(term):
         return torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
     pg = grad(terms.pop("pg"))
+    coefs = {"policy_kl": algo.beta, "query_kl": algo.alpha, "entropy": algo.entropy_coef}
     out = geometry(pg, {})
     for name, term in terms.items():                   # one term's gradient at a time (memory: two)
-        out.update(geometry(pg, {name: grad(term)}))
-    return out
+        out.update(geometry(pg, {name: grad(term)}, coefs))
+    return {**out, **absent_terms(out)}
 
 
 # ----------------------------------------------------------------------------------------------

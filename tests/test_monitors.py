@@ -212,3 +212,58 @@ def test_the_measured_micro_batch_has_a_policy_gradient():
     assert monitors.measured_micro_batch(plan, adv, "step").rows.tolist() == [5, 6]   # (then it steps)
     none = experience.StepPlan([], [], [], [stepping], 1)
     assert monitors.measured_micro_batch(none, torch.zeros(8), "skip").rows.tolist() == [2, 3]
+
+
+def test_a_gradient_under_the_noise_floor_has_no_direction():
+    """A term's gradient under NOISE_FLOOR * |coef| * ||g_pg|| is rounding: its norm is logged, its
+    cosine is None; just above the floor the cosine is the exact one. No coefficient, no floor."""
+    pg = [torch.tensor([3.0, 4.0])]                                                   # ||g_pg|| = 5
+    floor = monitors.NOISE_FLOOR * 0.5 * 5
+    under, over = [torch.tensor([0.0, 0.9 * floor])], [torch.tensor([0.0, 1.1 * floor])]
+    g = monitors.geometry(pg, {"query_kl": under}, {"query_kl": 0.5})
+    assert g["grad_norm/query_kl"] == pytest.approx(0.9 * floor) and g["grad_cos/pg_query_kl"] is None
+    g = monitors.geometry(pg, {"query_kl": over}, {"query_kl": 0.5})
+    assert g["grad_cos/pg_query_kl"] == pytest.approx(0.8)
+    assert monitors.geometry(pg, {"query_kl": under})["grad_cos/pg_query_kl"] == pytest.approx(0.8)
+    assert monitors.absent_terms(g) == {"grad_norm/policy_kl": 0.0, "grad_cos/pg_policy_kl": None,
+                                        "grad_norm/entropy": 0.0, "grad_cos/pg_entropy": None}
+
+
+def one_ulp_off(monkeypatch):
+    """The Query-KL cache one float32 ulp off the forward's log-probs (toward 0), as another kernel or
+    layout leaves it: at step 1 the Query-KL gradient is then rounding noise, not exactly 0."""
+    from rl import query_reference as qr
+    real = qr.cache_for_run
+
+    def nudged(*a, **k):
+        c = real(*a, **k)
+        return qr.QueryCache.from_logp([torch.nextafter(t, torch.zeros_like(t)) for t in c.logp], c.meta)
+    monkeypatch.setattr(qr, "cache_for_run", nudged)
+
+
+def gradient_rows(out, data, alpha):
+    train.main(["--algo", "erpo", "--alpha", str(alpha), "--model", WARM, "--train-data", data, "--out",
+                str(out), "--steps", "3", "--rollout-batch", "8", "--update-batch", "4", "--group-size", "4",
+                "--micro-batch", "4", "--max-new-tokens", "64", "--eval-every", "0", "--save-every", "0",
+                "--no-signal", "step", "--monitor-every", "1"])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f) if "grad_norm/pg" in r}
+
+
+def test_query_kl_cosine_is_null_at_step_1_and_measured_once_the_policy_moved(tmp_path, small_data,
+                                                                             monkeypatch):
+    """Issue #50: at step 1 (cache reference, pi = pi_0) the Query-KL gradient is rounding (here one
+    ulp of the cache: ~1e-7 of ||g_pg|| per unit of alpha, the issue's 0.0019 cosine); its norm is
+    logged, its cosine null. Once the policy has moved (steps 2, 3) it is far above the floor and
+    the cosine is measured. At alpha = 0 the term is logged as 0 with no cosine."""
+    one_ulp_off(monkeypatch)
+    steps = gradient_rows(tmp_path / "a1", small_data, 1.0)
+    assert steps[1]["grad_norm/pg"] > 0 and 0 < steps[1]["grad_norm/query_kl"] < monitors.NOISE_FLOOR * \
+        steps[1]["grad_norm/pg"]
+    assert steps[1]["grad_cos/pg_query_kl"] is None
+    for s in (2, 3):
+        assert steps[s]["grad_norm/query_kl"] > 100 * monitors.NOISE_FLOOR * steps[s]["grad_norm/pg"], s
+        assert steps[s]["grad_cos/pg_query_kl"] is not None, s
+    off = gradient_rows(tmp_path / "a0", small_data, 0.0)
+    assert all(r["grad_norm/query_kl"] == 0.0 and r["grad_cos/pg_query_kl"] is None for r in off.values())
+    assert all("grad_norm/query_kl" in r and "grad_norm/policy_kl" in r for r in off.values())
