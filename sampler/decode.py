@@ -110,7 +110,7 @@ class LeanStep:
         S, Hq, Hkv, D = tok.shape[0], self.Hq, self.Hkv, self.D
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]     # (S, 1, D)
         x = self.embed(tok)                                             # (S, H)
-        C = self.cache.layers[0].capacity
+        C = self.cache.layers[0].k_all.shape[2]     # (the capacity, as a size: a traced graph's symbol)
         # each (slot, kv head)'s row of a (S * Hkv * C, D) view of a layer's buffer: its slot's column
         at = ((torch.arange(S, device=tok.device)[:, None] * Hkv + torch.arange(Hkv, device=tok.device)) * C
               + pos[:, None]).view(-1)                                 # (S * Hkv,)
@@ -147,24 +147,61 @@ class CapturedStep(LeanStep):
     to the rounding of a longer sum. backend: torch.compile's ("inductor"; "aot_eager" / "eager"
     trace the same graph without a C compiler). Unmeasured on a GPU: float32 weights under bf16
     autocast (DDP without LoRA) are cast inside the graph at every step -- autocast's cache of
-    casts is the eager step's only -- while FSDP2's gathered and LoRA's merged copies are bf16."""
+    casts is the eager step's only -- while FSDP2's gathered and LoRA's merged copies are bf16.
+    Never a run's end: a compiler error (the recompile limit, which fullgraph=True makes one) gives the
+    eager step for the rest of the process (fall_back)."""
 
     def __init__(self, model, cache, backend="inductor"):
         super().__init__(model, cache)
         for t in [self.cos, self.sin] + [b for c in cache.layers for b in (c.k_all, c.v_all)]:
             torch._dynamo.mark_static_address(t)     # fixed addresses: a graph reads (writes) them in place
+        _dynamic(self.cos, self.sin)                 # (its length is the capacity, new every pass)
+        _dynamic(*(b for c in cache.layers for b in (c.k_all, c.v_all)), dims=(0, 2))
         mode = "reduce-overhead" if self.dev == "cuda" and backend == "inductor" else None
         if (backend, mode) not in _COMPILED:             # one wrapper: its graphs serve every pass
             _COMPILED[backend, mode] = torch.compile(LeanStep.step, backend=backend, mode=mode,
                                                      fullgraph=True)
-        self.compiled = _COMPILED[backend, mode]
+        self.key, self.compiled = (backend, mode), _COMPILED[backend, mode]
 
     def __call__(self, tok, pos, width: int):
+        if self.key in FELL_BACK:                       # compiling failed once: eager for the run's rest
+            return self.step(tok, pos, width)
         C = self.cache.layers[0].capacity
         q = -(-C // WIDTH_BUCKETS)
-        torch.compiler.cudagraph_mark_step_begin()      # the previous step's outputs are consumed
-        logits = self.compiled(self, tok, pos, min(C, -(-width // q) * q))
+        _dynamic(tok, pos)
+        try:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+            logits = self.compiled(self, tok, pos, min(C, -(-width // q) * q))
+        except Exception as e:                          # a compile failure must not end the run: fall_back
+            fall_back(self.key, e)
+            return self.step(tok, pos, width)
         return logits.clone() if self.dev == "cuda" else logits  # (a graph's output is overwritten)
+
+
+# (backend, mode) -> why its compiled step was given up for LeanStep's eager one, in this process.
+FELL_BACK = {}
+
+
+def fall_back(key, error):
+    """Give up the compiled step of `key` for the rest of the process, and say so once. Why not raise:
+    fullgraph=True turns Dynamo's recompile limit (torch._dynamo.config.recompile_limit, 8 graphs) into
+    an error (FailOnRecompileLimitHit), and a run's passes bring new slot counts, capacities and
+    decoding copies; a missing C compiler or a graph break raises too. The eager step is the same math
+    (its logits are the compiled graph's up to the rounding of the bucketed width's masked sums), and
+    re-running it is safe: a step only writes each slot's K/V at its own column, the same values again.
+    An error that is not the compiler's recurs in the eager step and ends the run there."""
+    FELL_BACK[key] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    print(f"--compile-decode: the compiled decode step failed ({FELL_BACK[key]}); decoding eagerly "
+          "(decode.LeanStep) from here on", flush=True)
+
+
+def _dynamic(*tensors, dims=(0,)):
+    """Their `dims` vary between steps or passes (slots, capacity): traced as sizes, not constants, so
+    that a new pass's sizes reuse the graphs (automatic dynamic shapes would mark them so only after a
+    recompile of its own, each counting towards the limit)."""
+    for t in tensors:
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 def bucket_rows(live: int, slots: int) -> int:

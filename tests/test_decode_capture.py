@@ -94,3 +94,63 @@ def test_compaction_keeps_a_power_of_two_of_slots():
     """decode.bucket_rows: the live slots rounded up to a power of two, never more than there are."""
     assert [decode.bucket_rows(n, 6) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
     assert [decode.bucket_rows(n, 64) for n in (1, 3, 5, 17, 33, 64)] == [1, 4, 8, 32, 64, 64]
+
+
+def fresh_copy(model):
+    """A new decoding copy of the same weights (new tensors, as FSDP2's gathered or LoRA's merged copy
+    made at every rollout)."""
+    copy = type(model)(model.config)
+    copy.load_state_dict(model.state_dict())
+    return copy.eval()
+
+
+def passes(model, tok, n=10):
+    """n sampler calls, each with new slot and column counts: (prompts, sample()'s arguments)."""
+    prompts, kw = rows_of(model, tok, problems=6)
+    for i in range(n):
+        rows = 8 + 3 * i
+        longer = [p + [p[-1]] * (2 * i) for p in prompts[:rows]]        # new columns (capacity) each pass
+        yield longer, dict(kw, seeds=kw["seeds"][:rows], batch_size=3 + i)   # new slots each pass
+
+
+def test_fresh_copies_and_new_sizes_on_ten_passes_never_end_the_run(warm, monkeypatch):
+    """The issue-51 probe: a fresh decoding copy and new (slots, columns) every pass. fullgraph=True
+    makes Dynamo's recompile limit an error; the sizes that change between passes are traced as sizes
+    (decode._dynamic, the capacity read as a tensor's size), so the graphs settle below the limit, and
+    every pass gives the eager step's tokens without falling back."""
+    model, tok = warm
+    torch._dynamo.reset()
+    monkeypatch.setattr(decode, "_COMPILED", {})
+    monkeypatch.setattr(decode, "FELL_BACK", {})
+    counters.clear()
+    for prompts, kw in passes(model, tok):
+        eager = rollout.sample(model, prompts, **kw)
+        compiled = rollout.sample(fresh_copy(model), prompts, compile_decode="eager", **kw)
+        assert responses(compiled) == responses(eager)
+    graphs = counters["stats"]["unique_graphs"]
+    assert not decode.FELL_BACK and graphs < torch._dynamo.config.recompile_limit, graphs
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_step(warm, monkeypatch, capsys):
+    """Past the recompile limit (here 1 graph) and under a backend that raises: the pass continues with
+    the eager step, with the eager tokens, says so once, and later passes do not try again."""
+    model, tok = warm
+    calls = []
+
+    def broken(gm, inputs):
+        calls.append(1)
+        raise RuntimeError("no C compiler")
+    for backend, limit in (("eager", 1), (broken, 8)):
+        torch._dynamo.reset()
+        monkeypatch.setattr(decode, "_COMPILED", {})
+        monkeypatch.setattr(decode, "FELL_BACK", {})
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)
+        for prompts, kw in passes(model, tok, n=3):
+            eager = rollout.sample(model, prompts, **kw)
+            compiled = rollout.sample(fresh_copy(model), prompts, compile_decode=backend, **kw)
+            assert responses(compiled) == responses(eager)
+        assert list(decode.FELL_BACK) == [(backend, None)]
+        said = capsys.readouterr().out
+        assert said.count("--compile-decode: the compiled decode step failed") == 1, said
+    assert len(calls) == 1
+    torch._dynamo.reset()
