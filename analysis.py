@@ -12,7 +12,10 @@ norm and its cosine with the policy gradient (grad_norms.png, grad_cos.png), hel
 Query-KL at evaluations (query_kl_heldout.png), the premise meter (premise.png).
 `compare` prints one table of runs side by side: the last held-out accuracy per set with its 95%
 Wilson interval, train accuracy, Query-KL, Policy-KL and entropy averaged over the last --last
-steps, the steps, and each run minus the first (B - A).
+steps, the steps, and each run minus the first (B - A); then a verdict line (each B - A in held-out
+accuracy against its 95% interval). Percentages to 0.1 point, other numbers to 3 significant
+digits. Both commands warn, in one line naming the file and line, of a metrics.jsonl line that is
+not a JSON object (left out); log-scaled plots draw values <= 0 on the bottom edge and say so.
 `nll` samples one response per problem and relates the query's mean per-token NLL to the
 response's (one forward over [prompt | response]): their Pearson correlation is the paper's
 motivation for query weights (method.md §4).
@@ -37,12 +40,12 @@ from plumbing import errors, interrupts, plots, run_dir
 
 
 def read_metrics(run, need_rows=False):
-    """Rows of a training run's metrics.jsonl (RUN_DIR or the file itself); `need_rows`: an empty
-    file is an error too."""
+    """Rows of a training run's metrics.jsonl (RUN_DIR or the file itself), each line that is not a
+    JSON object said in one warning (file and line); `need_rows`: an empty file is an error too."""
     path = os.path.join(run, "metrics.jsonl") if os.path.isdir(run) else run
     if not os.path.isfile(path):
         raise ValueError(f"no metrics.jsonl in {run}" + ("" if os.path.exists(run) else " (no such folder)"))
-    rows = run_dir.read_jsonl(path)
+    rows = run_dir.read_jsonl(path, warn=warn)
     if need_rows and not any("step" in r for r in rows):
         raise ValueError(f"{path} has no step logged yet (an empty run)")
     return rows
@@ -96,18 +99,22 @@ GRAD_TERMS = ("policy_kl", "query_kl", "entropy")
 
 
 def _step_figure(runs, path, title, ylabel, curves, log=False):
-    """One figure over steps: for each run (colour) each (key, style, label) of `curves` it logged."""
+    """One figure over steps: for each run (colour) each (key, style, label) of `curves` it logged;
+    `log`: log scale, the values <= 0 on its bottom edge (plots.plot_log), the y label says so."""
     plt = plots._plt()
     fig, ax = plt.subplots(figsize=(6, 4))
+    low = 0
     for i, (name, rows) in enumerate(runs.items()):
         for key, style, what in curves:
             x, y = plots.series(rows, key)
-            if x:
+            if x and log:
+                low += plots.plot_log(ax, x, y, style, f"C{i}", f"{name} {what}", ms=3)
+            elif x:
                 ax.plot(x, y, style, color=f"C{i}", ms=3, label=f"{name} {what}")
     out = None
     if ax.lines:
         if log:
-            ax.set_yscale("log", nonpositive="mask")      # (exact zeros, e.g. step 0's, left out)
+            ylabel = plots.log_ylabel(ax, ylabel, low)
         else:
             ax.axhline(0, color="grey", lw=0.5)
         out = plots._save_step_plot(fig, ax, ylabel, path, title)
@@ -168,7 +175,9 @@ def newcombe(p1, n1, p2, n2):
 
 
 def compare_table(runs, last=10) -> str:
-    """One markdown table: a column per run, then each later run minus the first (B - A)."""
+    """One markdown table: a column per run, then each later run minus the first (B - A); under it
+    the verdict line. One precision: percentages (accuracies and their differences) to 0.1 point,
+    every other number to 3 significant digits."""
     label = plots.short_labels([os.path.normpath(r) for r in runs])
     names = [label[os.path.normpath(r)] for r in runs]
     data = [read_metrics(r, need_rows=True) for r in runs]
@@ -176,39 +185,71 @@ def compare_table(runs, last=10) -> str:
     sets = list(dict.fromkeys(k[len("eval_acc/"):] for rows in data for r in rows for k in r
                               if k.startswith("eval_acc/") and "/L" not in k[len("eval_acc/"):]))
     head = names + [f"{b} - {names[0]}" for b in names[1:]]
-    table = []
-    for name in sets:
-        vals = [final_heldout(rows, name) for rows in data]
-        ns = [sz.get(name) for sz in sizes]
-        cells = [_acc_cell(p, n, st) for (p, st), n in zip(vals, ns)]
-        (p0, _), n0 = vals[0], ns[0]
-        for (p, _), n in zip(vals[1:], ns[1:]):
-            cells.append("-" if p is None or p0 is None else f"{100 * (p - p0):+.1f}" + (
-                " [{:+.1f}, {:+.1f}]".format(*(100 * x for x in newcombe(p0, n0, p, n))) if n and n0 else ""))
-        table.append([f"held-out {name} %, last eval [95% interval]"] + cells)
+    table = [accuracy_row(name, data, sizes) for name in sets]
     for key, what, scale in MONITORS:
         got = [last_steps_mean(rows, key, last) for rows in data]
-        cells = ["-" if m is None else f"{_num(scale * m)} (steps {a}-{b})" for m, (a, b) in
+        cells = ["-" if m is None else f"{_num(scale * m, pct=scale == 100)} (steps {a}-{b})" for m, (a, b) in
                  [(m, span or (None, None)) for m, span in got]]
-        cells += ["-" if m is None or got[0][0] is None else _num(scale * (m - got[0][0]), sign=True)
-                  for m, _ in got[1:]]
+        cells += ["-" if m is None or got[0][0] is None else
+                  _num(scale * (m - got[0][0]), sign=True, pct=scale == 100) for m, _ in got[1:]]
         table.append([f"{what}, mean of the last {last} steps"] + cells)
     steps = [max((r["step"] for r in rows if "step" in r), default=0) for rows in data]
     table.append(["steps"] + [str(s) for s in steps] + [f"{s - steps[0]:+d}" for s in steps[1:]])
     lines = ["| | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in table])
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in table] +
+                     [verdict(names, data, sizes, sets)])
+
+
+def heldout_differences(name, data, sizes):
+    """[(B - A, its 95% Newcombe interval or None, A's and B's steps)] of held-out set `name`'s last
+    accuracy, one per later run (None where either run has none)."""
+    vals, ns = [final_heldout(rows, name) for rows in data], [sz.get(name) for sz in sizes]
+    (p0, s0), n0 = vals[0], ns[0]
+    return [None if p is None or p0 is None else
+            (p - p0, newcombe(p0, n0, p, n) if n and n0 else None, (s0, st))
+            for (p, st), n in zip(vals[1:], ns[1:])]
+
+
+def accuracy_row(name, data, sizes) -> list:
+    """The table's row of held-out set `name`: each run's last accuracy, then each B - A."""
+    cells = [_acc_cell(p, sz.get(name), st) for (p, st), sz in
+             zip((final_heldout(rows, name) for rows in data), sizes)]
+    for d in heldout_differences(name, data, sizes):
+        cells.append("-" if d is None else _num(100 * d[0], sign=True, pct=True) + (
+            "" if d[1] is None else " [{}, {}]".format(*(_num(100 * x, sign=True, pct=True) for x in d[1]))))
+    return [f"held-out {name} %, last eval [95% interval]"] + cells
+
+
+def verdict(names, data, sizes, sets) -> str:
+    """One line: for each later run and held-out set, B - A in points and whether its 95% interval
+    excludes 0 (above / below) or not (no difference shown)."""
+    said = []
+    for name in sets:
+        for b, d in zip(names[1:], heldout_differences(name, data, sizes)):
+            if d is None:
+                continue
+            diff, ci, (s0, s1) = d
+            span = "" if ci is None else " [{}, {}]".format(*(_num(100 * x, sign=True, pct=True) for x in ci))
+            word = ("no interval (problem count unknown)" if ci is None else f"{b} higher at 95%" if ci[0] > 0
+                    else f"{b} lower at 95%" if ci[1] < 0 else "no difference shown at 95%")
+            when = "" if s0 == s1 else f", evaluated at steps {s0} vs {s1}"
+            said.append(f"{b} - {names[0]} on {name}: {_num(100 * diff, sign=True, pct=True)} points{span}, "
+                        f"{word}{when}")
+    return "verdict: " + ("; ".join(said) if said else
+                          "no held-out set evaluated in both runs (turn evaluations on: --eval-every)")
 
 
 def _acc_cell(p, n, step):
     if p is None:
         return "-"
     lo, hi = plots.wilson(p, n)
-    return f"{100 * p:.1f}" + (f" [{100 * lo:.1f}, {100 * hi:.1f}] of {n}" if n else "") + f" (step {step})"
+    return _num(100 * p, pct=True) + (f" [{_num(100 * lo, pct=True)}, {_num(100 * hi, pct=True)}] of {n}"
+                                      if n else "") + f" (step {step})"
 
 
-def _num(x, sign=False):
-    return format(x, "+.3g" if sign else ".3g") if abs(x) >= 1e-3 or x == 0 else \
-        format(x, "+.2e" if sign else ".2e")
+def _num(x, sign=False, pct=False):
+    """The table's one precision: a percentage to 0.1 point, anything else to 3 significant digits."""
+    return format(x, ("+" if sign else "") + (".1f" if pct else ".3g"))
 
 
 # ----------------------------------------------------------------------------- Appendix D
@@ -333,6 +374,11 @@ def check_nll_args(args):
         raise ValueError(f"--temperature must be finite and >= 0, got {args.temperature}")
     if args.max_new_tokens is None:
         args.max_new_tokens = heldout.default_max_new_tokens(args.template)
+
+
+def warn(msg):
+    """Something left out of what is shown (a malformed metrics.jsonl line): one line on stderr."""
+    print(f"analysis.py: warning: {msg}", file=sys.stderr)
 
 
 def fail(msg):

@@ -97,21 +97,47 @@ def _save_step_plot(fig, ax, ylabel, path, title):
     return path
 
 
+# A log axis has no place for 0 (a KL at step 0, a term the loss lacks) or below (rounding): such
+# values are drawn as hollow triangles on the axis' bottom edge, and the y label says so.
+NONPOSITIVE = "\u25bd on the bottom edge: <= 0"
+
+
+def plot_log(ax, x, y, fmt, color, label, **kw):
+    """Draw one series on a log-scaled axis: its positive values as `fmt` (a gap where a value is not
+    positive), the others as triangles at the bottom edge (x in data, y in axes units: they move no
+    limit). -> how many were not positive."""
+    pos = [v if v > 0 else float("nan") for v in y]
+    low = [xi for xi, v in zip(x, y) if not v > 0]
+    if len(low) < len(y):
+        ax.plot(x, pos, fmt, color=color, label=label, **kw)
+    if low:
+        ax.plot(low, [0.0] * len(low), "v", color=color, mfc="none", ms=6, clip_on=False,
+                transform=ax.get_xaxis_transform(), label=None if len(low) < len(y) else f"{label} (all <= 0)")
+    return len(low)
+
+
+def log_ylabel(ax, ylabel, nonpositive: int):
+    """Log scale, and the y label saying where the values that have no place on it went."""
+    ax.set_yscale("log")
+    return f"{ylabel} (log; {NONPOSITIVE})" if nonpositive else f"{ylabel} (log)"
+
+
 def kl_over_steps(runs: dict, path):
     """runs: {label: metric rows}. Query-KL (solid) and Policy-KL (dashed) per run, log scale:
-    the KLs of different runs and kinds differ by orders of magnitude; the exact zeros of step 1
-    (policy == reference) are left out rather than breaking the axis. None if nothing to plot."""
+    the KLs of different runs and kinds differ by orders of magnitude; the exact zeros (policy ==
+    reference) are triangles on the bottom edge (plot_log), the y label says so. None if nothing
+    to plot."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
+    low = 0
     for i, (name, rows) in enumerate(runs.items()):
         for key, style, kind in (("query_kl", "-", "Query-KL"), ("policy_kl", "--", "Policy-KL")):
             x, y = series(rows, key)
             if x:
-                ax.plot(x, y, style, color=f"C{i}", label=f"{name} {kind}")
+                low += plot_log(ax, x, y, style, f"C{i}", f"{name} {kind}")
     out = None
     if ax.lines:
-        ax.set_yscale("log", nonpositive="mask")
-        out = _save_step_plot(fig, ax, "KL", path,
+        out = _save_step_plot(fig, ax, log_ylabel(ax, "KL", low), path,
                               "Query-KL (solid) and Policy-KL (dashed) per training step")
     plt.close(fig)
     return out

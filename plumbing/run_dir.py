@@ -437,18 +437,28 @@ def _step_of(line):
 # Append-only JSONL files (metrics.jsonl, evaluate.py's samples.jsonl)
 
 
-def read_jsonl(path) -> list[dict]:
+def read_jsonl(path, warn=None) -> list[dict]:
     """Records of a JSONL file we append to; a half-written line (a kill mid-write) is skipped.
-    A missing file has no records."""
-    records = []
+    A missing file has no records. `warn(message)`, where given, hears of the lines left out (not
+    JSON, or JSON but not an object) in one message naming the file and their line numbers, so a
+    reader's count of steps is not silently short."""
+    records, bad = [], []
     if not os.path.isfile(path):
         return records
     with open(path) as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
-                pass
+                record = None
+            if isinstance(record, dict) or (warn is None and record is not None):
+                records.append(record)
+            elif line.strip():
+                bad.append(number)
+    if bad and warn is not None:
+        more = f" (and {len(bad) - 1} more: line {', '.join(map(str, bad[1:6]))}" + \
+            (", ..." if len(bad) > 6 else "") + ")" if len(bad) > 1 else ""
+        warn(f"{path}:{bad[0]}: not a JSON object, left out{more}")
     return records
 
 

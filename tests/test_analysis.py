@@ -81,11 +81,17 @@ def test_compare_two_runs_by_hand(tmp_path, capsys):
     assert table["held-out tiny-test %, last eval [95% interval]"][2].startswith("+5.0 [")
     assert table["held-out tiny-hard %, last eval [95% interval]"][2].startswith("-5.0 [")
     # steps 16-20: train_acc 0.16 .. 0.20, mean 0.18; Query-KL 0.001 * 18 = 0.018 vs 0.009
-    assert table["train accuracy %, mean of the last 5 steps"][:2] == ["18 (steps 16-20)", "18 (steps 16-20)"]
+    assert table["train accuracy %, mean of the last 5 steps"][:2] == ["18.0 (steps 16-20)", "18.0 (steps 16-20)"]
     assert table["Query-KL, mean of the last 5 steps"][:2] == ["0.018 (steps 16-20)", "0.009 (steps 16-20)"]
     assert table["Query-KL, mean of the last 5 steps"][2].rstrip(" |") == "-0.009"
     assert table["Policy-KL, mean of the last 5 steps"][2].rstrip(" |") == "+0"
     assert table["steps"][0] == "20"
+    # the verdict: each difference against its interval (+5 and -5 points over 200 problems: noise)
+    verdict = [k for k in table if k.startswith("verdict: ")]
+    assert verdict == ["verdict: erpo - grpo on tiny-test: +5.0 points [{}, {}], no difference shown at 95%; "
+                       "erpo - grpo on tiny-hard: -5.0 points [{}, {}], no difference shown at 95%".format(
+                           *(f"{100 * x:+.1f}" for x in (*analysis.newcombe(0.5, 200, 0.55, 200),
+                                                         *analysis.newcombe(0.25, 200, 0.20, 200))))]
     assert analysis.newcombe(0.5, 200, 0.5, 200)[0] == pytest.approx(-(0.5 - lo) * math.sqrt(2))
     # one-line errors: a missing folder, a folder without metrics.jsonl, an empty metrics.jsonl
     (tmp_path / "bare").mkdir()
@@ -152,3 +158,46 @@ def test_query_response_nll_matches_separate_forwards():
         assert_rounding("analysis.response_nll", r[i], -tok_lp[len(p) - 1:].mean().item())
     assert analysis.pearson([1, 2, 3], [2, 4, 6.5]) > 0.99
     assert math.isnan(analysis.pearson([1, 1], [2, 3]))
+
+
+def test_compare_verdict_says_which_run_is_higher(tmp_path, capsys):
+    """A difference whose interval excludes 0 is named; runs without evaluations say so."""
+    rows = [{"step": 1, "eval_acc/tiny-test": 0.3}], [{"step": 1, "eval_acc/tiny-test": 0.6}]
+    a, b = (write_run(tmp_path / n, r, eval_data=["tiny-test"]) for n, r in zip("ab", rows))
+    assert analysis.compare_table([a, b]).splitlines()[-1].endswith("], b higher at 95%")
+    bare = [write_run(tmp_path / n, [{"step": 1, "query_kl": 0.1}]) for n in ("c", "d")]
+    assert "no held-out set evaluated in both runs" in analysis.compare_table(bare).splitlines()[-1]
+
+
+def test_runs_and_compare_warn_of_malformed_lines(tmp_path, capsys):
+    """A metrics.jsonl line that is not a JSON object is left out with one warning naming the file
+    and its line, not dropped without a word (issue #50: a run shown at step 3 that reached 4)."""
+    good = [{"step": s, "query_kl": 0.01 * s, "train_acc": 0.5} for s in range(1, 5)]
+    a = write_run(tmp_path / "a", good)
+    b = write_run(tmp_path / "b", good)
+    lines = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    lines[2], lines[3] = '{"step": 3, "query', "[4]"
+    (tmp_path / "b" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    analysis.main(["compare", a, b])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"analysis.py: warning: {os.path.join(b, 'metrics.jsonl')}:3: not a JSON object, left out "
+                   "(and 1 more: line 4)"]
+    analysis.main(["runs", b, "--out", str(tmp_path / "plots")])
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert len(run_dir.read_jsonl(os.path.join(b, "metrics.jsonl"))) == 3     # no warn: as before, [4] kept
+
+
+def test_log_plots_draw_zeros_on_the_bottom_edge(tmp_path):
+    """Log-scaled plots: a value <= 0 (step 0's KL, a term the loss lacks) is a triangle on the
+    bottom edge, not dropped, and the y label says so; a run whose values are all 0 still shows."""
+    plt = plots._plt()
+    fig, ax = plt.subplots()
+    assert plots.plot_log(ax, [0, 1, 2], [0.0, 1e-3, 2e-3], "-", "C0", "a") == 1
+    assert plots.plot_log(ax, [0, 1], [0.0, 0.0], "-", "C1", "b (alpha = 0)") == 2
+    assert "<= 0" in plots.log_ylabel(ax, "KL", 3) and plots.log_ylabel(ax, "KL", 0) == "KL (log)"
+    assert [line.get_label() for line in ax.lines] == ["a", "_child1", "b (alpha = 0) (all <= 0)"]
+    assert list(ax.lines[1].get_xdata()) == [0] and list(ax.lines[2].get_xdata()) == [0, 1]
+    plt.close(fig)
+    rows = {"a": [{"step": s, "grad_norm/pg": 1.0, "grad_norm/query_kl": 0.0} for s in (1, 2)]}
+    path = analysis.monitor_plots(rows, str(tmp_path))[0]
+    assert path and os.path.getsize(path) > 0
