@@ -8,8 +8,8 @@
 `runs` plots Query-KL vs Policy-KL over steps (kl.png) and training vs held-out accuracy
 (train_eval_gap.png, with 95% Wilson intervals) from each run's metrics.jsonl, and prints the mean
 train - held-out gap; and the instruments (rl/monitors.py), where logged: each loss term's gradient
-norm and its cosine with the policy gradient (grad_norms.png, grad_cos.png), held-out vs training
-Query-KL at evaluations (query_kl_heldout.png), the premise meter (premise.png).
+norm and its cosine with the policy gradient (grad_norms.png, grad_cos.png), held-out vs trained
+prompts' Query-KL at evaluations (query_kl_heldout.png), the premise meter (premise.png).
 `compare` prints one table of runs side by side: the last held-out accuracy per set with its 95%
 Wilson interval, train accuracy, Query-KL, Policy-KL and entropy averaged over the last --last
 steps, the steps, and each run minus the first (B - A); then a verdict line (each B - A in held-out
@@ -124,8 +124,9 @@ def _step_figure(runs, path, title, ylabel, curves, log=False):
 
 def monitor_plots(runs: dict, out_dir) -> list:
     """grad_norms.png (each loss term's gradient norm, log scale), grad_cos.png (the cosine of the
-    policy gradient with each regulariser's), query_kl_heldout.png (Query-KL of held-out vs training
-    prompts at each evaluation: their gap is the memorisation curve), premise.png (premise_r)."""
+    policy gradient with each regulariser's), query_kl_heldout.png (Query-KL of held-out prompts vs
+    prompts the run trained on, at each evaluation: their gap is the memorisation curve; a run from
+    before issue #50 logged the training set's first rows instead, drawn as such), premise.png (premise_r)."""
     styles = dict(zip(("pg", *GRAD_TERMS), ("-", "--", ":", "-.")))
     return [
         _step_figure(runs, os.path.join(out_dir, "grad_norms.png"), "Gradient norm of each loss term "
@@ -135,9 +136,10 @@ def monitor_plots(runs: dict, out_dir) -> list:
                      "regulariser's", "cosine",
                      [(f"grad_cos/pg_{t}", styles[t] + "o", t) for t in GRAD_TERMS]),
         _step_figure(runs, os.path.join(out_dir, "query_kl_heldout.png"), "Query-KL at evaluations: held-out "
-                     "(solid) vs training prompts (dashed)", "Query-KL",
-                     [("eval_query_kl", "-o", "held-out"), ("eval_query_kl_train", "--s", "training")],
-                     log=True),
+                     "(solid) vs prompts the run trained on (dashed)", "Query-KL",
+                     [("eval_query_kl", "-o", "held-out"),
+                      ("eval_query_kl_trained", "--s", "trained prompts"),
+                      ("eval_query_kl_train", ":x", "first training rows (older runs)")], log=True),
         _step_figure(runs, os.path.join(out_dir, "premise.png"), "Premise meter: r(prompt NLL under pi_0, "
                      "response NLL under pi_old) per step", "Pearson r", [("premise_r", "-", "r")])]
 

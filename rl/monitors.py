@@ -16,8 +16,9 @@ this data? Each is a pure function here with a small hook in train.py.
 - Held-out Query-KL (`HeldoutQueryKL`, at every evaluation): the Query-KL monitor's estimator (k3 over
   the prompt tokens, mean over prompts) of the held-out prompts against their log-probs under the
   initial policy, cached before RL as the training prompts' are (<out>/heldout_query_cache.pt, shared
-  by --query-cache-dir), beside the same number of training prompts scored by the same weights:
-  eval_query_kl[/<set>] and eval_query_kl_train. Their gap is the memorisation curve.
+  by --query-cache-dir), beside as many prompts the run has trained on (the first it sampled:
+  trained_prompts) against the training cache, scored by the same weights: eval_query_kl[/<set>]
+  and eval_query_kl_trained. Their gap is the memorisation curve.
 - The premise meter, premise_r, every step, is rl/experience.py's (`premise_sums`, beside the step's
   other monitors in step_metrics): the Pearson correlation over the step's prompts between each
   prompt's mean per-token NLL under the initial policy (the Query-KL cache's) and the
@@ -33,7 +34,7 @@ import torch
 import losses
 from evaluation.heldout import heldout_at_temperatures
 from modeling import logprobs
-from plumbing import distributed
+from plumbing import batching, distributed
 from plumbing.distributed import print0
 from rl import query_reference
 
@@ -167,14 +168,29 @@ def per_prompt_query_kl(logp: list, ref: list) -> torch.Tensor:
     return losses.query_kl(logprobs.right_align(logp, width), logprobs.right_align(ref, width), mask)
 
 
+def trained_prompts(n_data, steps, rollout_batch, seed, n) -> list[int]:
+    """The first `n` distinct training-set indices that the run's first `steps` RL steps sampled
+    (round 0 of each, batching.step_indices: a function of these arguments, so a resumed run draws
+    the same), in sampling order: a sample of prompts the run has trained on, fixed once `n` are
+    reached, fewer before."""
+    seen = {}
+    for step in range(steps):
+        for i in batching.step_indices(n_data, step, rollout_batch, seed):
+            seen.setdefault(i, None)
+            if len(seen) == n:
+                return list(seen)
+    return list(seen)
+
+
 class HeldoutQueryKL:
     """The held-out prompts (each set's, in --eval-data order) and the initial policy's log-probs of
-    them; `train` / `train_ref`: as many training prompts and the training cache's log-probs of
-    them (None without a cache)."""
+    them; `data_ids` / `data_ref`: the training set's prompts and the training cache's log-probs of
+    them (None without a cache), from which each evaluation scores up to as many prompts as the
+    first held-out set has, among those the run has sampled (trained_prompts)."""
     FILE = "heldout_query_cache.pt"
 
-    def __init__(self, sets: dict, ids: list, ref: list, train_ids=None, train_ref=None):
-        self.sets, self.ids, self.ref, self.train_ids, self.train_ref = sets, ids, ref, train_ids, train_ref
+    def __init__(self, sets: dict, ids: list, ref: list, data_ids=None, data_ref=None):
+        self.sets, self.ids, self.ref, self.data_ids, self.data_ref = sets, ids, ref, data_ids, data_ref
 
     @classmethod
     def for_run(cls, run, evalsets: dict, resuming: bool) -> "HeldoutQueryKL | None":
@@ -205,13 +221,19 @@ class HeldoutQueryKL:
             cache = query_reference.load_or_build(path, meta, run.policy, ids, pad, a.temperature, d.device,
                                                   a.query_cache_dir)
         sets = {name: len(ps) for name, ps in evalsets.items()}
-        n = min(len(run.data.ids), next(iter(sets.values())))
-        train = (run.data.ids[:n], run.cache.logp[:n]) if run.cache is not None else (None, None)
-        return cls(sets, ids, cache.logp, *train)
+        data = (run.data.ids, run.cache.logp) if run.cache is not None else (None, None)
+        return cls(sets, ids, cache.logp, *data)
 
-    def measure(self, run) -> dict:
-        """eval_query_kl (the first set's), eval_query_kl/<set>, eval_query_kl_train: this policy's
-        prompt log-probs (one forward over the prompts, as the caches are built) against the caches."""
+    def trained_sample(self, run, steps: int) -> list[int]:
+        """Training-set indices of the trained prompts an evaluation after `steps` RL steps scores."""
+        a = run.args
+        n = next(iter(self.sets.values()))
+        return trained_prompts(len(self.data_ids), steps, a.rollout_batch, a.seed, n)
+
+    def measure(self, run, steps: int = 0) -> dict:
+        """eval_query_kl (the first set's), eval_query_kl/<set>, and after `steps` >= 1 RL steps
+        eval_query_kl_trained (on trained_sample's prompts; none before a step): this policy's prompt
+        log-probs (one forward over the prompts, as the caches are built) against the caches."""
         a, d, pad = run.args, run.dist, run.tokenizer.pad_token_id
 
         def score(ids):
@@ -222,9 +244,11 @@ class HeldoutQueryKL:
             out[f"eval_query_kl/{name}"] = kl[start:start + n].mean().item() if n else None
             start += n
         out["eval_query_kl"] = out[f"eval_query_kl/{next(iter(self.sets))}"]
-        if self.train_ids:
-            kl = per_prompt_query_kl(score(self.train_ids), self.train_ref)
-            out["eval_query_kl_train"] = kl.mean().item()
+        trained = self.trained_sample(run, steps) if self.data_ids and steps > 0 else []
+        if trained:
+            kl = per_prompt_query_kl(score([self.data_ids[i] for i in trained]),
+                                     [self.data_ref[i] for i in trained])
+            out["eval_query_kl_trained"] = kl.mean().item()
         return out
 
 
@@ -239,12 +263,13 @@ class Evaluation:
         with amp():
             self.qkl = HeldoutQueryKL.for_run(run, evalsets, start > 0) if self.every else None
 
-    def __call__(self) -> dict:
+    def __call__(self, steps: int = 0) -> dict:
+        """The evaluation after `steps` RL steps (0: the starting point)."""
         run = self.run
         with self.amp():
             out = heldout_at_temperatures(run.policy, run.tokenizer, self.evalsets, run.spec,
                                           run.args.eval_temperatures, run.args.seed)
-            return {**out, **(self.qkl.measure(run) if self.qkl else {})}
+            return {**out, **(self.qkl.measure(run, steps) if self.qkl else {})}
 
     def first(self, log):
         """The starting point (step 0 of a fresh run, where evaluations are on): logged, said in one line."""
@@ -258,4 +283,4 @@ class Evaluation:
         if not self.every or (step % self.every and not last):
             return {}
         with self.run.timer("eval"):
-            return self()
+            return self(step)

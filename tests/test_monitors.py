@@ -115,18 +115,19 @@ def test_a_two_step_run_logs_the_instruments_at_their_hand_values(tmp_path, smal
         seen.setdefault(step, (ro, batch.valid.clone(), run.args.group_size))
         return real_metrics(run, step, c, ro, batch, qref, upd)
 
-    def spy_measure(self, run):                                      # the weights each evaluation scores
+    def spy_measure(self, run, *a):                                  # the weights each evaluation scores
         at_eval.append(({k: v.clone() for k, v in run.policy.state_dict().items()}, self))
-        return real_measure(self, run)
+        return real_measure(self, run, *a)
     monkeypatch.setattr(experience, "step_metrics", spy_metrics)
     monkeypatch.setattr(monitors.HeldoutQueryKL, "measure", spy_measure)
     rows = run(tmp_path / "on", small_data, "--monitor-every", "1")
     steps = {r["step"]: r for r in rows}
     for k in ("grad_norm/pg", "grad_norm/query_kl", "grad_norm/entropy", "grad_cos/pg_query_kl",
               "grad_cos/pg_entropy", "premise_r", "eval_query_kl", "eval_query_kl/tiny-test",
-              "eval_query_kl_train"):
+              "eval_query_kl_trained"):
         assert all(k in steps[s] for s in (1, 2)), k
-    assert steps[0]["eval_query_kl"] == 0.0 and steps[0]["eval_query_kl_train"] == 0.0   # the same forward
+    assert steps[0]["eval_query_kl"] == 0.0                          # the same forward as the cache's
+    assert "eval_query_kl_trained" not in steps[0]                   # nothing trained yet
 
     # held-out Query-KL after one step, by hand: each held-out prompt alone, k3 per token against the
     # initial policy, mean over its tokens, then over the prompts
@@ -267,3 +268,39 @@ def test_query_kl_cosine_is_null_at_step_1_and_measured_once_the_policy_moved(tm
     off = gradient_rows(tmp_path / "a0", small_data, 0.0)
     assert all(r["grad_norm/query_kl"] == 0.0 and r["grad_cos/pg_query_kl"] is None for r in off.values())
     assert all("grad_norm/query_kl" in r and "grad_norm/policy_kl" in r for r in off.values())
+
+
+def test_trained_prompts_are_the_first_sampled(monkeypatch):
+    """trained_prompts: the first n distinct indices of the steps' samples in order, fixed once n
+    are reached, all of them before; none before a step."""
+    from plumbing import batching
+    order = [batching.step_indices(50, k, 8, 3) for k in range(4)]
+    seen = list(dict.fromkeys(i for o in order for i in o))
+    assert monitors.trained_prompts(50, 0, 8, 3, 10) == []
+    assert monitors.trained_prompts(50, 1, 8, 3, 10) == order[0]                  # 8 of 10: fewer before
+    assert monitors.trained_prompts(50, 2, 8, 3, 10) == seen[:10] == monitors.trained_prompts(50, 4, 8, 3, 10)
+    assert monitors.trained_prompts(50, 4, 8, 3, 100) == seen                      # every one sampled
+
+
+def test_the_memorisation_metric_scores_prompts_the_run_has_sampled(tmp_path, small_data, monkeypatch):
+    """Issue #50: eval_query_kl_trained's prompts, at each evaluation after step s, are a subset of the
+    prompts steps 1..s sampled (batching.step_indices), as many as the held-out set has once there are
+    that many; the training set's first rows, which the old eval_query_kl_train scored, are not."""
+    from plumbing import batching, run_dir
+    seen = []
+    real = monitors.HeldoutQueryKL.trained_sample
+
+    def spy(self, run, steps):
+        seen.append((steps, real(self, run, steps), len(self.data_ids), next(iter(self.sets.values()))))
+        return seen[-1][1]
+    monkeypatch.setattr(monitors.HeldoutQueryKL, "trained_sample", spy)
+    out = tmp_path / "run"
+    rows = {r["step"]: r for r in run(out, small_data, "--monitor-every", "0", "--steps", "3",
+                                      "--eval-limit", "12")}
+    seed = run_dir.read_config(str(out))["seed"]
+    assert [s for s, *_ in seen] == [1, 2, 3] and all("eval_query_kl_trained" in rows[s] for s in (1, 2, 3))
+    for steps, idx, n_data, n in seen:
+        sampled = {i for k in range(steps) for i in batching.step_indices(n_data, k, 8, seed)}
+        assert set(idx) <= sampled and len(idx) == min(n, len(sampled)) == len(set(idx)), steps
+    assert seen[1][1] == seen[2][1] and len(seen[1][1]) == 12                       # fixed once 12 are sampled
+    assert set(seen[2][1]) != set(range(12))
