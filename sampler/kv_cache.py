@@ -64,7 +64,7 @@ from torch._subclasses.fake_tensor import is_fake
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from modeling.logprobs import forward_kwargs, full_attention
-from plumbing import memory_plan
+from plumbing import memory_plan, time_check
 from sampler import decode
 
 
@@ -282,8 +282,12 @@ def kv_budget_from_memory(config, dtype, reserve_bytes=0) -> int:
     """KV-cache positions that fit in the free GPU memory now, less `reserve_bytes` the rollout
     phase will still allocate beside the cache, less memory_plan.KV_MARGIN of the card: the rule
     the dry-run's plan uses too (memory_plan.kv_positions_that_fit)."""
+    torch.cuda.empty_cache()            # the allocator's cached free blocks count as free: released first
     free, card = torch.cuda.mem_get_info()
-    return memory_plan.kv_positions_that_fit(free, card, reserve_bytes, kv_bytes_per_position(config, dtype))
+    per = kv_bytes_per_position(config, dtype)
+    n = memory_plan.kv_positions_that_fit(free, card, reserve_bytes, per)
+    time_check.BUDGET.update(positions=n, gib=n * per / 2 ** 30, free_gib=free / 2 ** 30)  # (logged per step)
+    return n
 
 
 # Bytes per (slot, vocabulary entry) of one decode step's logits beside the cache: the float32
@@ -397,6 +401,8 @@ def decode_pass(model, prompts, keys, choose, *, slots, max_new_tokens, eos, pad
     dev, N, R = next(model.parameters()).device, len(prompts), max_new_tokens
     S, C = min(slots or N, N), max(map(len, prompts)) + R
     cache = slot_cache(model, S, C)
+    record = time_check.Pass(N, S, C, _cache_bytes(cache), bool(compile_decode))   # what this rank got
+    time_check.PASSES.append(record)
     step = decode.CapturedStep(model, cache, "inductor" if compile_decode is True else compile_decode) \
         if compile_decode else decode.LeanStep(model, cache)
     out, z = Decoded.empty(N, R, pad_id, dev), torch.zeros(S, dtype=torch.long, device=dev)
@@ -426,8 +432,14 @@ def decode_pass(model, prompts, keys, choose, *, slots, max_new_tokens, eos, pad
             queued, last_admit = queued + len(free), out.steps
             bar.update(len(free))
     bar.close()
+    record.steps, record.fell_back = out.steps, bool(compile_decode) and bool(decode.FELL_BACK)
     return out
 
+
+
+def _cache_bytes(cache) -> int:
+    """The slot cache's K and V buffers, every layer (a test's stand-in cache: none)."""
+    return sum(b.numel() * b.element_size() for c in getattr(cache, "layers", ()) for b in (c.k_all, c.v_all))
 
 def _refill(model, step, s: Slots, pos: list[int], prompts, free: list[int], first: int, pad_id):
     """Admit rows first, first + 1, ... into the `free` slots: their prompts prefilled into the

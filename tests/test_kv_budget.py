@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from plumbing import memory_plan
+from plumbing import memory_plan, time_check
 from sampler import kv_cache
 from modeling import models
 import rollout
@@ -33,8 +33,11 @@ def qwen7b():
         return Qwen2Config(**json.load(f))
 
 
-def gpu(monkeypatch, free, card=CARD):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, card))
+def gpu(monkeypatch, free, card=CARD, calls=None):
+    """A card of `card` bytes with `free` free; calls: a list the two CUDA queries append their names to."""
+    calls = [] if calls is None else calls
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: calls.append("mem_get_info") or (free, card))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
 
 
 def test_the_budget_is_what_fits_beside_the_reserve_and_the_margin(qwen7b, monkeypatch):
@@ -110,3 +113,41 @@ def test_a_lora_run_reserves_its_merged_decoding_copy(warm):
 def test_the_cpu_has_no_cap(warm):
     model, tok = warm
     assert rollout.SampleSpec.make(model, tok, 96, "kv", 256, 0, bf16=False).kv_budget == 0
+
+
+def test_the_budget_is_sized_after_the_allocator_s_cache_is_released(qwen7b, monkeypatch):
+    """mem_get_info counts the caching allocator's free blocks as used: the cache is released first,
+    once per sizing, and the sizing is kept for the step's metrics line (time_check.BUDGET)."""
+    calls = []
+    gpu(monkeypatch, 100 * GIB, calls=calls)
+    monkeypatch.setattr(time_check, "BUDGET", {})
+    n = kv_cache.kv_budget_from_memory(qwen7b, torch.bfloat16, 8 * GIB)
+    assert calls == ["empty_cache", "mem_get_info"]
+    per = kv_cache.kv_bytes_per_position(qwen7b, torch.bfloat16)
+    assert time_check.BUDGET == {"positions": n, "gib": n * per / GIB, "free_gib": 100.0}
+
+
+def test_each_rollout_logs_its_slots_and_kv_budget(warm, monkeypatch):
+    """The one pass records what its rank got; the step's hook (time_check.FirstSteps, every device)
+    puts the step's first pass on its line -- slots, columns, KV GiB, the --kv-budget 0 sizing -- and
+    a line without a pass since the last gets none."""
+    import argparse
+    import train
+    from tests.test_decode_capture import rows_of
+
+    model, tok = warm
+    monkeypatch.setattr(time_check, "BUDGET", {"positions": 1234, "gib": 0.5, "free_gib": 70.0})
+    a = train.parse_args(["--steps", "5"])[0]
+    hook = time_check.FirstSteps(a, argparse.Namespace(world=1, device=torch.device("cpu")), False, 0.5, 0)
+    prompts, kw = rows_of(model, tok, problems=2)
+    for slots in (3, 5):
+        rollout.sample(model, prompts, **dict(kw, batch_size=slots))
+        rollout.sample(model, prompts[:2], **dict(kw, batch_size=2, seeds=kw["seeds"][:2]))  # (an evaluation)
+        line = hook({"step": slots})
+        C = max(map(len, prompts)) + kw["max_new_tokens"]
+        per = kv_cache.kv_bytes_per_position(model.config, kv_cache.kv_dtype(model))
+        assert line["sampler/slots"] == slots and line["sampler/columns"] == C and line["sampler/passes"] == 2
+        assert line["sampler/rows"] == len(prompts) and line["sampler/decode_steps"] > 0
+        assert line["sampler/kv_gib"] == pytest.approx(slots * C * per / GIB)
+        assert line["sampler/kv_budget"] == 1234 and line["sampler/kv_budget_free_gib"] == 70.0
+    assert hook({"step": 6}) == {"step": 6}

@@ -335,7 +335,7 @@ def test_measured_at_twice_the_model_reads_ratio_two_and_its_hours():
     assert model["step"]["modelled"] == pytest.approx(sum(model[p]["modelled"] for p in ("gen", "score", "update")))
     m = time_check.check_metrics(check)
     assert m["time_model/gen_ratio"] == pytest.approx(2.0) and m["time_model/projected_h"] == check["projected_h"]
-    assert all(k.startswith("time_model/") for k in m) and len(m) == 4 * 3 + 3
+    assert all(k.startswith("time_model/") for k in m) and len(m) == 4 * 3 + 3 + 1   # + slots_planned
     text = time_check.format_check(check)
     assert "steps 2-3" in text and "x 2.00" in text and f"{check['projected_h']:.3g} h" in text
 
@@ -430,3 +430,35 @@ def test_the_hook_on_a_gpu_logs_once_at_step_three_and_on_cpu_never():
     assert len(said) == 1 and "no entry for this GPU (NVIDIA GeForce RTX 4090" in said[0]
     check, said = hook("cpu")
     assert all(check(step_line(s)) == step_line(s) for s in range(1, 6)) and said == []
+
+
+def rank_lines(update, slots):
+    return [{**step_line(s), "time_update": update, "step_time": 1.3 + update, "sampler/slots": slots}
+            for s in (1, 2, 3)]
+
+
+def test_the_check_reports_the_slowest_rank_and_the_slots_the_run_got():
+    """A fake 2-rank card: rank 1's update is 3x rank 0's and it got fewer slots. The stubbed reduce
+    (distributed.all_max over 2 ranks) gives the check rank 1's update and step, rank 0's own
+    decode where it is the slower, and the model decodes in rank 1's slots, not the plan's."""
+    a = train.parse_args(["--steps", "50"])[0]
+    theirs = []
+    time_check.slowest(rank_lines(2.1, 3), lambda x: theirs.append(x) or x)       # rank 1's values
+    said, reduced = [], []
+
+    def reduce_max(x):
+        reduced.append(x)
+        return torch.maximum(x, theirs[0])
+    dist = argparse.Namespace(world=2, device=torch.device("cuda"))
+    check = time_check.FirstSteps(a, dist, False, 0.5, 0, cuda=FakeCuda("NVIDIA H100 80GB HBM3"),
+                                  say=said.append, reduce_max=reduce_max)
+    ours = [{**r, "time_gen": 1.5} for r in rank_lines(0.7, 5)]
+    out = [check(r) for r in ours]
+    assert len(reduced) == 1 and len(said) == 1 and "the slowest of 2 ranks per phase" in said[0]
+    assert out[2]["time_model/update_measured"] == pytest.approx(2.1)              # rank 1's
+    assert out[2]["time_model/step_measured"] == pytest.approx(3.4)
+    assert out[2]["time_model/gen_measured"] == pytest.approx(1.5)                 # rank 0's own
+    assert out[2]["time_model/slots_got"] == 3 and "the 3 slots the run got" in said[0]
+    alone = time_check.against_measured(a, 2, False, "h100", 0.5, ours)            # rank 0's lines alone
+    assert alone["slots"]["got"] == 5 and alone["phases"]["update"]["measured"] == pytest.approx(0.7)
+    assert out[2]["time_model/gen_modelled"] > alone["phases"]["gen"]["modelled"]  # fewer slots: longer
