@@ -3,6 +3,15 @@
     python bench/gpu_check.py                                  # CUDA: Qwen2.5-Math-7B widths, < 5 minutes
     python bench/gpu_check.py --preset tiny --device cpu       # the same code in seconds (a test runs it)
     python bench/gpu_check.py --items train,kv                 # a subset, for a rerun in little device time
+    python bench/gpu_check.py --minutes 5                      # no GPU: the host side at toy widths
+
+--minutes N (5): no item starts that would not end in the budget (on a GPU by its estimated seconds,
+EST_S); the timing items (decode-pass, update-mfu) run first, the correctness gates after. Then one
+line per phase of the time model's paper step (plumbing/time_model.step_terms on 8 of this GPU; an
+H100 without one): "model X s / measured: Y s / ratio: Y/X" -- decode scaled by decode-pass's ms per
+step over the model's at the same shape, score and update by time_model.MFU over update-mfu's MFU;
+"measured: n/a (no GPU)" on a CPU -- and the hours they imply. One JSON file (--json) holds the items'
+lines, the raw measurements, the phases and the measured constants `train.py --plan-constants` reads.
 
 For ONE NVIDIA GPU of 141 GB (H200; on an 80 GB one update-memory SKIPs, the rest fits), random
 weights, no download. Each line is `PASS <item> <figures>`, `FAIL <item> <why>` or `SKIP <item>
@@ -175,6 +184,13 @@ WARM_STEPS = 8                                  # decode-pass: tokens per slot o
 # 2.4e-4): ~5e-4 is expected at 28, and 1e-2 is 20x that. A bug of positions, padding or precision moves
 # log-probs by ~1 nat (k3 >> 1e-2); a 10% temperature mismatch (k3 ~6e-3 here: printed) it does not see.
 GAP_K3_MAX = 1e-2
+# Each item's GPU seconds as the docstring estimates them (per line: ragged's 25 s over its 6 lines;
+# train/fsdp2 holds train/memory and train/reload): --minutes skips an item that would not end in it.
+EST_S = {"ragged-score": 2, "ragged-sample": 2, "train/fsdp2": 60, "kv-cache": 5, "update-mfu": 15,
+         "update-memory": 15, "decode-pass": 15, "decode-speed": 15, "sampler-gap": 15}
+# What the timing items measured, for the phases' lines and the JSON (--plan-constants reads its
+# "constants"): decode-pass's ms per step, its bound and the time model's; update-mfu's MFU.
+MEASURED = {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,17 +211,26 @@ def check(ok, why):
 
 
 class Report:
-    def __init__(self):
-        self.counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
+    """The items' lines, kept for the JSON; deadline: perf_counter() time after which no item starts
+    (--minutes), est: whether an item also needs its EST_S seconds left (on a GPU, where they hold)."""
+
+    def __init__(self, deadline=math.inf, est=False):
+        self.counts, self.results, self.deadline, self.est = {"PASS": 0, "FAIL": 0, "SKIP": 0}, [], deadline, est
 
     def line(self, status, item, text) -> str:
         self.counts[status] += 1
+        self.results.append({"item": item, "status": status, "text": text})
         print(f"{status} {item} {text}", flush=True)
         return status
 
     def item(self, name, fn, *args) -> str:
-        """Run fn(*args) -> its figures (a str); print the item's line; return its status."""
+        """Run fn(*args) -> its figures (a str); print the item's line; return its status. SKIP where the
+        --minutes budget has no room left for it."""
         t0 = time.perf_counter()
+        need = EST_S.get(name, EST_S.get(name.split("/")[0], 0)) if self.est else 0
+        if t0 + need > self.deadline:
+            return self.line("SKIP", name, f"the --minutes budget: {max(0, self.deadline - t0):.0f} s left, "
+                                           f"the item takes ~{need} s")
         try:
             figures = fn(*args)
         except Skip as e:
@@ -840,6 +865,8 @@ def update_mfu(a, dev, name):
     t = time.perf_counter() - t0
     check(norm == norm and norm < float("inf"), f"non-finite grad norm {norm}")
     peak = a.peak_tflops or by_name(PEAK_TFLOPS, name)
+    MEASURED.update(update_tokens_per_s=tokens / t, update_mfu=6 * n_params * tokens / t / (peak * 1e12) if peak
+                    else None)
     mfu = (f"MFU={6 * n_params * tokens / t / (peak * 1e12) * 100:.1f}% of {peak} TFLOP/s" if peak
            else "MFU: unknown peak (--peak-tflops)")
     mem_s = f" peak GiB: micro-batches {loop_peak / GIB:.1f}, optimizer step {opt_peak / GIB:.1f}" if cuda else ""
@@ -1038,6 +1065,8 @@ def decode_pass(a, dev, name):
     arch = memory_plan.Arch.from_config(model.config.to_dict())
     predicted = time_model.decode_terms(arch, shape, 1, gpu, (L, L))[0].seconds[0] / L
     at = f"{hbm} TB/s" if hbm else f"an H200's {gpu.hbm_tbs} TB/s (no HBM figure for {name}: --hbm-tbs)"
+    MEASURED.update(decode_step_ms=step_s * 1e3, decode_bound_ms=bound_s * 1e3, decode_model_ms=predicted * 1e3,
+                    decode_slots=S, decode_columns=longest + L, hbm_tbs=hbm)
     ratio = f"measured/bound {step_s / bound_s:.2f}x" if hbm else "measured/bound: n/a"
     return (f"{S} slots ({G} rows per prompt, prompts <= {longest}), {arch.layers} layers, bf16 weights, "
             f"{kv_item * 8}-bit cache, one pass: {a.pass_steps} decode steps after the prefill in {seconds:.2f} s "
@@ -1084,13 +1113,97 @@ def sampler_gap(a, dev):
     return figures
 
 
+
+# ----------------------------------------------------------------------------------------------
+# The time model's phases against what the timing items measured, and the JSON of the results
+
+
+def model_phases(key) -> tuple[dict, int]:
+    """The time model's phases of the paper config's step on 8 x `key`'s card, at --dry-run's lengths
+    (time_model.step_terms, as train.py --dry-run): ({phase: seconds}, its --steps)."""
+    import train
+    from rl.run_setup import needs_reference_model, old_rows
+
+    a, algo = train.parse_args(["--config", PAPER])
+    needs_ref = needs_reference_model(a, algo)
+    plan = memory_plan.as_planned(memory_plan._with(a, plan_gpu=key), 8, needs_ref)
+    resp, prompt = time_model.plan_lengths(plan)
+    terms = time_model.step_terms(memory_plan.arch_for(plan.model), plan, 8, time_model.GPUS[key], needs_ref,
+                                  old_rows(a, algo), resp, prompt)
+    return {t.name: t.seconds[0] for t in terms}, a.steps
+
+
+def measured_phases(model) -> dict:
+    """{phase: seconds the measurements imply, or None}: decode as the model's x decode-pass's ms per
+    step over the model's at the same shape; score and update as the model's x time_model.MFU over
+    update-mfu's MFU (the update's traffic scaled with it: not measured apart); prefill not measured."""
+    m = MEASURED
+    dec = m["decode_step_ms"] / m["decode_model_ms"] if m.get("decode_model_ms") else None
+    mfu = time_model.MFU / m["update_mfu"] if m.get("update_mfu") else None
+    return {"decode": dec and model["decode"] * dec, "prefill": None,
+            "score": mfu and model["score"] * mfu, "update": mfu and model["update"] * mfu}
+
+
+def measured_constants() -> dict:
+    """The time model's constants this run measured (None: not measured; --plan-constants keeps the
+    assumed value): decode's fraction of HBM bandwidth (the bound over the measured step, at the paper's
+    slots: bandwidth-bound) and the update's MFU."""
+    m = MEASURED
+    bw = m["decode_bound_ms"] / m["decode_step_ms"] if m.get("hbm_tbs") and m.get("decode_step_ms") else None
+    return {"decode_bw_fraction": bw, "update_mfu": m.get("update_mfu"), "launch_us": None, "exposed_comm": None}
+
+
+def phase_lines(name, cuda) -> dict:
+    """Print one "model / measured / ratio" line per phase, then the step and the hours; -> the same
+    as a dict for the JSON. No GPU: "measured: n/a (no GPU)" (the model on an H100)."""
+    from plumbing import time_check
+
+    key = (time_check.gpu_key(name) if cuda else None) or "h100"
+    model, steps = model_phases(key)
+    got = measured_phases(model) if cuda else dict.fromkeys(model)
+    why = "n/a (no GPU)" if not cuda else "n/a (not measured)"
+    out = {}
+    for phase in (*model, "step"):
+        mod = sum(model.values()) if phase == "step" else model[phase]
+        if phase == "step":                              # the measured phases, the model's where none
+            meas = sum(v if v is not None else model[k] for k, v in got.items()) if any(got.values()) else None
+        else:
+            meas = got[phase]
+        ratio = meas / mod if meas is not None and mod > 0 else None
+        out[phase] = {"model_s": mod, "measured_s": meas, "ratio": ratio}
+        print(f"phase {phase:8s} model {mod:8.2f} s / measured: "
+              f"{why if meas is None else f'{meas:.2f} s'} / ratio: {'n/a' if ratio is None else f'{ratio:.2f}'}")
+    hours = {k: None if out["step"][k] is None else out["step"][k] * steps / 3600 for k in ("model_s", "measured_s")}
+    meas = why if hours["measured_s"] is None else f"{hours['measured_s']:.1f} h"
+    print(f"phase hours    the paper run's {steps} steps on 8 x {time_model.GPUS[key].name}: model "
+          f"{hours['model_s']:.1f} h / measured: {meas}", flush=True)
+    return {"phases": out, "hours": {"model": hours["model_s"], "measured": hours["measured_s"]}, "gpu": key}
+
+
+def write_json(path, a, name, rep, phases, seconds):
+    """One JSON file of the run's results: the items' lines, the raw measurements, the constants
+    --plan-constants reads, the phases against the model."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    doc = {"device": name, "torch": torch.__version__, "preset": a.preset, "minutes": a.minutes,
+           "seconds": seconds, "items": rep.results, "measured": MEASURED, "constants": measured_constants(),
+           **phases}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"gpu_check: results in {path}", flush=True)
+
+
 # ----------------------------------------------------------------------------------------------
 
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  epilog="items: " + ", ".join(ITEMS) + " (what each checks: the module docstring)")
-    ap.add_argument("--preset", default="7b", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="7b" if torch.cuda.is_available() else "tiny", choices=sorted(PRESETS),
+                    help="7b on a GPU; tiny (toy widths: the host side in seconds) without one")
+    ap.add_argument("--minutes", type=float, default=5.0, help="the budget: no item starts that would not end "
+                    "in it (on a GPU by the item's estimated seconds), the timing items first")
+    ap.add_argument("--json", default=None, help="the results file (default: bench/results/gpu_check_<gpu>.json "
+                    "on a GPU, gpu_check_cpu.json in the temporary folder without one)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (if any) or cpu")
     ap.add_argument("--items", default=",".join(ITEMS), help="comma-separated subset of the items to run")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers of update-mfu's and decode-speed's model "
@@ -1144,7 +1257,11 @@ def main(argv=None):
     print(f"gpu_check: {name}{f' ({total / GIB:.0f} GiB)' if cuda else ''}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, flash_attn {'absent' if flash_attn_missing() else 'present'}, "
           f"preset {a.preset}, update-mfu/decode-speed layers {a.layers}{fit}, items {','.join(a.items)}", flush=True)
-    rep = Report()
+    rep = Report(t_start + 60 * a.minutes, est=cuda)
+    if "decode-pass" in a.items:                 # the timing items first: what the time model rests on
+        rep.item("decode-pass", decode_pass, a, dev, name)
+    if "mfu" in a.items:
+        rep.item("update-mfu", update_mfu, a, dev, name)
     if "ragged" in a.items:
         for attn in ("sdpa", FA2):
             for prec in PRECISIONS:
@@ -1168,16 +1285,21 @@ def main(argv=None):
                 os.rmdir(tmp)
     if "kv" in a.items:
         rep.item("kv-cache", kv_cache_check, a, dev)
-    if "mfu" in a.items:
-        rep.item("update-mfu", update_mfu, a, dev, name)
     if "update-memory" in a.items:
         rep.item("update-memory", update_memory, a, dev)
-    if "decode-pass" in a.items:
-        rep.item("decode-pass", decode_pass, a, dev, name)
     if "decode" in a.items:
         rep.item("decode-speed", decode_speed, a, dev)
     if "sampler-gap" in a.items:
         rep.item("sampler-gap", sampler_gap, a, dev)
+    try:                                         # the model's phases against the measurements: a report
+        phases = phase_lines(name, cuda)
+    except Exception as e:  # (as an item's: never the run's end)
+        phases = {"phases": None, "error": f"{type(e).__name__}: {one_line(e)}"}
+        print(f"phase lines failed: {phases['error']}", flush=True)
+    tag = name.replace(" ", "_") if cuda else "cpu"
+    path = a.json or (os.path.join(ROOT, "bench", "results", f"gpu_check_{tag}.json") if cuda
+                      else os.path.join(tempfile.gettempdir(), "gpu_check_cpu.json"))
+    write_json(path, a, name, rep, phases, time.perf_counter() - t_start)
     c = rep.counts
     print(f"gpu_check: {c['PASS']} PASS, {c['FAIL']} FAIL, {c['SKIP']} SKIP in {time.perf_counter() - t_start:.0f} s "
           f"({name}, preset {a.preset})", flush=True)
