@@ -1567,8 +1567,75 @@ FUZZ40 = [
          prelude=FULL_DISK_FILES, env={"SWEEP_FULL_DIR": "{c}/a"}),
 ]
 
+
+# Issue #50's findings (the round's new fuzz sweep): data lost, silently wrong, or a traceback before
+
+
+def tmp_folder(env):
+    (env.dir / "tmp").mkdir()
+
+
+def tmp_left_empty(env) -> str | None:
+    left = sorted(os.listdir(env.dir / "tmp"))
+    return f"left in TMPDIR: {left}" if left else None
+
+
+def malformed_metrics(env):
+    """The base run with its metrics.jsonl's third line cut and a non-object line for its fourth."""
+    copy_base(env)
+    path = env.dir / "run" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[2], lines[3] = lines[2][:20], "[4]"
+    path.write_text("\n".join(lines) + "\n")
+
+
+ISSUE50 = [
+    Case("export-into-own-run", "train.py", "--export the run's own --out: refused before anything is "
+         "written (it wrote the model's config.json over the run's; a plain --resume was then refused)",
+         train("{c}/run", 6, "--resume", "--export", "{c}/run"),
+         Refused("--export {c}/run is --out", protect=("run",)),
+         copy_base, uses_base=True),
+    Case("export-into-other-run", "train.py", "--export another run's folder: refused, that run untouched, "
+         "--out not created",
+         train("{c}/new", 1, *ONE_STEP, "--export", "{c}/run"),
+         Refused("--export {c}/run is the run folder {c}/run", protect=("run",), absent=("new",)),
+         copy_base, uses_base=True),
+    Case("export-into-run-hf", "train.py", "--export another run's hf/: refused, that run untouched",
+         train("{c}/new", 1, *ONE_STEP, "--export", "{c}/run/hf"),
+         Refused("--export {c}/run/hf is hf/ of the run folder {c}/run", protect=("run",),
+                 absent=("new",)),
+         copy_base, uses_base=True),
+    Case("export-inside-own-run", "train.py", "--export a folder of its own inside --out (<out>/final): "
+         "works",
+         train("{c}/run", 1, *ONE_STEP, "--export", "{c}/run/final"),
+         Works(post=all_of(steps_are([1]), exists("run/final/config.json"), exists("run/config.json")))),
+    Case("entropy-coef-above-max", "train.py", "--entropy-coef 0.1 --entropy-target 0.5 (above the default "
+         "--entropy-coef-max 0.05): refused, not run at 0.05 while config.json says 0.1",
+         train("{c}/run", 1, *ONE_STEP, "--entropy-coef", "0.1", "--entropy-target", "0.5"),
+         Refused("--entropy-coef 0.1 is above --entropy-coef-max 0.05", absent=("run",))),
+    Case("entropy-coef-above-max-overwrite", "train.py", "the same over a run with --overwrite: the old run "
+         "is kept",
+         train("{c}/run", 1, *ONE_STEP, "--entropy-coef", "0.1", "--entropy-target", "0.5",
+               "--overwrite"),
+         Refused("--entropy-coef 0.1 is above --entropy-coef-max 0.05", protect=("run",)),
+         copy_base, uses_base=True),
+    Case("headline-jobs-0", "study/headline.py", "--jobs 0: one line, no temporary folder left",
+         ["--jobs", "0", "--smoke"],
+         Refused("argument --jobs: must be >= 1", after=tmp_left_empty),
+         tmp_folder, env={"TMPDIR": "{c}/tmp"}),
+    Case("long-run-jobs-0", "study/long_run.py", "--jobs 0: one line, no temporary folder left",
+         ["--jobs", "0", "--smoke"],
+         Refused("argument --jobs: must be >= 1", after=tmp_left_empty),
+         tmp_folder, env={"TMPDIR": "{c}/tmp"}),
+    Case("compare-malformed-line", "analysis.py", "compare over a metrics.jsonl with bad lines: a warning "
+         "naming the file and line, and the verdict",
+         ["compare", "{c}/run", "{c}/run"],
+         Works("{c}/run/metrics.jsonl:3: not a JSON object, left out (and 1 more: line 4)"),
+         malformed_metrics, uses_base=True),
+]
+
 CASES = (ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE + FUZZ_TRAIN + ISSUE40_OPTIONS
-         + FUZZ40)
+         + FUZZ40 + ISSUE50)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1681,7 +1748,10 @@ def parse_args(argv=None):
                         "signal cases poll for their moment, so load does not move them)")
     p.add_argument("--write", default=str(RESULTS),
                    help="where the markdown table of a full sweep goes ('' = nowhere)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.jobs < 1:                              # (a ThreadPoolExecutor traceback after the base run)
+        p.error(f"argument --jobs: must be >= 1 (cases at a time), got {args.jobs}")
+    return args
 
 
 def run_all(sweep, cases, jobs) -> list[Outcome]:

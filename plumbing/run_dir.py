@@ -192,14 +192,52 @@ def _existing_parent(path):
 def refusal(out, *, resume, overwrite, export=None, log="jsonl") -> str | None:
     """Why a run may not start in `out` (read-only: main asks before loading anything, and again
     under the lock): not a writable folder, a fresh run over a run without --overwrite, an --export
-    folder that cannot be written, --log's package missing. Everything here is asked before
-    `claim`, which with --overwrite removes the run that is there."""
+    folder that cannot be written or overlaps a run folder (export_overlap), --log's package
+    missing. Everything here is asked before `claim`, which with --overwrite removes the run that is
+    there."""
     why = check_writable(out)
     here = None if why or resume or overwrite else what_run_is_here(out)
     if here:
         why = (f"{out} holds a run ({here}); continue it with --resume, choose another --out, "
                "or replace it with --overwrite")
-    return why or (export and check_writable(export, "--export")) or missing_package(log)
+    return why or (export and (check_writable(export, "--export") or export_overlap(export, out))) or \
+        missing_package(log)
+
+
+def holds_a_run(folder) -> bool:
+    """Whether `folder` is a run's: metrics, a checkpoint or a Query-KL cache, or a config.json that
+    is a run's (its --algo), not a model's (an --export folder has one too, which may be written
+    again)."""
+    if not os.path.isdir(folder):
+        return False
+    if any(os.path.exists(os.path.join(folder, f)) for f in ("metrics.jsonl", "ckpt", "ckpt.prev",
+                                                            "query_cache.pt")):
+        return True
+    config = read_config(folder) if os.path.isfile(os.path.join(folder, "config.json")) else None
+    return isinstance(config, dict) and "algo" in config
+
+
+def export_overlap(export, out) -> str | None:
+    """Why --export may not be `export`: it is a run folder (the run's own --out, or another run's),
+    or it is inside a run folder's own files (<run>/hf, <run>/ckpt, ...: RUN_FILES). The export
+    writes a model's config.json and weights, which would replace the run's config.json (a plain
+    --resume is then refused) or files the run manages. A folder of its own inside --out
+    (<out>/final) is fine."""
+    target, own = os.path.realpath(export), os.path.realpath(out)
+    below, folder = None, target            # `below`: the path component under `folder` toward target
+    while True:
+        is_run = folder == own or holds_a_run(folder)
+        if is_run and (below is None or below in RUN_FILES):
+            which = "--out" if folder == own else \
+                f"the run folder {folder} ({what_run_is_here(folder) or 'a run config.json'})"
+            inside = "is" if os.path.join(folder, below or "") in (target, folder + os.sep) else "is inside"
+            where = f"is {which}" if below is None else f"{inside} {below}/ of {which}"
+            return (f"--export {export} {where}, whose files the export would overwrite (a run's "
+                    "config.json: --resume is then refused): choose a folder outside it, e.g. beside it")
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        below, folder = os.path.basename(folder), parent
 
 
 MIRROR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}   # --log: the package Mirror imports

@@ -6,8 +6,12 @@ A row is a class, switched on by its own options (is_on; its options are inert o
 once per run (row(options, algo)). Each RL step's loss uses value() as the losses.Algo field `knob`,
 and after_step(metrics) moves it for the next step; plumbing/extension.py applies every active row
 (steer, after_step), and the checkpoint saves its state_dict (--resume restores it). A new rule is
-one class and one row: extension.register(controllers.CONTROLLERS, name, TheClass).
+one class and one row: extension.register(controllers.CONTROLLERS, name, TheClass). A row may have
+check(options, algo) -> why its options cannot run as given (or None); `refusal` asks every active
+row, for the parser to call before anything is claimed, and the row refuses again when it is made.
 """
+
+from plumbing import extension
 
 
 def adaptive_coef(coef, entropy, target, delta, cap):
@@ -31,9 +35,24 @@ class AdaptiveEntropy:
     knob = "entropy_coef"
 
     def __init__(self, options, algo):
+        why = self.check(options, algo)
+        if why:                                   # (never a silent clip: the run trains at what it printed)
+            raise SystemExit(f"error: {why}")
         self.target, self.delta = options["entropy_target"], options["entropy_coef_delta"]
         self.cap = options["entropy_coef_max"]
-        self.coef = min(algo.entropy_coef, self.cap)
+        self.coef = algo.entropy_coef
+
+    @staticmethod
+    def check(options, algo) -> str | None:
+        """A start above the bound would be clipped to it at once: the run would train at another
+        coefficient than --entropy-coef and config.json say (issue #50: 0.1 ran at 0.05)."""
+        cap = options["entropy_coef_max"]
+        if algo.entropy_coef > cap:
+            return (f"--entropy-coef {algo.entropy_coef} is above --entropy-coef-max {cap}, the bound of "
+                    f"adaptive entropy control (--entropy-target {options['entropy_target']}), which would "
+                    f"clip it: give --entropy-coef-max {algo.entropy_coef} or more, or "
+                    f"--entropy-coef <= {cap}")
+        return None
 
     @staticmethod
     def is_on(options) -> bool:
@@ -53,3 +72,14 @@ class AdaptiveEntropy:
 
 
 CONTROLLERS: dict[str, type] = {"adaptive-entropy": AdaptiveEntropy}
+
+
+def refusal(args, algo) -> str | None:
+    """Why the rules `args` switch on cannot run with their options (each row's check), or None:
+    for train.py's parser, before anything is claimed."""
+    for name in extension.switched_on(CONTROLLERS, args):
+        check = getattr(CONTROLLERS[name], "check", None)
+        why = check(extension.option_values(CONTROLLERS[name], args), algo) if check else None
+        if why:
+            return why
+    return None

@@ -25,7 +25,6 @@ numbers, the commit, the golden digest of that code, the CPU and torch it ran on
 the report is rebuilt from them alone, and the README's table comes from its JSON (a test).
 """
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -42,7 +41,8 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from study.long_run import cell, commit, golden_digest, interval  # noqa: E402
+from study.long_run import cell, commit, golden_digest, interval, jobs_count  # noqa: E402
+from plumbing.errors import OneLineParser  # noqa: E402
 from tests.rounding import KERNELS, kernel_env  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "study", "results", "headline")
@@ -223,22 +223,23 @@ def report(results) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
+    ap = OneLineParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--report", action="store_true", help="only the report, from the committed summaries")
     ap.add_argument("--smoke", action="store_true", help="toy sizes in a temporary folder (the pipeline only)")
-    ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one intra-op thread each)")
+    ap.add_argument("--jobs", type=jobs_count, default=2, help="runs at a time (one intra-op thread each)")
     ap.add_argument("--runs", default=os.path.join(ROOT, "runs", "headline"), help="the run folders")
     a = ap.parse_args(argv)
     results, tmp = RESULTS, None
     if a.smoke:
         tmp = tempfile.mkdtemp(prefix="headline-smoke-")
         results, a.runs = os.path.join(tmp, "results"), os.path.join(tmp, "runs")
-    if not a.report:
-        run_missing(a.runs, results, a.jobs, "smoke" if a.smoke else "full")
-    study = report(results)
-    if tmp:
-        shutil.rmtree(tmp)
-    return study
+    try:
+        if not a.report:
+            run_missing(a.runs, results, a.jobs, "smoke" if a.smoke else "full")
+        return report(results)
+    finally:                                                             # a failed smoke leaves no folder
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

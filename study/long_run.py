@@ -91,6 +91,19 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from study.miniature import ci, subset  # noqa: E402  (the short study's statistics and training set)
+from plumbing.errors import OneLineParser  # noqa: E402
+
+
+def jobs_count(text) -> int:
+    """--jobs: a whole number >= 1, checked by the parser (0 was a ThreadPoolExecutor traceback after
+    --smoke's temporary folder was made, which it left behind)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of runs at a time, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (runs at a time), got {n}")
+    return n
 
 RESULTS = os.path.join(ROOT, "study", "results", "long_run")
 SUMMARIES = "summaries"               # the committed run summaries, in RESULTS (not "runs/": .gitignore'd)
@@ -607,21 +620,30 @@ def report(results) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
+    ap = OneLineParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph
     ap.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "long_run"),
                     help="the run folders (resumable)")
     ap.add_argument("--results", default=RESULTS,
                     help="the run summaries (summaries/), long_run.json, tables, figures")
-    ap.add_argument("--jobs", type=int, default=2, help="runs at a time, one CPU thread each")
+    ap.add_argument("--jobs", type=jobs_count, default=2, help="runs at a time, one CPU thread each")
     ap.add_argument("--budget", type=float, default=100.0, help="minutes: start a run only while it fits")
     ap.add_argument("--report", action="store_true", help="only the report, from the run summaries there are")
     ap.add_argument("--list", action="store_true", help="which runs are done and which are missing")
     ap.add_argument("--smoke", action="store_true", help="toy sizes in a temporary folder (a minute)")
     a = ap.parse_args(argv)
     arms, runs = (SMOKE_ARMS, SMOKE_RUNS) if a.smoke else (ARMS, RUNS)
-    if a.smoke:
-        tmp = tempfile.mkdtemp(prefix="long-run-smoke-")
-        a.runs_dir, a.results = os.path.join(tmp, "runs"), os.path.join(tmp, "results")
+    if not a.smoke:
+        return run_study(a, runs, arms)
+    tmp = tempfile.mkdtemp(prefix="long-run-smoke-")
+    a.runs_dir, a.results = os.path.join(tmp, "runs"), os.path.join(tmp, "results")
+    try:
+        return run_study(a, runs, arms)
+    finally:                                                             # a failed smoke leaves no folder
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_study(a, runs, arms):
+    """main's work once its folders are set: --list, or the missing runs and the report."""
     os.makedirs(a.results, exist_ok=True)
     if a.list:
         todo = {r.name for r in missing(runs, a.results)}
@@ -633,10 +655,7 @@ def main(argv=None):
             run_missing(runs, arms, a.runs_dir, a.results, a.jobs, a.budget)
         except RuntimeError as e:                                        # a run failed: its log says why
             raise SystemExit(f"error: {e}") from None
-    study = report(a.results)
-    if a.smoke:
-        shutil.rmtree(tmp)
-    return study
+    return report(a.results)
 
 
 if __name__ == "__main__":
