@@ -450,3 +450,18 @@ def report(a, gpus: int, needs_ref: bool, measured=None) -> str:
                  f"gpus={gpus} phase={peak} decode_rows={kv_rows(a, gpus)} "
                  f"micro_tokens={micro_batch_tokens(a)}")
     return "\n".join(lines)
+
+
+def disk_report(a, gpus: int) -> str:
+    """What a run writes to --out: two checkpoints at most at any moment (checkpoints.make_room),
+    each the float32 master weights and Adam's two moments (12 bytes per parameter; LoRA: the
+    adapters'), and the final export in bf16 (<out>/hf under FSDP2 or LoRA, and --export)."""
+    arch = arch_for(a.model)
+    n = arch.params()
+    ckpt = 12 * n if not getattr(a, "lora_rank", 0) else 12 * lora_params(arch, a.lora_rank)
+    export = 2 * n
+    nodes = -(-gpus // 8)
+    shared = (f"; {nodes} nodes: --out must be on a file system every node sees (every rank writes its "
+              "shards into it, rank 0 renames)") if nodes > 1 and a.fsdp else ""
+    return (f"disk: a checkpoint is {ckpt / 1e9:.1f} GB (float32 weights + Adam), at most 2 on disk at once: "
+            f"{2 * ckpt / 1e9:.1f} GB, + {export / 1e9:.1f} GB for the final bf16 export{shared}")

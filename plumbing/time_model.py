@@ -53,11 +53,18 @@ GPUS = {key: GPU(*spec, memory_plan.CARD_GIB[key]) for key, spec in {
     "h100": ("H100 SXM", 989.0, 3.35, 450.0), "h200": ("H200", 989.0, 4.8, 450.0),
     "a100": ("A100 80GB", 312.0, 2.0, 300.0), "a100-40gb": ("A100 40GB", 312.0, 1.56, 300.0),
     "l40s": ("L40S", 362.0, 0.864, 32.0)}.items()}
-# The assumptions, named (each printed beside the term it sets):
-MFU = 0.4                  # achieved / peak FLOPs of the training and scoring forwards
+# The constants the estimate rests on, (central, fast end, slow end): public measurements cited in
+# docs/gpus.md ("The time model's constants") until bench/gpu_check.py measures them (its JSON, read by
+# --plan-constants: `constants`). The dry-run's range is every constant at its fast end, then its slow.
+CONSTANTS = {"decode_bw_fraction": (0.7, 0.85, 0.55),   # of HBM bandwidth an eager decode step reaches
+             "launch_us": (8.0, 5.0, 15.0),            # host microseconds per eager kernel of a decode step
+             "update_mfu": (0.3, 0.4, 0.25),           # 6N MFU of the training and scoring forwards
+             "exposed_comm": (0.3, 0.1, 0.6),          # of FSDP2's gathers + reduce-scatters prefetch leaves
+             "slowest_rank": (1.08, 1.04, 1.13)}       # the slowest rank's decode over the modelled mean
+CENTRAL = {k: v[0] for k, v in CONSTANTS.items()}
+MFU = CENTRAL["update_mfu"]            # (named: bench/gpu_check.py scales by it)
 PREFILL_MFU = 0.5          # of the prefill (large dense matmuls, no backward)
-KERNELS_PER_LAYER = 43     # eager kernels of one decoder layer's decode step (~1,200 at 28 layers,
-LAUNCH_US = 5.0            # counted on CPU), each this many microseconds to launch
+KERNELS_PER_LAYER = 43     # eager kernels of one decoder layer's decode step (~1,200 at 28 layers, on CPU)
 LINK_EFFICIENCY = 0.7      # of NVLink's bandwidth an all-gather / reduce-scatter reaches
 # sampler/kv_cache.py's schedule (plumbing may not import the sampler; a test holds them equal)
 CHECK_EVERY, REFILL_FRACTION, COMPACT_FRACTION, PREFILL_TOKENS = 8, 8, 4, 1024
@@ -373,17 +380,19 @@ def _longest_column(prompt: Lengths, age, csum, t: int, first_alive: float, S: i
     return Lengths(np.convolve(blocks, now), "").expected_max(S) * b + 1
 
 
-def decode_seconds(arch, gpu: GPU, segments, captured=False) -> tuple[float, float, float]:
+def decode_seconds(arch, gpu: GPU, segments, captured=False, k=None) -> tuple[float, float, float]:
     """-> (seconds, steps, seconds per step at the fullest segment) of a decode schedule: each step
     the slowest of reading the weights and KV, launching its kernels (none when a CUDA graph
     replays them: --compile-decode), and its 2N FLOPs per slot (at PREFILL_MFU: dense matmuls; the
     bound a few hundred slots reach; none for a GPU of 0 TFLOP/s)."""
+    k = k or CENTRAL                    # (the constants: decode_bw_fraction, launch_us)
     weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
-    launch = 0.0 if captured else KERNELS_PER_LAYER * arch.layers * LAUNCH_US * 1e-6
+    launch = 0.0 if captured else KERNELS_PER_LAYER * arch.layers * k["launch_us"] * 1e-6
     flops = 2 * arch.params() / (gpu.bf16_tflops * 1e12 * PREFILL_MFU) if gpu.bf16_tflops else 0.0
 
     def step_s(seg):
-        read = (weights + seg.kv * arch.kv_bytes_per_position()) / (gpu.hbm_tbs * 1e12)
+        bandwidth = gpu.hbm_tbs * 1e12 * k["decode_bw_fraction"]
+        read = (weights + seg.kv * arch.kv_bytes_per_position()) / bandwidth
         return max(launch, read, seg.rows * flops)
     return (sum(s.steps * step_s(s) for s in segments), sum(s.steps for s in segments),
             max(map(step_s, segments)))
@@ -465,14 +474,18 @@ def decode_terms(arch, a, gpus, gpu: GPU, lengths) -> list[Term]:
                  f"{out[0][1]:,.0f} decode steps of {rows} rows in {slots} slots")]
 
 
-def step_terms(arch, a, gpus, gpu: GPU, needs_ref, old_rows, resp: Lengths, prompt: Lengths) -> list[Term]:
-    """The step's four phases over these lengths: one column of the report."""
+def step_terms(arch, a, gpus, gpu: GPU, needs_ref, old_rows, resp: Lengths, prompt: Lengths,
+               k=None) -> list[Term]:
+    """The step's four phases over these lengths: one column of the report. k: the constants
+    (CENTRAL; `constants` reads measured ones); decode is the slowest rank's (k["slowest_rank"])."""
+    k = k or CENTRAL
     N, n_p, G = a.rollout_batch // gpus * a.group_size, a.rollout_batch // gpus, a.group_size
     S = slots_for(a, gpus, prompt)
     R = len(resp.pmf) - 1
     worst = resp.truncated() == 1.0
     segs = (worst_schedule if worst else decode_schedule)(R if worst else resp, prompt, N, n_p, S)
-    dec_s, steps, step_s = decode_seconds(arch, gpu, segs, getattr(a, "compile_decode", False))
+    dec_s, steps, step_s = decode_seconds(arch, gpu, segs, getattr(a, "compile_decode", False), k)
+    dec_s *= k["slowest_rank"]
     Nf, flops = arch.params(), gpu.bf16_tflops * 1e12
     refills = 0 if N <= S else (N - S) / max(1, S // REFILL_FRACTION)
     prefill = (n_p + refills) * prompt.expected_max(2)              # a refill's distinct prompts
@@ -490,21 +503,23 @@ def step_terms(arch, a, gpus, gpu: GPU, needs_ref, old_rows, resp: Lengths, prom
     return [Term("decode", (dec_s,), f"{steps:,.0f} steps of {N} rows in {S} slots, "
                  f"{step_s * 1e3:.1f} ms at the fullest"),
             Term("prefill", (2 * Nf * prefill / (flops * PREFILL_MFU),), f"{prefill:,.0f} prompt tokens"),
-            Term("score", (2 * Nf * score / (flops * MFU),), f"{score:,.0f} tokens"),
-            Term("update", (update[0] * (per_token * upd / (flops * MFU) + micro * comm),),
+            Term("score", (2 * Nf * score / (flops * k["update_mfu"]),), f"{score:,.0f} tokens"),
+            Term("update", (update[0] * (per_token * upd / (flops * k["update_mfu"])
+                                         + micro * comm * k["exposed_comm"]),),
                  f"{update[0]} x {upd:,.0f} tokens ({'packed: ' if packs(a) else ''}{upd / real:.2f}x the "
                  f"real) in {micro} micro-batches")]
 
 
-def _flops_note(arch, a, gpu) -> str:
+def _flops_note(arch, a, gpu, k) -> str:
     rank, train_flops = getattr(a, "lora_rank", 0), 8 if a.grad_ckpt else 6
     adapters = memory_plan.lora_params(arch, rank) if rank else 0
     what = (f"{train_flops - 2}N + 6 x {adapters / 1e6:.1f}M FLOPs per token (LoRA rank {rank}: the frozen "
             "base passes gradients back, computes none of its own)" if rank
             else f"{train_flops}N FLOPs per token")
     fsdp = (f"; FSDP2: per micro-batch the weights all-gathered x2 + reduce-scattered at "
-            f"{LINK_EFFICIENCY:.0%} of {gpu.link_gbs:g} GB/s") if a.fsdp else ""
-    return what + f" at {MFU:.0%} MFU" + fsdp
+            f"{LINK_EFFICIENCY:.0%} of {gpu.link_gbs:g} GB/s, {k['exposed_comm']:.0%} of it exposed") \
+        if a.fsdp else ""
+    return what + f" at {k['update_mfu']:.0%} MFU" + fsdp
 
 
 def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
@@ -514,9 +529,11 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
     arch, gpu, given = memory_plan.arch_for(a.model), GPUS[gpu_name], a
     a = memory_plan.as_planned(memory_plan._with(a, plan_gpu=gpu_name), gpus, needs_ref)
     resp, prompt = plan_lengths(a)
-    R = a.max_new_tokens
-    cols = [step_terms(arch, a, gpus, gpu, needs_ref, old_rows, lengths, prompt)
+    R, (k, fast, slow, source) = a.max_new_tokens, constants(given)    # (read before a is planned)
+    cols = [step_terms(arch, a, gpus, gpu, needs_ref, old_rows, lengths, prompt, k)
             for lengths in (resp, fixed(R, "every response to the limit"))]
+    ends = [sum(t.seconds[0] for t in step_terms(arch, a, gpus, gpu, needs_ref, old_rows, resp, prompt, e))
+            for e in (fast, slow)]
     launch = KERNELS_PER_LAYER * arch.layers
     weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
     captured = getattr(a, "compile_decode", False)
@@ -525,14 +542,14 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
     notes = {"decode": f"slots: {budget}; each step reads {weights / 1e9:.1f} GB of bf16 weights + the "
                        f"slots' KV cache at {gpu.hbm_tbs} TB/s, "
                        + ("(--compile-decode: its kernels replayed by a CUDA graph, no launch bound) "
-                          if captured else f"or launches {launch} eager kernels at {LAUNCH_US:g} us "
+                          if captured else f"or launches {launch} eager kernels at {k['launch_us']:g} us "
                           "(--compile-decode off), ")
                        + f"or computes 2N FLOPs a slot at {PREFILL_MFU:.0%} MFU, whichever is slowest",
              "prefill": f"2N FLOPs per token at {PREFILL_MFU:.0%} of {gpu.bf16_tflops:g} TFLOP/s",
              "score": f"pi_old over {old_rows:.0%} of the rows"
                       f"{' + the reference over all' if needs_ref else ' (no reference model loaded)'}, "
-                      f"{'packed' if packs(a) else 'padded'}, no grad, at {MFU:.0%} MFU",
-             "update": _flops_note(arch, a, gpu)}
+                      f"{'packed' if packs(a) else 'padded'}, no grad, at {k['update_mfu']:.0%} MFU",
+             "update": _flops_note(arch, a, gpu, k)}
     lines = [f"time model of one RL step on {gpus} x {gpu.name} (a model from the config, not a measurement; "
              f"--plan-gpu): REALISTIC / worst case (every response to --max-new-tokens {R})",
              f"  responses: mean {resp.mean():.0f} tokens, {resp.truncated():.1%} cut at {R} ({resp.source}; "
@@ -540,8 +557,9 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
              f"  prompts: mean {prompt.mean():.0f} tokens, a rank's longest of {a.rollout_batch // gpus} "
              f"~{prompt.expected_max(a.rollout_batch // gpus):.0f} ({prompt.source}); each forward pads "
              "to its own longest (batching.microbatch_plan), not to --max-prompt-len",
-             f"  MFU {MFU:g} of the scoring and training forwards (assumed, not measured: bench/gpu_check.py "
-             f"measures it on a GPU); the levers as the options set them: {levers(a, given, needs_ref)}"]
+             "  constants (docs/gpus.md cites the assumed; bench/gpu_check.py's JSON, --plan-constants, the "
+             "measured): " + ", ".join(f"{n} {k[n]:g} ({source[n]})" for n in CONSTANTS),
+             f"  the levers as the options set them: {levers(a, given, needs_ref)}"]
     for real, worst in zip(*cols):
         lines.append(f"  {real.name:8s} {real.seconds[0]:7.1f} s / {worst.seconds[0]:7.1f} s   "
                      f"{real.note} / {worst.note}; {notes[real.name]}")
@@ -549,7 +567,21 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
     hours = [s * a.steps / 3600 for s in total]
     lines.append(f"  {'step':8s} {total[0]:7.1f} s / {total[1]:7.1f} s   x {a.steps} steps: {hours[0]:.1f} h "
                  f"realistic / {hours[1]:.1f} h worst case (evaluations and checkpoints not counted)")
+    lo, hi = (e * a.steps / 3600 for e in ends)
+    lines.append(f"  {'range':8s} {ends[0]:7.1f} .. {ends[1]:.1f} s realistic, {lo:.1f} .. {hi:.1f} h: every "
+                 "constant at its fast end .. at its slow end (CONSTANTS)")
     return "\n".join(lines)
+
+
+def constants(a) -> tuple[dict, dict, dict, dict]:
+    """(central, fast end, slow end, {name: "measured (FILE)" | "assumed"}): CONSTANTS, but where
+    bench/gpu_check.py's JSON (--plan-constants; getattr: before train.py has the option) measured one."""
+    path, got = getattr(a, "plan_constants", None), {}
+    if path:
+        with open(path) as f:
+            got = {n: float(v) for n, v in json.load(f).get("constants", {}).items() if n in CONSTANTS and v}
+    ends = [{n: got.get(n, v[i]) for n, v in CONSTANTS.items()} for i in range(3)]
+    return (*ends, {n: f"measured ({os.path.basename(path)})" if n in got else "assumed" for n in CONSTANTS})
 
 
 def levers(a, given, needs_ref) -> str:
@@ -565,19 +597,4 @@ def levers(a, given, needs_ref) -> str:
         else "an eager decode (--compile-decode off)"])
 
 
-def disk_report(a, gpus: int) -> str:
-    """What a run writes to --out: two checkpoints at most at any moment (checkpoints.make_room),
-    each the float32 master weights and Adam's two moments (12 bytes per parameter; LoRA: the
-    adapters'), and the final export in bf16 (<out>/hf under FSDP2 or LoRA, and --export)."""
-    arch = memory_plan.arch_for(a.model)
-    n = arch.params()
-    ckpt = 12 * n if not getattr(a, "lora_rank", 0) else 12 * lora_params(arch, a.lora_rank)
-    export = 2 * n
-    nodes = math.ceil(gpus / 8)
-    shared = (f"; {nodes} nodes: --out must be on a file system every node sees (every rank writes its "
-              "shards into it, rank 0 renames)") if nodes > 1 and a.fsdp else ""
-    return (f"disk: a checkpoint is {ckpt / 1e9:.1f} GB (float32 weights + Adam), at most 2 on disk at once: "
-            f"{2 * ckpt / 1e9:.1f} GB, + {export / 1e9:.1f} GB for the final bf16 export{shared}")
-
-
-lora_params = memory_plan.lora_params
+disk_report = memory_plan.disk_report   # (what a run writes: memory_plan's, beside the memory)

@@ -174,15 +174,15 @@ def test_the_report_puts_the_realistic_estimate_first_and_names_its_assumptions(
     assert "REALISTIC / worst case (every response to --max-new-tokens 3072)" in lines[0]
     assert "mean 753 tokens, 5.0% cut at 3072 (issue #42's review" in lines[1]
     assert "mean 144 tokens" in lines[2] and "not to --max-prompt-len" in lines[2]
-    assert lines[3].startswith("  MFU 0.4 of the scoring and training forwards (assumed, not measured")
-    assert "a reference model, packed forwards, no activation checkpointing (--grad-ckpt auto)" in lines[3]
-    secs = {ln.split()[0]: (float(ln.split()[1]), float(ln.split()[4])) for ln in lines[4:]}
+    assert lines[3].startswith("  constants (docs/gpus.md cites the assumed") and "update_mfu 0.3 (assumed)" in lines[3]
+    assert "a reference model, packed forwards, no activation checkpointing (--grad-ckpt auto)" in lines[4]
+    secs = {ln.split()[0]: (float(ln.split()[1]), float(ln.split()[4])) for ln in lines[5:-1]}
     assert list(secs) == ["decode", "prefill", "score", "update", "step"]
     for i in (0, 1):
         assert secs["step"][i] == pytest.approx(sum(v[i] for k, v in secs.items() if k != "step"), abs=0.3)
         assert all(v[0] < v[1] for k, v in secs.items() if k not in ("prefill",))
     text = "\n".join(lines)
-    assert "4.8 TB/s" in text and "40% MFU" in text and "x 10 steps" in text and "steps of 512 rows in" in text
+    assert "4.8 TB/s" in text and "30% MFU" in text and "x 10 steps" in text and "steps of 512 rows in" in text
     assert "--kv-budget 0: " in text and "139.8 GiB card" in text and "--compile-decode off" in text
 
 
@@ -196,12 +196,14 @@ def test_the_update_term_by_hand():
     tokens, micro = time_model.planned_tokens(resp, prompt, 128, 8, a.micro_batch, a.micro_tokens)
     N = arch.params()
     comm = 3 * 2 * N * 7 / 8 / (450e9 * 0.7)
-    assert terms["update"].seconds[0] == pytest.approx(4 * (8 * N * tokens / (989e12 * 0.4) + micro * comm))
+    k = time_model.CENTRAL                                       # the constants' central values
+    assert terms["update"].seconds[0] == pytest.approx(4 * (8 * N * tokens / (989e12 * k["update_mfu"])
+                                                            + micro * comm * k["exposed_comm"]))
     real = 128 * (prompt.mean() + resp.mean())
     assert 1.0 < tokens / real < 1.4                             # padding, not --max-prompt-len
     old = time_model.planned_tokens(resp, prompt, 384, 8, a.micro_batch, a.micro_tokens)[0]
     ref = time_model.planned_tokens(resp, prompt, 512, 8, a.micro_batch, a.micro_tokens)[0]
-    assert terms["score"].seconds[0] == pytest.approx(2 * N * (old + ref) / (989e12 * 0.4))
+    assert terms["score"].seconds[0] == pytest.approx(2 * N * (old + ref) / (989e12 * k["update_mfu"]))
 
 
 def test_the_fixed_length_decode_bound_bench_gpu_check_uses():
@@ -213,10 +215,11 @@ def test_the_fixed_length_decode_bound_bench_gpu_check_uses():
     assert "12,288 decode steps of 512 rows in 128 slots" in term.note
     weights = 2 * (arch.params() - arch.vocab * arch.hidden)        # the input embedding is a lookup
     kv = 128 * (1024 + 3072) * arch.kv_bytes_per_position()
-    assert term.seconds[0] == pytest.approx(12288 * (weights + kv) / 3.35e12)
+    k = time_model.CENTRAL                                       # HBM at its achievable fraction
+    assert term.seconds[0] == pytest.approx(12288 * (weights + kv) / (3.35e12 * k["decode_bw_fraction"]))
     # the other two bounds: launching ~1,200 eager kernels, and 1,000 slots' 2N FLOPs each at 50% MFU
     few, many = (time_model.Segment(1, 0, rows) for rows in (1, 1000))
-    assert time_model.decode_seconds(arch, gpu, [few])[0] == pytest.approx(43 * 28 * 5e-6)
+    assert time_model.decode_seconds(arch, gpu, [few])[0] == pytest.approx(43 * 28 * k["launch_us"] * 1e-6)
     compute = 1000 * 2 * arch.params() / (989e12 * 0.5)
     assert time_model.decode_seconds(arch, gpu, [many])[0] == pytest.approx(compute)
 
@@ -251,17 +254,19 @@ def test_the_levers_as_shipped():
     assert real == pytest.approx(128 * (prompt.mean() + resp.mean())) and micro >= real / 4096
     N = arch.params()
     comm = 3 * 2 * N * 7 / 8 / (450e9 * 0.7)
-    assert terms["update"].seconds[0] == pytest.approx(4 * (6 * N * real / (989e12 * 0.4) + micro * comm))
+    k = time_model.CENTRAL
+    assert terms["update"].seconds[0] == pytest.approx(4 * (6 * N * real / (989e12 * k["update_mfu"])
+                                                            + micro * comm * k["exposed_comm"]))
     old = time_model.packed_tokens(resp, prompt, 384, a.micro_batch, a.micro_tokens)[0]
-    assert terms["score"].seconds[0] == pytest.approx(2 * N * old / (989e12 * 0.4))   # pi_old alone
+    assert terms["score"].seconds[0] == pytest.approx(2 * N * old / (989e12 * k["update_mfu"]))  # pi_old alone
     with_ref = time_model.step_terms(arch, p, 8, gpu, True, 0.75, resp, prompt)[2].seconds[0]
     assert with_ref == pytest.approx(terms["score"].seconds[0] * 896 / 384)     # + the reference's 512 rows
     p.compile_decode = True                                      # captured: no kernel-launch bound
     captured = time_model.step_terms(arch, p, 8, gpu, False, 0.75, resp, prompt)[0].seconds[0]
     assert captured <= terms["decode"].seconds[0]
-    hours = time_model.report(a, 8, False, "h100", 0.75).splitlines()[-1]
+    hours = time_model.report(a, 8, False, "h100", 0.75).splitlines()[-2]         # (the range: last)
     assert float(hours.split("steps: ")[1].split(" h realistic")[0]) <= 10.0
-    assert "6N FLOPs per token at 40% MFU" in time_model.report(a, 8, False, "h100", 0.75)
+    assert "6N FLOPs per token at 30% MFU" in time_model.report(a, 8, False, "h100", 0.75)
 
 
 def test_grad_ckpt_auto_true_false_and_old_booleans(tmp_path):
@@ -462,3 +467,26 @@ def test_the_check_reports_the_slowest_rank_and_the_slots_the_run_got():
     alone = time_check.against_measured(a, 2, False, "h100", 0.5, ours)            # rank 0's lines alone
     assert alone["slots"]["got"] == 5 and alone["phases"]["update"]["measured"] == pytest.approx(0.7)
     assert out[2]["time_model/gen_modelled"] > alone["phases"]["gen"]["modelled"]  # fewer slots: longer
+
+
+def test_the_dry_run_gives_a_range_and_reads_measured_constants(tmp_path):
+    """The report's central step sits inside its range, and names every constant assumed; a
+    bench/gpu_check.py JSON whose update MFU is measured at twice the assumed (--plan-constants) moves
+    the estimate down and names that one measured; a null constant stays assumed."""
+    a, algo = paper()
+    needs_ref, old = train.needs_reference_model(a, algo), train.old_rows(a, algo)
+
+    def step_and_range(text):
+        step = next(ln for ln in text.splitlines() if ln.lstrip().startswith("step "))
+        rng = next(ln for ln in text.splitlines() if ln.lstrip().startswith("range "))
+        return float(step.split()[1]), float(rng.split()[1]), float(rng.split()[3])
+    text = time_model.report(a, 8, needs_ref, "h100", old)
+    step, lo, hi = step_and_range(text)
+    assert lo < step < hi and all(f"{n} {v[0]:g} (assumed)" in text for n, v in time_model.CONSTANTS.items())
+    path = tmp_path / "gpu_check.json"
+    mfu = 2 * time_model.CONSTANTS["update_mfu"][0]
+    path.write_text(json.dumps({"constants": {"update_mfu": mfu, "decode_bw_fraction": None}}))
+    a.plan_constants = str(path)
+    measured = time_model.report(a, 8, needs_ref, "h100", old)
+    assert step_and_range(measured)[0] < step - 10
+    assert f"update_mfu {mfu:g} (measured (gpu_check.json))" in measured and "decode_bw_fraction 0.7 (assumed)" in measured
