@@ -1609,6 +1609,13 @@ ISSUE50 = [
          "works",
          train("{c}/run", 1, *ONE_STEP, "--export", "{c}/run/final"),
          Works(post=all_of(steps_are([1]), exists("run/final/config.json"), exists("run/config.json")))),
+    Case("overwrite-reference-in-run", "train.py", "--overwrite with --qkl-ref-model <out>/ckpt: refused "
+         "before the old run (and that checkpoint) is removed",
+         train("{c}/run", 1, *ONE_STEP, "--overwrite", "--qkl-ref", "model", "--qkl-ref-model",
+               "{c}/run/ckpt"),
+         Refused("--qkl-ref-model {c}/run/ckpt is in the run that --overwrite would remove",
+                 protect=("run",)),
+         copy_base, uses_base=True),
     Case("entropy-coef-above-max", "train.py", "--entropy-coef 0.1 --entropy-target 0.5 (above the default "
          "--entropy-coef-max 0.05): refused, not run at 0.05 while config.json says 0.1",
          train("{c}/run", 1, *ONE_STEP, "--entropy-coef", "0.1", "--entropy-target", "0.5"),

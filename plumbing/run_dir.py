@@ -189,27 +189,35 @@ def _existing_parent(path):
     return path
 
 
-def refusal(out, *, resume, overwrite, export=None, log="jsonl") -> str | None:
+def refusal(out, *, resume, overwrite, export=None, log="jsonl", reads=None) -> str | None:
     """Why a run may not start in `out` (read-only: main asks before loading anything, and again
     under the lock): not a writable folder, a fresh run over a run without --overwrite, an --export
     folder that cannot be written or overlaps a run folder (export_overlap), --log's package
-    missing. Everything here is asked before `claim`, which with --overwrite removes the run that is
-    there."""
+    missing, a file the run reads (`reads`: {flag: path}) among what --overwrite removes.
+    Everything here is asked before `claim`, which with --overwrite removes the run that is there."""
     why = check_writable(out)
     here = None if why or resume or overwrite else what_run_is_here(out)
     if here:
         why = (f"{out} holds a run ({here}); continue it with --resume, choose another --out, "
                "or replace it with --overwrite")
     return why or (export and (check_writable(export, "--export") or export_overlap(export, out))) or \
-        missing_package(log)
+        missing_package(log) or read_refusal(reads or {}, out, overwrite)
+
+
+def read_refusal(reads: dict, out, overwrite) -> str | None:
+    """Why an input the run reads ({flag: path}, e.g. --qkl-ref-model) would be gone when read: it is
+    among the run files --overwrite removes first (issue #50: <out>/ckpt as the reference)."""
+    for flag, path in reads.items():
+        rel = os.path.relpath(os.path.realpath(path), os.path.realpath(out)) if path else ".."
+        if overwrite and not rel.startswith("..") and rel.split(os.sep)[0] in RUN_FILES:
+            return (f"{flag} {path} is in the run that --overwrite would remove from {out} before reading "
+                    "it: copy it out of the run folder first, or train into another --out")
+    return None
 
 
 def holds_a_run(folder) -> bool:
-    """Whether `folder` is a run's: metrics, a checkpoint or a Query-KL cache, or a config.json that
-    is a run's (its --algo), not a model's (an --export folder has one too, which may be written
-    again)."""
-    if not os.path.isdir(folder):
-        return False
+    """Whether `folder` is a run's: metrics, a checkpoint, a Query-KL cache, or a config.json that is
+    a run's (its --algo), not a model's (an --export folder has one, which may be written again)."""
     if any(os.path.exists(os.path.join(folder, f)) for f in ("metrics.jsonl", "ckpt", "ckpt.prev",
                                                             "query_cache.pt")):
         return True
@@ -218,16 +226,13 @@ def holds_a_run(folder) -> bool:
 
 
 def export_overlap(export, out) -> str | None:
-    """Why --export may not be `export`: it is a run folder (the run's own --out, or another run's),
-    or it is inside a run folder's own files (<run>/hf, <run>/ckpt, ...: RUN_FILES). The export
-    writes a model's config.json and weights, which would replace the run's config.json (a plain
-    --resume is then refused) or files the run manages. A folder of its own inside --out
-    (<out>/final) is fine."""
+    """Why --export may not be `export`: it is a run folder (the run's own --out, or another run's) or
+    inside a run's own files (<run>/hf, <run>/ckpt: RUN_FILES), which the model's config.json and
+    weights would overwrite (a run's config.json replaced: --resume refused). <out>/final is fine."""
     target, own = os.path.realpath(export), os.path.realpath(out)
     below, folder = None, target            # `below`: the path component under `folder` toward target
     while True:
-        is_run = folder == own or holds_a_run(folder)
-        if is_run and (below is None or below in RUN_FILES):
+        if (folder == own or holds_a_run(folder)) and (below is None or below in RUN_FILES):
             which = "--out" if folder == own else \
                 f"the run folder {folder} ({what_run_is_here(folder) or 'a run config.json'})"
             inside = "is" if os.path.join(folder, below or "") in (target, folder + os.sep) else "is inside"

@@ -1,5 +1,6 @@
 """Issue #50's data-loss and validation findings, each refused in one line before anything is
-written: --export pointing at a run folder (plumbing/run_dir.export_overlap), a start of the adaptive
+written: --export pointing at a run folder (plumbing/run_dir.export_overlap), a reference model
+inside the run --overwrite removes (run_dir.read_refusal), a start of the adaptive
 entropy coefficient above its bound (rl/controllers.py), --jobs 0 in the study commands."""
 
 import json
@@ -43,6 +44,21 @@ def test_export_into_a_run_folder_is_refused(tmp_path):
     why = run_dir.refusal(run, resume=True, overwrite=False, export=run)
     assert why.startswith(f"--export {run} is --out")
     assert sorted(os.listdir(run)) == ["config.json", "metrics.jsonl"]                 # asked, nothing written
+
+
+def test_a_reference_inside_the_run_that_overwrite_removes_is_refused(tmp_path):
+    """--overwrite --qkl-ref-model <out>/ckpt removed the old run, that checkpoint included, and only
+    then read the reference: refusal(reads=...) says so first; without --overwrite, or a model
+    elsewhere (or a folder of the user's own in --out), it is fine."""
+    run = a_run(str(tmp_path / "run"))
+    os.makedirs(os.path.join(run, "ckpt"))
+    os.makedirs(os.path.join(run, "mine"))
+    reads = {"--qkl-ref-model": os.path.join(run, "ckpt")}
+    why = run_dir.refusal(run, resume=False, overwrite=True, reads=reads)
+    assert why.startswith(f"--qkl-ref-model {run}/ckpt is in the run that --overwrite would remove")
+    assert run_dir.refusal(run, resume=True, overwrite=False, reads=reads) is None
+    for other in (str(tmp_path), os.path.join(run, "mine"), None):
+        assert run_dir.refusal(run, resume=False, overwrite=True, reads={"--qkl-ref-model": other}) is None
 
 
 def test_an_entropy_coefficient_above_its_bound_is_refused_not_clipped():
