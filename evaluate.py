@@ -47,9 +47,10 @@ from tqdm import tqdm
 
 from evaluation import heldout
 import reward
+import tasks
 from data.prompts import PromptSet, encode_prompts
 from evaluation import eval_folder
-from plumbing import distributed, errors, interrupts, plots, run_dir
+from plumbing import distributed, errors, extension, interrupts, plots, run_dir
 from plumbing.errors import DataError
 
 # The paper's temperature grid (method.md §6): 0.1 ... 1.0 and 1.2 ... 1.5, 14 points.
@@ -470,7 +471,11 @@ def build_parser():
 def parse_args(argv=None):
     """Parse and check the command line (bad input -> one line, not a traceback), before anything
     is loaded or written: a value outside its meaning never reaches --out."""
+    extension.load_named(sys.argv[1:] if argv is None else argv)      # a task of one's own: a --task
     args = build_parser().parse_args(argv)
+    task = tasks.get(args.task)                                          # its template and lengths
+    args.template = args.template or task.template or "plain"
+    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
     try:
         heldout.check_sampling_args(args)
     except ValueError as e:

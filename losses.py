@@ -27,8 +27,6 @@ from typing import Callable, NamedTuple
 
 import torch
 
-KL_KINDS = ("k1", "k2", "k3")
-POLICY_KL_KINDS = (*KL_KINDS, "k3-ratio")   # k3-ratio reads pi_old's log-probs: the Policy-KL in the loss only
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 WEIGHT_KINDS = ("none", "paper", "code")
 KL_PLACEMENTS = ("loss", "reward")
@@ -36,61 +34,70 @@ K3_CLAMP = 10.0  # EasyR1 "low_var_kl" and the released ERPO code clamp per-toke
 
 
 # -----------------------------------------------------------------------------
-# KL estimators (method.md §8, "KL estimators")
+# KL estimators (method.md §8, "KL estimators"): per-token estimates of KL(pi_theta || pi_ref) on
+# tokens sampled from pi_theta, each a function of log r = ref_logp - logp and a row of KL_ESTIMATORS
+# (a new one is a registered function: tests/test_extensions.py adds one from outside). The sign of
+# log r matters: built as logp - ref_logp, k1 and k3 would estimate something else
+# (tests/test_losses.py checks the direction on an exact toy categorical).
+
+def k1(log_r):
+    """-log r: unbiased for KL(pi_theta||pi_ref), high variance, can be < 0. As a LOSS its expected
+    gradient is zero (E_pi[grad log pi] = 0), so k1 belongs in the reward (RLOO), not in the loss."""
+    return -log_r
+
+
+def k2(log_r):
+    """(log r)^2 / 2: biased, >= 0, low variance. As a loss its expected gradient is
+    grad KL(pi_theta||pi_ref): the gradient of the KL it estimates."""
+    return 0.5 * log_r.square()
+
+
+def k3(log_r):
+    """r - 1 - log r: unbiased, >= 0, low variance (GRPO, EasyR1's "low_var_kl"). As a loss its
+    expected gradient is grad KL(pi_ref||pi_theta), the *other* direction, since
+    E_pi[(1 - r) grad log pi] = -sum_x pi_ref(x) grad log pi(x)."""
+    return torch.exp(log_r) - 1.0 - log_r
+
+
+KL_ESTIMATORS = {"k1": k1, "k2": k2, "k3": k3}
+KL_KINDS = KL_ESTIMATORS                  # the Query-KL's choices (--qkl-estimator)
+
+
+class _PolicyKLKinds:
+    """The Policy-KL's choices (--kl): every estimator, and k3-ratio, which reads pi_old's log-probs
+    (the Policy-KL in the loss only)."""
+    def __iter__(self):
+        return iter([*KL_ESTIMATORS, "k3-ratio"])
+
+    def __contains__(self, kind):
+        return kind in KL_ESTIMATORS or kind == "k3-ratio"
+
+    def __repr__(self):
+        return repr(tuple(self))
+
+
+POLICY_KL_KINDS = _PolicyKLKinds()
+
 
 def policy_kl(logp, ref_logp, kind="k3", clamp=None, old_logp=None):
-    """Per-token estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta.
-
-    logp, ref_logp: (...) log-probs of the sampled tokens under pi_theta / pi_ref; old_logp: the
-    same under pi_old, read by "k3-ratio" only.
-    Returns a tensor of the same shape. With log r = ref_logp - logp:
-
-      k1 = -log r               unbiased for KL(pi_theta||pi_ref); high variance, can be < 0.
-                                As a LOSS its expected gradient is zero (E_pi[grad log pi] = 0),
-                                so k1 belongs in the reward (RLOO), not in the loss.
-      k2 = 0.5 * (log r)^2      biased, >= 0, low variance. As a loss its expected gradient is
-                                grad KL(pi_theta||pi_ref): the gradient of the KL it estimates.
-      k3 = exp(log r) - 1 - log r   unbiased, >= 0, low variance (GRPO / EasyR1 "low_var_kl").
-                                As a loss its expected gradient is grad KL(pi_ref||pi_theta):
-                                the *other* direction, since E_pi[(1 - r) grad log pi]
-                                = -sum_x pi_ref(x) grad log pi(x).
-      k3-ratio = (pi_theta / pi_old) * k3, for tokens sampled from pi_old: the importance-ratio bias
-                                correction of DeepSeek-V3.2 (arXiv:2512.02556, Sec. 3.1, Eq. 7) and
-                                TRL's use_bias_correction_kl. The ratio is NOT detached (as in TRL),
-                                so its expected gradient is grad KL(pi_theta||pi_ref), the direction
-                                k3 estimates, on-policy too (method.md §8.1).
-    The sign of log r matters: building it as logp - ref_logp silently makes k1 and k3 estimate
-    something else (tests/test_losses.py checks the direction on an exact toy categorical).
-
-    clamp: None, or c > 0 to bound k3 to [-c, c] (EasyR1's low_var_kl and the released code use 10);
-    the log-ratio is then also bounded to [-20, 20] so exp() cannot overflow to inf. The clamp acts
-    on k3 ALONE: k1 and k2 are returned unclamped whatever `clamp` says (no reference implementation
-    clamps them, and a clamped k2 would have its gradient cut where |log r| > 4.47; method.md §10).
-    k3-ratio clamps its k3 factor like k3 (so with pi_theta = pi_old it IS k3, clamp included), not
-    the ratio or the product; TRL clamps neither. Its log(pi_theta / pi_old) is bounded to
-    [-20, 20] before exp(), as the PPO ratio is (ppo_loss).
-    """
-    if kind not in POLICY_KL_KINDS:
-        raise ValueError(f"policy_kl kind must be one of {POLICY_KL_KINDS}, got {kind!r}")
+    """Per-token KL_ESTIMATORS[kind] of log r = ref_logp - logp, each (...) tensors of the sampled
+    tokens' log-probs under pi_theta / pi_ref; the same shape back.
+    clamp: None, or c > 0 to bound k3 to [-c, c] (EasyR1's low_var_kl and the released code: 10), its
+    log r then bounded to [-20, 20] so exp() cannot overflow. Only k3 is clamped (method.md §10).
+    k3-ratio = (pi_theta / pi_old) * k3 on pi_old's tokens (old_logp): DeepSeek-V3.2's bias correction
+    (arXiv:2512.02556, Eq. 7), TRL's use_bias_correction_kl; the ratio is not detached, so its expected
+    gradient is grad KL(pi_theta||pi_ref) (method.md §8.1)."""
     if kind == "k3-ratio":
         if old_logp is None:
             raise ValueError("policy_kl kind 'k3-ratio' needs old_logp (pi_old's log-probs of the tokens)")
         ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))           # pi_theta / pi_old, with grad
         return ratio * policy_kl(logp, ref_logp, "k3", clamp)
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"policy_kl kind must be one of {tuple(POLICY_KL_KINDS)}, got {kind!r}")
     log_r = ref_logp - logp
-    if kind != "k3":
-        clamp = None
-    if clamp is not None:
-        log_r = log_r.clamp(-20.0, 20.0)
-    if kind == "k1":
-        kl = -log_r
-    elif kind == "k2":
-        kl = 0.5 * log_r.square()
-    else:
-        kl = torch.exp(log_r) - 1.0 - log_r
-    if clamp is not None:
-        kl = kl.clamp(-clamp, clamp)
-    return kl
+    if kind != "k3" or clamp is None:
+        return KL_ESTIMATORS[kind](log_r)
+    return k3(log_r.clamp(-20.0, 20.0)).clamp(-clamp, clamp)
 
 
 def query_kl(logp, ref_logp, mask, kind="k3", clamp=K3_CLAMP):
@@ -299,19 +306,14 @@ def overlong_penalty(lengths, max_len, cache_len):
 
 
 def query_weights(nll, mean_nll=None, clip=None):
-    """Query reweighting w_i = mean_nll / nll_i (method.md §4). nll (N,) -> (N,), no gradient.
-
-    Typical queries (low NLL) get more weight; strange ones (high NLL) breed strange responses and
-    are turned down. The weight multiplies the policy-gradient term (the advantage) of every
-    response of that query, never the Query-KL term.
-
-      paper (App. I): nll = cached REFERENCE-model NLL of each query, mean_nll = the mean over the
-                      WHOLE training set, clip = (0, 2). Constant over training.
-      code (release): nll = CURRENT policy NLL (computed without gradient), mean_nll = None ->
-                      the mean of the given nll (pass the whole optimizer batch), clip = None.
-                      E.g. nll [3, 6] -> weights [1.5, 0.75].
-    nll and mean_nll must use the same convention (sum over prompt tokens = -l(q) in the paper).
-    """
+    """Query reweighting w_i = mean_nll / nll_i (method.md §4): (N,) NLLs -> (N,) weights, no gradient.
+    Typical queries (low NLL) count more, strange ones (which breed strange responses) less. A weight
+    scales the PG term (the advantage) of every response to its query, never the Query-KL term.
+      paper (App. I): the cached REFERENCE-model NLL of each query, mean_nll its mean over the WHOLE
+                      training set, clip (0, 2); constant over training.
+      code (release): the CURRENT policy's NLL (no gradient), mean_nll None: the mean of the given
+                      nll (the optimizer batch's), unclipped. E.g. nll [3, 6] -> weights [1.5, 0.75].
+    NLL = -l(q), summed over the prompt tokens, in both."""
     nll = nll.detach().float()
     if (nll < 0).any():
         raise ValueError("query_weights expects NLLs (>= 0); got a negative value - "
@@ -327,26 +329,16 @@ def query_weights(nll, mean_nll=None, clip=None):
 # Loss aggregation (method.md §8.5)
 
 def aggregate(values, mask=None, mode="token-mean", num_tokens=None, num_seqs=None, max_len=None):
-    """Reduce per-token (B, T) or per-sequence (B,) values to the scalar this micro-batch adds.
-
+    """Reduce per-token (B, T) or per-sequence (B,) values to this micro-batch's share of the loss
+    (method.md §8.5): a SUM over the micro-batch divided by a count of the WHOLE optimizer batch (all
+    micro-batches and ranks: num_tokens, num_seqs), so the micro-batches' losses add up to the
+    one-big-batch loss and gradient (DDP averages over ranks: the caller multiplies by their number).
       "token-mean":              sum(v*m) / num_tokens                       (DAPO, EasyR1 default)
       "seq-mean-token-mean":     sum_i (sum_t v*m / sum_t m) / num_seqs      (original GRPO)
-      "seq-mean-token-sum-norm": sum(v*m) / (num_seqs * max_len)             (Dr.GRPO; max_len =
-                                 the configured max response length, a constant - required).
-                                 As in the Dr.GRPO paper and TRL's `dr_grpo`; verl's mode of the
-                                 same name divides by max_len only (num_seqs times larger), which
-                                 matters because gradient clipping makes the loss scale matter.
-      "seq-mean" ((B,) values):  sum(v*m) / num_seqs                         (e.g. query_kl output)
-
-    Each mode returns a SUM over this micro-batch divided by a denominator of the whole optimizer
-    batch: pass num_tokens = response tokens of the whole batch (all micro-batches, all ranks) and
-    num_seqs = its sequence count. Summing the micro-batch losses (gradient accumulation) then
-    gives exactly the one-big-batch loss and gradient. Defaults (this call's own counts) are only
-    right when the call sees the whole batch.
-    DDP: DDP *averages* gradients over the W ranks; with global denominators the wanted gradient is
-    the SUM over ranks, so the caller multiplies its loss by W before backward() (or equivalently
-    passes num_tokens / W and num_seqs / W).
-    """
+      "seq-mean-token-sum-norm": sum(v*m) / (num_seqs * max_len)             (Dr.GRPO and TRL's dr_grpo;
+                                 max_len, the configured limit, required; verl divides by max_len only)
+      "seq-mean" ((B,) values):  sum(v*m) / num_seqs                         (e.g. query_kl's output)
+    Without num_tokens / num_seqs: this call's own counts, right only where it sees the whole batch."""
     if values.dim() == 1:
         if mode != "seq-mean":
             raise ValueError(f"per-sequence (B,) values are aggregated with mode='seq-mean', got {mode!r}")

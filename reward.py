@@ -405,7 +405,8 @@ def _grade_many(preds, golds, timeout):
             used_mv[i] = True
         else:
             outcomes[i] = fast[1]
-    for idxs, (equal, status) in zip(slow.values(), mathverify_pool.verify_many(list(slow), timeout)):
+    verdicts = mathverify_pool.verify_many(list(slow), timeout) if slow else []
+    for idxs, (equal, status) in zip(slow.values(), verdicts):
         for i in idxs:
             outcomes[i] = status if status != "ok" else ("correct" if equal else "wrong")
     return outcomes, used_mv

@@ -42,9 +42,10 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from sampler import kv_cache
-from sampler.kv_cache import kv_budget_from_memory, left_pad, prefill
+from sampler.kv_cache import left_pad, prefill
 from modeling.logprobs import Packed
 from plumbing import distributed
 
@@ -113,7 +114,7 @@ class SampleSpec:
         """The spec of a training run: stop ids from the model and tokenizer; on CUDA a kv_budget
         of 0 means what fits in the free GPU memory (kv_budget_that_fits), on CPU no cap."""
         if kv_budget == 0 and next(model.parameters()).is_cuda:
-            kv_budget = kv_budget_that_fits(model, opt, bf16, batch_size, max_new_tokens)
+            kv_budget = kv_cache.kv_budget_that_fits(model, opt, bf16, batch_size, max_new_tokens)
         return cls(max_new_tokens, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, sampler,
                    batch_size, torch.bfloat16 if bf16 else None, kv_budget, compile_decode)
 
@@ -124,55 +125,6 @@ class SampleSpec:
             return self.batch_size
         fit = max(1, self.kv_budget // (longest_prompt + self.max_new_tokens))
         return min(fit, self.batch_size) if self.batch_size else fit
-
-
-def _local(p):
-    """This rank's part of a parameter (its shard under FSDP2)."""
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
-def kv_budget_that_fits(model, opt, bf16, batch_size, max_new_tokens) -> int:
-    """--kv-budget 0 on CUDA: the KV-cache positions that fit in the free GPU memory measured now,
-    less what the rollout phase will still allocate beside the cache (rollout_reserve, and the one
-    pass's own kv_cache.decode_reserve: its prefill and the logits of as many slots as can be --
-    batch_size, at most one per max_new_tokens + 1 positions), less memory_plan.KV_MARGIN of the
-    card (kv_cache.kv_budget_from_memory)."""
-    p = next(model.parameters())
-    dtype = torch.bfloat16 if bf16 else p.dtype                      # the cache's: kv_cache.kv_dtype
-    held = sum(rollout_reserve(model, opt, bf16).values())
-    rows = kv_budget_from_memory(model.config, dtype, held) // (max_new_tokens + 1)
-    rows = min(rows, batch_size) if batch_size else rows
-    own = kv_cache.decode_reserve(model.config, 2 if bf16 else p.element_size(), rows)
-    return kv_budget_from_memory(model.config, dtype, held + sum(own.values()))
-
-
-def rollout_reserve(model, opt, bf16) -> dict[str, int]:
-    """Bytes a training run's rollout phase holds beside the KV cache that are not allocated yet
-    when the spec is made (after the policy, the reference and the Query-KL cache are), by name:
-    - "adam": the optimizer `opt`'s exp_avg and exp_avg_sq (this rank's shards), allocated at its
-      first step -- 0 once it has state, or without an optimizer;
-    - "decoding copy": the model the sampler decodes with, made at each rollout: under FSDP2 the
-      whole policy gathered (distributed.gathered, in bf16 or the default dtype), under LoRA the
-      base with the adapters merged (lora.merged, in bf16 or as it is);
-    - "autocast casts": otherwise, under bf16 autocast, the bf16 copies of the float32 matmul
-      weights (every nn.Linear's) the decoding steps make, kept for the autocast region (the step)."""
-    params = dict(model.named_parameters())
-    fsdp = any(hasattr(p, "to_local") for p in params.values())
-    lora = any("lora_" in n for n in params)
-    out = {"adam": 0, "decoding copy": 0, "autocast casts": 0}
-    if opt is not None and not opt.state:
-        out["adam"] = sum(2 * _local(p).numel() * p.element_size()
-                          for g in opt.param_groups for p in g["params"])
-    if fsdp:
-        copy_bytes = 2 if bf16 else torch.get_default_dtype().itemsize
-        out["decoding copy"] = sum(p.numel() for p in params.values()) * copy_bytes
-    elif lora:
-        out["decoding copy"] = sum(p.numel() * (2 if bf16 else p.element_size())
-                                   for n, p in params.items() if "lora_" not in n)
-    elif bf16:
-        out["autocast casts"] = sum(2 * p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
-                                    for p in m.parameters(recurse=False) if p.dtype == torch.float32)
-    return out
 
 
 @dataclass
@@ -504,10 +456,46 @@ def _check_sample_args(prompts, max_new_tokens, temperature, top_p, seeds, sampl
 
 
 def sample_with(model, prompts, spec: SampleSpec, *, temperature, seeds, top_p=1.0) -> Rollout:
-    """`sample` with the decoding settings of a SampleSpec."""
+    """Seeded rows: the plain sampler (`generate`), or --sampler kv's one pass (`sample`)."""
+    if spec.sampler == "hf" and seeds is not None and temperature > 0:
+        return generate(model, prompts, seeds, spec, temperature, top_p)
     return sample(model, prompts, max_new_tokens=spec.max_new_tokens, eos_ids=spec.eos_ids,
                   pad_id=spec.pad_id, temperature=temperature, top_p=top_p, seeds=seeds, sampler=spec.sampler,
                   batch_size=spec.rows_per_call(max(map(len, prompts))), compile_decode=spec.compile_decode)
+
+
+@torch.no_grad()
+def generate(model, prompts, seeds, spec: SampleSpec, temperature, top_p) -> Rollout:
+    """The plain sampler: HF generate, --gen-batch rows at a time, each token drawn by `_choose` at the
+    row's own uniform u = hash(seed, t) (the module doc), so a row's response depends on its seed alone."""
+    model, n = distributed.unwrap(model), spec.batch_size or len(prompts)
+    return cat_rollouts([generate_chunk(model, prompts[s:s + n], seeds[s:s + n], spec, temperature, top_p)
+                         for s in range(0, len(prompts), n)], spec.pad_id)
+
+
+def generate_chunk(model, prompts, seeds, spec: SampleSpec, temperature, top_p) -> Rollout:
+    """One call of model.generate: the rows left-padded, responses up to and including their EOS."""
+    from transformers import GenerationConfig, LogitsProcessor
+
+    dev, rows = next(model.parameters()).device, [torch.tensor(p) for p in prompts]
+    ids = pad_sequence(rows, batch_first=True, padding_value=spec.pad_id, padding_side="left").to(dev)
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left").to(dev)
+    keys, P = _row_keys(seeds, dev), ids.shape[1]
+
+    class Draw(LogitsProcessor):                          # our draw; generate's greedy choice then takes it
+        def __call__(self, input_ids, scores):
+            tok = _choose(scores.float(), temperature, top_p, keys, input_ids.shape[1] - P)[0]
+            return torch.full_like(scores, float("-inf")).scatter_(-1, tok[:, None], 0.0)
+    cfg = GenerationConfig(max_new_tokens=spec.max_new_tokens, eos_token_id=spec.eos_ids, do_sample=False,
+                           pad_token_id=spec.pad_id, return_dict_in_generate=True, output_logits=True)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, logits_processor=[Draw()])
+    resp = out.sequences[:, P:]                                         # (b, R)
+    is_eos = torch.isin(resp, torch.tensor(spec.eos_ids, device=dev))   # (pad may equal an EOS id)
+    first = torch.where(is_eos.any(1), is_eos.float().argmax(1), resp.shape[1])
+    rmask = (torch.arange(resp.shape[1], device=dev)[None, :] <= first[:, None]).long()  # up to the EOS
+    logits = torch.stack(out.logits, 1).float() / temperature            # (b, R, V)
+    lps = logits.log_softmax(-1).gather(-1, resp[..., None]).squeeze(-1) * rmask
+    return Rollout(ids, mask, resp.masked_fill(rmask == 0, spec.pad_id), rmask, lps, is_eos.any(1))
 
 
 @torch.no_grad()

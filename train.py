@@ -12,6 +12,7 @@ algorithms is a row of `losses.ALGOS`; every loss term is in `losses.py` (equati
 
 import os
 import random
+import sys
 import time
 
 try:                                       # Ctrl-C during these imports: one line, no traceback
@@ -25,12 +26,13 @@ try:                                       # Ctrl-C during these imports: one li
     from modeling import models
     from rl import query_reference
     import sft
+    from data import prompts
     import tasks
     from evaluation.heldout import check_fits
     from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan,
                           extension, optimizer, options, run_dir, time_check, time_model)
-    from plumbing.distributed import all_sum, print0
-    from rl import controllers, monitors, run_setup
+    from plumbing.distributed import all_sums, print0
+    from rl import controllers, monitors, run_setup, scale_step
     from rl.run_setup import Run, needs_reference_model, old_rows, setup_rl
 except KeyboardInterrupt:
     os.write(2, b"interrupted (SIGINT): stopped while starting, nothing written\n")
@@ -53,7 +55,8 @@ OPTIONS = [
                                                                "--task's)"),
     ("eval_data",         list(tasks.get("math").heldout),     "held-out sets for periodic evaluation, names or paths "
                                                                "(default: --task's)"),
-    ("template",          "plain",                             "prompt template (data/prompts.py)", ["plain", "paper"]),
+    ("template",          "plain",                             "prompt template (data/prompts.TEMPLATES; default: --task's)",
+                                                               prompts.TEMPLATES),
     ("out",               None,                                "run folder (config.json, metrics.jsonl, ckpt/); default runs/<algo>"),
     ("seed",              0,                                   "seed of prompt order and of every sampled row"),
     # rollout: prompts per step, responses per prompt, sampling
@@ -65,7 +68,8 @@ OPTIONS = [
     ("top_p",             1.0,                                 "nucleus sampling (1 = off)", "(0,1]"),
     ("max_prompt_len",    128,                                 "longer prompts are dropped from the training set", ">=1"),
     ("max_new_tokens",    96,                                  "response length limit", ">=1"),
-    ("sampler",           "kv",                                "our KV-cache sampler or HF generate", ["kv", "hf"]),
+    ("sampler",           "hf",                                "HF generate with the seeded per-row draw (plain), or "
+                                                               "the one-pass KV-cache sampler (kv: fast, sampler/)", ["hf", "kv"]),
     ("gen_batch",         256,                                 "rows per sampler call, at most", ">=1"),
     ("kv_budget",         0,                                   "KV-cache positions per sampler call (0 on CUDA: what fits in the free memory beside "
                                                                "the rollout's other allocations, less 10% of the card; CPU: no cap)", ">=0"),
@@ -85,7 +89,7 @@ OPTIONS = [
     ("ppo_epochs",        1,                                   "passes over each rollout batch", ">=1"),
     ("micro_batch",       64,                                  "sequences per forward/backward on each rank", ">=1"),
     ("micro_tokens",      0,                                   "also at most this many tokens per micro-batch: real tokens when --pack packs the forward, else padded (0 = no cap)", ">=0"),
-    ("pack",              True,                                "full-row training forwards run each micro-batch's real tokens, packed (no padding; modeling/logprobs.py)"),
+    ("pack",              False,                               "fast path: full-row training forwards run each micro-batch's real tokens, packed (no padding; modeling/logprobs.py)"),
     ("dtype",             "auto",                              "bf16-mixed: fp32 weights + bf16 autocast (2x faster matmuls on CPUs with AVX512-BF16/AMX); auto: that on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16", "bf16-mixed"]),
     ("fsdp",              False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
     ("lora_rank",         0,                                   "LoRA: train rank-r adapters on the policy's linear layers, "
@@ -98,7 +102,7 @@ OPTIONS = [
     ("grad_ckpt",         memory_plan.AUTO,                    "activation checkpointing of every decoder layer: true, false, or "
                                                                "auto = on only where the update micro-batch does not fit the "
                                                                "card without it (memory_plan.needs_checkpointing; CPU: off)"),
-    ("share_prompts",     True,                                "training forwards run each prompt once for its G responses (not with --fsdp/--grad-ckpt)"),
+    ("share_prompts",     False,                               "fast path: training forwards run each prompt once for its G responses (not with --fsdp/--grad-ckpt)"),
     ("dry_run",           False,                               "print the per-GPU memory plan (plumbing/memory_plan.py) and exit; no weights loaded"),
     ("plan_gpus",         8,                                   "GPUs the --dry-run plan assumes", ">=1"),
     ("plan_gpu",          "h100",                              "the GPU --dry-run's time model assumes (plumbing/time_model.py)",
@@ -107,6 +111,9 @@ OPTIONS = [
                                                                "samples.jsonl, a run's metrics.jsonl, or a "
                                                                "time_model.prompt_histogram JSON); default: the review "
                                                                "case of configs/lengths/ (plumbing/time_model.py)"),
+    ("plan_constants",    None,                                "--dry-run's time model: a bench/gpu_check.py results JSON whose "
+                                                               "measured constants replace the assumed ones "
+                                                               "(plumbing/time_model.py CONSTANTS)"),
     ("qkl_ref",           "cache",                             "the Query-KL reference (rl/query_reference.py): the "
                                                                "initial policy's prompt log-probs cached before RL "
                                                                "(the paper); the reference model's forward over "
@@ -144,6 +151,12 @@ OPTIONS = [
                                                                "checkpoints keep float32", list(checkpoints.EXPORT_DTYPES)),
     ("nccl_timeout",      120.0,                               "minutes a rank waits at a collective (NCCL's default 10 can fire "
                                                                "during a long evaluation or export)", ">0"),
+    ("extensions",        [],                                  "modules imported before the options are read: their rows of the "
+                                                               "extension tables and their options (dotted names or .py files; "
+                                                               "plumbing/extension.py); --resume imports the run's again"),
+    ("shaping",           [],                                  "reward-shaping terms applied after grading, rows of "
+                                                               "rl/experience.SHAPING (an extension's): each sees the graded "
+                                                               "rollout and logs its own metrics"),
     ("log",               "jsonl",                             "also mirror metrics.jsonl to TensorBoard or W&B", ["jsonl", "tensorboard", "wandb"]),
 ] + sft.OPTIONS + query_reference.reference_options()  # the warm start's (--sft-*), the references' (--qkl-ref-*)
 
@@ -164,7 +177,7 @@ RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_
                      "save_every", "log", "export", "export_dtype", "nccl_timeout", "query_cache_dir",
                      "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
                      "measure_policy_kl", "lr_decay_steps", "pack", "compile_decode"}
-NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu", "plan_lengths"}   # how this command runs, not what
+NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu", "plan_lengths", "plan_constants"}   # how this command runs, not what
 # --resume of a run made before an option existed: its config.json lacks the option, and the run
 # continues as it trained -- the option's value before it existed (a value, or one computed from the
 # old config); an option missing here took today's default then too (or does not change training:
@@ -180,181 +193,137 @@ BEFORE_OPTION = {
 
 
 # ----------------------------------------------------------------------------------------------
-# RL, part 1: the step. Rollouts and rewards come from rl/experience.py, the host-side plan of the
-# forwards from rl/experience.py; the loss terms are losses.py's (equations: docs/method.md).
+# RL, part 1: the step, plain. Sampling and grading are rl/experience.py's (with rollout.py and
+# reward.py), the loss terms losses.py's (equations: docs/method.md). Each fast path of the GPU configs
+# is an option that sends the step to rl/scale_step.py instead (run_setup.FAST_PATHS), held equal to
+# this one by tests/test_fast_paths.py.
 
 
-def rl_step(run, step):
-    """Everything of one RL step; returns its metrics (reduced over ranks)."""
-    run.algo = extension.steer(run.algo, run.controllers)                # per-step coefficients (§8.7)
-    G, dev, every = run.args.group_size, run.dist.device, run.args.monitor_every
-    collected = rollouts(run, step)                                      # G responses per prompt, graded
-    ro, valid = collected.ro.to(dev), collected.valid.to(dev)
+def rl_step(run, step, before_update=None) -> experience.StepResult:
+    """One RL step, returning what it computed (the loop logs it): this rank's prompts, G responses
+    each, graded -> pi_old's log-probs -> advantages A and query weights w -> --ppo-epochs passes of
+    PPO updates. With a fast path on (fast_paths), the step at scale does the same in other kernels."""
+    if run.fast:
+        return scale_step.rl_step(run, step, before_update)             # rl/scale_step.py
+    G, dev = run.args.group_size, run.dist.device
+    with run.decoding_copy(run.policy, run.spec.weights_dtype) as decoder:
+        collected = experience.collect(run, decoder, step)              # G responses per prompt, graded
+    ro, valid = collected.ro.to(dev), collected.valid.to(dev)           # valid (B,): rows with a loss
     packed = ro.packed()                                                 # [prompt | response] rows
-    resp_mask = ro.response_mask.float() * valid[:, None]
-    prompt_mask = packed.prompt_tok_mask.float() * valid[:, None]
-    update_rows = batching.microbatches(len(ro.finished), run.args.update_batch // run.dist.world * G)
-    fresh = on_policy_rows(run, update_rows)
-    plan = experience.plan_step(run.args, packed, collected.valid.tolist(), update_rows, fresh,
-                                has_ref=run.ref is not None)
+    resp_mask = ro.response_mask.float() * valid[:, None]               # (B, R)
+    prompt_mask = packed.prompt_tok_mask.float() * valid[:, None]       # (B, P-1) prompt tokens 2..P
     with run.timer("score"):
-        scores = score_old_and_ref(run, packed, fresh, plan)             # pi_old, reference
+        scores = score_old(run, packed)                                  # pi_old (and the reference)
     prompts = query_reference.PromptBatch(collected.prompt_idx, G, packed.P - 1, scores.prompt, prompt_mask,
                                           scores.ref_prompt, step, packed.input_ids[:, :packed.P])
-    qref = run.qref.prompt_logp(prompts)                                 # Query-KL's reference
+    qref = run.qref.prompt_logp(prompts)                                 # (B, P-1) Query-KL's reference
     adv, signal = experience.advantages(run, collected.rewards.to(dev), scores, resp_mask, valid)  # A
-    experience.judge_signal(plan, signal, valid, update_rows)           # which updates step (§8.6)
-    w = row_weights(run, collected.prompt_idx, scores.prompt, prompt_mask, valid, update_rows)  # w(q)
-    batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w, ro.logprobs)
-    grads = monitors.term_gradients(run, batch, plan) if every and (step + 1) % every == 0 else {}  # pi_old
+    w = query_weights(run, collected.prompt_idx, scores.prompt, prompt_mask, valid)              # w(q)
+    batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w, ro.logprobs,
+                                   signal)
+    if before_update is not None:                                        # the monitors, at pi_old
+        before_update(batch, None)
     with run.timer("update"):
-        update = ppo_update(run, batch, plan)
-    if update["grad_norm"] is None:                                      # no optimizer step applied: are
-        run.guard.no_step(step, run.policy)                              # the weights sound? (their norm)
-    run.qref.after_step(prompts)                                         # (scores.prompt is complete now)
-    initial = query_reference.monitor_logp(run.qref, qref, prompts, run.cache)  # query_kl: drift from pi_0
-    m = experience.step_metrics(run, step, collected, ro, batch, initial, update)
-    return extension.after_step(run.controllers, {**m, **grads})         # + the coefficients it used
+        update = ppo_update(run, batch, signal)
+    return experience.StepResult(collected, ro, batch, prompts, qref, update)
 
 
-def rollouts(run, step) -> experience.Collected:
-    """The step's rollouts from a decoding copy (a LoRA policy's merged copy, freed before scoring
-    needs the memory), their groups dealt to the ranks by length."""
-    with run.decoding_copy(run.policy, run.spec.weights_dtype) as decoder:
-        collected = experience.collect(run, decoder, step)
-    return experience.deal_by_length(run, collected)                   # the ranks' work evened out
+def micro_batches(run, rows: slice) -> list[slice]:
+    """Consecutive slices of at most --micro-batch rows: every rank runs as many (same row counts)."""
+    return [slice(s, min(rows.stop, s + run.args.micro_batch)) for s in range(rows.start, rows.stop,
+                                                                                   run.args.micro_batch)]
 
 
-def on_policy_rows(run, update_rows) -> slice:
-    """Rows that get no pi_old forward of their own: the first update batch's, unless something needs
-    pi_old's log-probs before the update (RLOO's KL-penalised rewards, the code weights:
-    losses.Algo.needs_pi_old_first). The update's first forward scores them (is_pi_old_forward)."""
-    return slice(0, 0) if run.algo.needs_pi_old_first else update_rows[0]
-
-
-def is_pi_old_forward(epoch: int, u: int, fresh: slice) -> bool:
-    """Is this update forward also pi_old's (recorded as the old log-probs and the monitors)?"""
-    # Exact, not an approximation: the first PPO epoch's first optimizer step runs its forward on the
-    # rollout's weights (nothing is applied yet), so its log-probs ARE pi_old's: the ratio is exactly 1.
-    return epoch == u == 0 and fresh.stop > 0
-
-
-# ----------------------------------------------------------------------------------------------
-# RL, part 2: log-probs, query weights, PPO updates
+def score(model, packed, rows, temperature, with_entropy=False) -> logprobs.TokenScores:
+    """One forward over [prompt | response] rows -> every token's log-prob under softmax(logits / T):
+    the response's (policy loss) and the prompt's (Query-KL) from the same forward (method.md §3)."""
+    ids, mask, P = packed.input_ids[rows], packed.attention_mask[rows], packed.P   # (b, P+R)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)                   # left-padded: positions count real tokens
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)  # (b, P+R-1, V): j predicts j+1
+    tok = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)                  # (b, P+R-1)
+    entropy = -(logp.exp() * logp).sum(-1)[:, P - 1:] if with_entropy else None
+    return logprobs.TokenScores(tok[:, P - 1:], tok[:, :P - 1], entropy)  # response (b, R), prompt (b, P-1)
 
 
 @torch.no_grad()
-def score_old(run, packed: logprobs.Packed, scores: experience.OldScores, mbs: list[logprobs.MicroBatch],
-              group):
-    """pi_old's log-probs and entropy of the rows of `mbs` (no grad, the unwrapped policy)."""
-    for mb in mbs:
-        part, prompt_cols, resp_cols = packed.trimmed(mb)                # no all-padding columns
-        s = logprobs.score_tokens(distributed.unwrap(run.policy), part, run.args.temperature, True, group,
-                                  checked=True)
-        scores.record(mb.rows, prompt_cols, resp_cols, s)
-    distributed.reshard(run.policy)  # FSDP2 keeps the root gathered after a no-grad forward
+def score_old(run, packed) -> experience.OldScores:
+    """pi_old's log-probs and entropy (the policy before this step's updates), and the reference
+    model's log-probs where one is loaded, micro-batch by micro-batch."""
+    T, everything = run.args.temperature, slice(0, packed.input_ids.shape[0])
+    parts = micro_batches(run, everything)
+    mine = [score(distributed.unwrap(run.policy), packed, rows, T, with_entropy=True) for rows in parts]
+    ref = None if run.ref is None else [score(run.ref, packed, rows, T) for rows in parts]
+
+    def cat(parts, field):
+        return None if parts is None else torch.cat([getattr(p, field) for p in parts])
+    return experience.OldScores(cat(mine, "response"), cat(mine, "prompt"), cat(mine, "entropy"),
+                                cat(ref, "response"), cat(ref, "prompt"), fresh=slice(0, 0))
 
 
-@torch.no_grad()
-def score_old_and_ref(run, packed: logprobs.Packed, fresh: slice,
-                      plan: experience.StepPlan) -> experience.OldScores:
-    """No-grad forwards: the policy over the rows after `fresh`, the reference over all rows."""
-    scores = experience.OldScores.empty(packed, fresh, has_ref=run.ref is not None)
-    score_old(run, packed, scores, plan.old, plan.group)
-    for mb in plan.ref:
-        part, prompt_cols, resp_cols = packed.trimmed(mb)
-        s = logprobs.score_tokens(run.ref, part, run.args.temperature, group=plan.group, checked=True)
-        scores.ref[mb.rows, resp_cols], scores.ref_prompt[mb.rows, prompt_cols] = s.response, s.prompt
-    distributed.reshard(run.ref)  # FSDP2 keeps the root gathered after a forward with no backward
-    return scores
-
-
-def row_weights(run, prompt_idx, prompt_logp, prompt_mask, valid, update_rows):
-    """Per-row query weights (method.md §4), or None. paper: cached reference NLL, dataset mean,
-    clipped to algo.weight_clip. code: current-policy NLL (no grad), mean over each global
-    optimizer batch, unclipped."""
+def query_weights(run, prompt_idx, prompt_logp, prompt_mask, valid):
+    """Per-row query weights w(q) (method.md §4), or None. paper: the cached reference NLL against
+    the dataset's mean, clipped to algo.weight_clip. code: the current policy's NLL (no grad) against
+    the mean over each global update batch, unclipped."""
     algo, G = run.algo, run.args.group_size
-    if algo.weights == "none":
-        return None
     if algo.weights == "paper":
         w = losses.query_weights(run.cache.nll[torch.tensor(prompt_idx)], mean_nll=run.cache.nll_mean,
                                  clip=algo.weight_clip)
         return w.repeat_interleave(G).to(valid.device)
-    nll = -torch.where(prompt_mask > 0, prompt_logp, 0.0).sum(1)          # (B,) sequence NLL of each prompt
-    w = torch.ones_like(nll)              # DAPO filler rows (valid = 0) keep 1: they carry no loss anyway
-    for rows in update_rows:
-        ok = valid[rows] > 0
-        mean = (all_sum(nll[rows][ok].sum()) / all_sum(ok.sum().float()).clamp_min(1)).item()
-        w[rows] = torch.where(ok, losses.query_weights(nll[rows].clamp_min(1e-8), mean_nll=mean), 1.0)
-    return w
+    if algo.weights == "code":
+        return experience.code_query_weights(prompt_logp, prompt_mask, valid, update_batches(run, len(valid)))
+    return None
 
 
-def ppo_update(run, batch: experience.UpdateBatch, plan: experience.StepPlan) -> dict:
-    """One optimizer step per global update batch with a signal (UpdatePlan.takes_step), x ppo_epochs
-    -> rl_loss's statistics averaged over the applied steps, grad_norm, skipped_steps (non-finite),
-    no_signal_steps. The first update forward is pi_old's for the on-policy rows (on_policy_rows):
-    if that update takes no step, they are scored on their own."""
-    applied, skipped, no_signal = [], 0, 0
-    lr = run.opt.param_groups[0]["lr"]                                   # the step's (its first update's)
-    for epoch in range(run.args.ppo_epochs):
-        for u, update in enumerate(plan.updates):
-            is_pi_old = is_pi_old_forward(epoch, u, batch.scores.fresh)
-            if not update.takes_step(run.args.no_signal):               # no signal (the same on every rank)
-                if is_pi_old:
-                    score_old(run, batch.packed, batch.scores, plan.fresh, plan.group)
-                no_signal += 1
-                continue
-            stats = optimizer_step(run, batch, update, is_pi_old, plan.group)
-            if stats is None:
+def update_batches(run, rows: int) -> list[slice]:
+    """This rank's rows of each optimizer step: --update-batch prompts (global) x G responses."""
+    return batching.update_batches(rows, run.args.update_batch // run.dist.world * run.args.group_size)
+
+
+def ppo_update(run, batch: experience.UpdateBatch, signal) -> dict:
+    """--ppo-epochs passes over the update batches, an optimizer step each -> each applied step's
+    statistics (rl_loss's, grad_norm), skipped_steps (non-finite), no_signal_steps, the lr. Every
+    loss term is divided by its update batch's GLOBAL count (tokens or rows, all micro-batches and
+    ranks), so any micro-batch size and world size give the gradient of one big batch."""
+    applied, skipped, no_signal, lr = [], 0, 0, run.opt.param_groups[0]["lr"]   # (the step's first lr)
+    for _epoch in range(run.args.ppo_epochs):
+        for rows in update_batches(run, len(batch.valid)):
+            n = all_sums({"tokens": batch.resp_mask[rows], "seqs": batch.valid[rows],
+                          "signal": signal[rows].float() * batch.valid[rows]})
+            if n["seqs"] == 0 or (n["signal"] == 0 and run.args.no_signal == "skip"):  # no signal (§8.6):
+                no_signal += 1                                           # AdamW would still move every
+                continue                                                 # weight by ~lr
+            stats = accumulate_gradient(run, batch, rows, max(1.0, n["tokens"]), n["seqs"])
+            norm = optimizer.clip_grad(run.policy, run.args.grad_clip)
+            host = distributed.read_scalars({**stats, "grad_norm": norm}, finite=("loss", "grad_norm"))
+            if host is None:                                             # not finite on some rank: not
+                run.guard.bad_step(run.opt, run.sched)                   # applied; too many end the run
                 skipped += 1
-            else:
-                applied.append(stats)
-    return {**experience.update_statistics(applied), "skipped_steps": skipped, "no_signal_steps": no_signal,
-            "lr": lr}
+                continue
+            optimizer.step(run.opt, run.sched)
+            applied.append(host)
+    return {"applied": applied, "skipped_steps": skipped, "no_signal_steps": no_signal, "lr": lr}
 
 
-def optimizer_step(run, batch: experience.UpdateBatch, update: experience.UpdatePlan, is_pi_old: bool,
-                   group: int):
-    """Gradient of one update batch, clipped, applied if its loss and gradient are finite on every
-    rank -> its statistics on the host (this rank's sums; grad_norm global), or None if skipped."""
-    stats = accumulate_gradient(run, batch, update, is_pi_old, group)
-    norm = optimizer.clip_grad(run.policy, run.args.grad_clip)
-    host = distributed.read_scalars({**stats, "grad_norm": norm}, finite=("loss", "grad_norm"))
-    if host is None:
-        run.guard.bad_step(run.opt)                                      # not applied; too many: the end
-        return None
-    run.guard.finite_step()                                              # the latest checkpoint is trusted
-    optimizer.step(run.opt, run.sched)
-    return host
-
-
-def accumulate_gradient(run, batch: experience.UpdateBatch, update: experience.UpdatePlan, is_pi_old: bool,
-                        group: int) -> dict[str, torch.Tensor]:
-    """Forward + backward of each micro-batch of one optimizer step; -> its loss statistics, summed
-    over micro-batches as float64 tensors (no host read here). Every loss term is divided by the
-    GLOBAL count of its update batch (tokens or sequences over all micro-batches and ranks), so the
-    gradient equals that of one big batch at any micro-batch size and world size (DDP averages
-    over ranks, hence the `* world`). is_pi_old: this forward is pi_old's too (record it)."""
+def accumulate_gradient(run, batch: experience.UpdateBatch, rows: slice, num_tokens, num_seqs) -> dict:
+    """Forward + backward of each micro-batch of one update batch -> its loss statistics, summed."""
     args, algo, old, stats = run.args, run.algo, batch.scores, {}
-    for k, mb in enumerate(update.micro_batches):
-        part, pcols, rcols = batch.packed.trimmed(mb)                    # rows mb.rows, fewer columns
-        rows = mb.rows
-        with distributed.grad_sync(run.policy, k == len(update.micro_batches) - 1):
-            now = logprobs.score_tokens(run.policy, part, args.temperature, is_pi_old or algo.uses_entropy,
-                                        group, checked=True, entropy_grad=algo.entropy_coef > 0)
-            if is_pi_old:
-                old.record(rows, pcols, rcols, now)
-            loss, st = losses.rl_loss(                           # PG(A*w) [+ b*PolicyKL] [+ a*QueryKL]
-                algo, logp=now.response, old_logp=old.old[rows, rcols],
-                ref_logp=old.ref[rows, rcols] if algo.has_policy_kl_loss else None,
-                resp_mask=batch.resp_mask[rows, rcols], advantages=batch.adv[rows],
-                weights=None if batch.weights is None else batch.weights[rows],
-                prompt_logp=now.prompt, prompt_ref_logp=batch.qref[rows, pcols],
-                prompt_mask=batch.prompt_mask[rows, pcols],
-                num_tokens=update.num_tokens, num_seqs=update.num_seqs, max_len=args.max_new_tokens,
-                sampler_logp=batch.sampler[rows, rcols], entropy=now.entropy)
-            (loss * run.dist.world).backward()
-        faults.point("mid-step")
+    parts = micro_batches(run, rows)
+    for k, mb in enumerate(parts):
+        if run.dist.world > 1:                                           # DDP: reduce at the last only
+            run.policy.require_backward_grad_sync = k == len(parts) - 1
+        now = score(run.policy, batch.packed, mb, args.temperature, algo.uses_entropy)
+        loss, st = losses.rl_loss(                               # PG(A*w) [+ b*PolicyKL] [+ a*QueryKL]
+            algo, logp=now.response, old_logp=old.old[mb],
+            ref_logp=old.ref[mb] if algo.has_policy_kl_loss else None,
+            resp_mask=batch.resp_mask[mb], advantages=batch.adv[mb],
+            weights=None if batch.weights is None else batch.weights[mb],
+            prompt_logp=now.prompt, prompt_ref_logp=batch.qref[mb], prompt_mask=batch.prompt_mask[mb],
+            num_tokens=num_tokens, num_seqs=num_seqs, max_len=args.max_new_tokens,
+            sampler_logp=batch.sampler[mb], entropy=now.entropy)
+        (loss * run.dist.world).backward()                     # DDP averages over ranks: we want the sum
+        if faults.ARMED:                                       # the fault tests' kill point
+            faults.point("mid-step")
         for key, v in st.items():
             stats[key] = stats.get(key, 0.0) + v.detach().double()
     return stats
@@ -368,7 +337,8 @@ def measure_memory(args, algo, world=1, fake=True, max_micro_batches=3) -> memor
     """rl_step's phases measured by running this file's own step code (memory_measure.measure_step):
     fake tensors on `world` fake ranks (the paper's widths on a CPU, in seconds), or real tensors in
     the process group this process is in; at most max_micro_batches micro-batches of one update."""
-    code = memory_measure.StepCode(Run, on_policy_rows, score_old_and_ref, ppo_update)
+    code = memory_measure.StepCode(Run, scale_step.on_policy_rows, scale_step.score_old_and_ref,
+                                   scale_step.ppo_update)
     return memory_measure.measure_step(args, algo, code, needs_reference_model(args, algo), world, fake,
                                        max_micro_batches)
 
@@ -393,7 +363,7 @@ def train_rl(run, evalsets, log, start, amp):
         for step in bar:
             t0 = time.time()
             with amp():
-                m = {**rl_step(run, step), "step_time": time.time() - t0}
+                m = {**logged_step(run, step), "step_time": time.time() - t0}
             last = step + 1 == args.steps
             m.update(evaluation.at(step + 1, last))                      # every --eval-every steps, the last
             log(check({**m, **run.timer.metrics()}))                     # + time_gen, time_reward, ...
@@ -412,6 +382,28 @@ def train_rl(run, evalsets, log, start, amp):
                 bar.close()
                 ckpt = checkpoints.checkpoint_dir(args.out)
                 raise stop.exit(f"saved the checkpoint of step {step + 1} ({ckpt}/); continue with --resume")
+
+
+def logged_step(run, step) -> dict:
+    """rl_step between the hooks of the loop: the controllers' coefficients before it (§8.7), the
+    term monitors at pi_old every --monitor-every steps, and after it the guard of steps that applied
+    nothing, the moving Query-KL references' update, the step's metrics line (reduced over ranks)."""
+    run.algo = extension.steer(run.algo, run.controllers)                # per-step coefficients (§8.7)
+    every, grads = run.args.monitor_every, {}
+    due = every and (step + 1) % every == 0
+
+    def monitor(batch, plan):                                            # each term's gradient
+        grads.update(monitors.term_gradients(run, batch, plan))
+    res = rl_step(run, step, monitor if due else None)
+    update = experience.update_statistics(res.update)                    # over the applied steps
+    if update["grad_norm"] is None:                                  # no optimizer step applied: are
+        run.guard.no_step(step, run.policy)                              # the weights sound? (their norm)
+    else:                                                                # a finite one: the latest
+        run.guard.finite_step()                                          # checkpoint is trusted
+    run.qref.after_step(res.prompts)                                     # (its prompt scores are complete)
+    initial = query_reference.monitor_logp(run.qref, res.qref, res.prompts, run.cache)  # drift from pi_0
+    m = experience.step_metrics(run, step, res.collected, res.ro, res.batch, initial, update)
+    return extension.after_step(run.controllers, {**m, **grads})         # + the coefficients it used
 
 
 NO_SIGNAL = ("no signal: an update batch whose every advantage is ~0 (its groups' rewards all equal) took no "
@@ -442,7 +434,7 @@ def save(run, step, final):
 # The extension tables (plumbing/extension.py): a row registered from outside with its own options is
 # one call; the parser, built at parse time, has its options and its name as a choice.
 for _option, _table in (("adv", losses.ADVANTAGES), ("surrogate", losses.SURROGATES),
-                        ("controllers", controllers.CONTROLLERS)):
+                        ("kl", losses.KL_ESTIMATORS), ("controllers", controllers.CONTROLLERS)):
     extension.declare(_option, _table)
 
 
@@ -453,6 +445,7 @@ def option_table() -> list:
 
 
 def parse_args(argv=None):
+    extension.load_named(sys.argv[1:] if argv is None else argv)      # before the parser: their rows
     rows = ["sft        supervised warm start, prompt tokens in the loss",
             *(f"{k:10s} {v.doc}" for k, v in losses.ALGOS.items())]
     doc = __doc__ + "\nalgorithms (--algo):\n" + "\n".join(f"  {row}" for row in rows)
@@ -463,16 +456,20 @@ def parse_args(argv=None):
     args.out = args.out or os.path.join("runs", args.algo)
     task = tasks.get(args.task)                                          # its own sets, where it has them
     own = {"train_data": task.train_data, "eval_data": list(task.heldout),
-           "max_new_tokens": task.max_new_tokens}
+           "max_new_tokens": task.max_new_tokens, "template": task.template}
     options.fill(parsed, {k: v for k, v in own.items() if v})
     options.absolute_paths(parsed, ("model", "train_data", "eval_data", "sft_data", "export",
-                                    "qkl_ref_model"))
+                                    "qkl_ref_model", "plan_constants", "extensions"))
     if args.resume:                                     # what the command does not say, config.json does
         saved = run_dir.read_config(args.out) or {}
         options.fill(parsed, saved, skip=NOT_THE_RUN)
         if saved:                                       # options newer than the run: as it trained
             options.fill(parsed, {k: v(saved) if callable(v) else v for k, v in BEFORE_OPTION.items()
                                   if k not in saved}, skip=NOT_THE_RUN)
+    unknown = sorted(set(args.shaping) - set(experience.SHAPING))
+    if unknown:
+        parsed.error(f"--shaping {' '.join(unknown)}: no such row of rl/experience.SHAPING (an --extensions "
+                     "module registers them)")
     if args.resume and args.overwrite:
         parsed.error("--resume continues the run in --out, --overwrite replaces it: choose one")
     if args.lora_rank and (args.fsdp or args.algo == "sft"):
@@ -495,6 +492,9 @@ def parse_args(argv=None):
         options.check_acts(parsed, name, False, f"it is an option of another Query-KL reference than "
                            f"--qkl-ref {args.qkl_ref}")
     options.check_extension_options(parsed, algo, controllers.CONTROLLERS)  # --passk-k, --entropy-target
+    why = algo and controllers.refusal(args, algo)                       # e.g. a start above its bound
+    if why:
+        parsed.error(why)
     return args, algo
 
 
@@ -532,7 +532,8 @@ def train(args, algo):
             print(time_model.disk_report(args, args.plan_gpus))
         return print(memory_plan.report(args, args.plan_gpus, has_ref, measured))
     why = run_dir.refusal(args.out, resume=args.resume, overwrite=args.overwrite, export=args.export,
-                          log=args.log)                   # before minutes of loading, and before claim
+                          log=args.log, reads={"--qkl-ref-model": args.qkl_ref_model})  # before minutes
+                                                                 # of loading, and before the claim
     if why:
         raise SystemExit(f"error: {why}")
     # --fsdp at world size 1: a process group of one

@@ -41,12 +41,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS, G, NEW, LR, BETA, MICRO = 32, 8, 96, 2e-4, 0.01, 64
 OURS = ["--rollout-batch", str(PROMPTS), "--update-batch", str(PROMPTS), "--group-size", str(G),
         "--max-new-tokens", str(NEW), "--micro-batch", str(MICRO), "--lr", str(LR), "--temperature", "1.0",
-        "--eval-every", "0", "--save-every", "0", "--log", "jsonl"]
+        "--eval-every", "0", "--save-every", "0", "--log", "jsonl",
+        *("--sampler", "kv", "--share-prompts", "true", "--pack", "true")]  # the fast paths (docs/speed.md)
 VARIANTS = {  # name -> extra train.py flags
     "grpo": ["--algo", "grpo", "--beta", str(BETA)],
     "erpo": ["--algo", "erpo"],
     "erpo, Policy-KL monitor": ["--algo", "erpo", "--measure-policy-kl", "true"],
     "grpo, prompts unshared": ["--algo", "grpo", "--beta", str(BETA), "--share-prompts", "false"],
+    "erpo, plain step": ["--algo", "erpo", "--sampler", "hf", "--share-prompts", "false", "--pack", "false"],
 }
 PACKING = {  # --vs pack: the full-row forwards packed (issue #42) or padded, beside the default (shared prompts)
     "padded (unshared)": ["--algo", "grpo", "--beta", str(BETA), "--share-prompts", "false", "--pack", "false"],

@@ -35,7 +35,11 @@ TOLERANCE = 0.15
 def train_argv(name):
     procs, dtype, ckpt = CONFIGS[name]
     return STEP + ["--dtype", "float32" if dtype == "fp32" else "bf16-mixed", "--fsdp", str(procs == "fsdp").lower(),
-                   "--grad-ckpt", str(ckpt).lower()]
+                   "--grad-ckpt", str(ckpt).lower(), *FAST]
+
+
+# The step at scale, as the GPU configs run it (rl/run_setup.FAST_PATHS): what the plan models
+FAST = ["--sampler", "kv", "--pack", "true", "--share-prompts", "true"]
 
 
 def measure_here(name) -> dict:

@@ -43,9 +43,9 @@ def add_sampling_args(p, *, benchmarks, out, out_help="output folder",
     add("--limit", type=int, default=None, help="first N problems of each benchmark")
     add("--top-p", type=float, default=1.0)
     add("--max-new-tokens", type=int, default=None,
-        help="default 3072 for --template paper, 256 for plain (the tiny world)")
-    add("--template", choices=sorted(TEMPLATES), default="plain",
-        help="prompt template; must match the one the model was trained with")
+        help="default: --task's own, else 3072 for --template paper, 256 for plain (the tiny world)")
+    add("--template", choices=TEMPLATES, default=None,
+        help="prompt template; must match the one the model was trained with (default: --task's, else plain)")
     add("--batch-size", type=int, default=64, help="sequences decoded at once")
     add("--sampler", choices=["kv", "hf"], default="kv")
     add("--seed", type=int, default=0, help="salt of the per-sample seeds")
@@ -55,6 +55,9 @@ def add_sampling_args(p, *, benchmarks, out, out_help="output folder",
     add("--task", choices=tasks.TASKS, default="math",
         help="how completions of sets no task owns are scored (a task's own sets, e.g. countdown-test, "
              "are scored by it)")
+    add("--extensions", nargs="*", default=[],
+        help="modules imported first, as train.py's --extensions (a task of one's own: its sets, template "
+             "and lengths)")
     add("--out", default=out, help=out_help)
     add("--no-progress", action="store_true")
 

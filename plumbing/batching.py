@@ -81,8 +81,8 @@ def deal(tokens: list[int], world: int) -> list[list[int]]:
     return [sorted(m) for m in mine]
 
 
-def microbatches(n, size) -> list[slice]:
-    """Consecutive slices of at most `size` rows covering range(n)."""
+def update_batches(n, size) -> list[slice]:
+    """Consecutive slices of at most `size` rows covering range(n): the rows of each optimizer step."""
     return [slice(s, min(n, s + size)) for s in range(0, n, size)]
 
 

@@ -5,6 +5,7 @@ helper here is then a no-op, so the training script reads the same either way. T
 engine is PyTorch's own (DDP, or FSDP2's `fully_shard`); nothing here re-implements one.
 """
 
+import contextlib
 import gc
 import math
 import os
@@ -215,17 +216,19 @@ def is_fsdp(model) -> bool:
     return type(model).__name__.startswith("FSDP")
 
 
-@contextmanager
 def gathered(model, dtype=None):
+    """A context giving the model to decode with: the (DDP-unwrapped) model itself, or under FSDP2
+    a gathered copy (gathered_copy)."""
+    return gathered_copy(model, dtype) if is_fsdp(model) else contextlib.nullcontext(unwrap(model))
+
+
+@contextmanager
+def gathered_copy(model, dtype=None):
     """A model to decode with. Under FSDP2, whose forward all-gathers every layer's parameters,
     decoding through the sharded model would re-gather the whole model once per generated token:
     instead the weights are gathered ONCE, tensor by tensor, into a plain copy on every rank (in
     `dtype`, e.g. bf16 on GPU; at most one full float32 tensor in flight), each rank decodes its own
-    rows with no collective per token, and the copy is freed on exit. Otherwise the (DDP-unwrapped)
-    model itself, no copy."""
-    if not is_fsdp(model):
-        yield unwrap(model)
-        return
+    rows with no collective per token, and the copy is freed on exit."""
     from torch.distributed.fsdp import FSDPModule
     cls = next(b for b in type(model).__bases__ if not issubclass(b, FSDPModule))  # e.g. Qwen2ForCausalLM
     shards = model.state_dict()                                 # DTensor shards: nothing gathered yet

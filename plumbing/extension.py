@@ -12,6 +12,12 @@ to a row, in the module of its concept --
 
     extension.register(losses.ADVANTAGES, "mine", MyAdvantage(...))
 
+in a module of its own that train.py imports before it reads the options (`--extensions mine.py` or
+a dotted module name; config.json records them, and --resume imports them again: `load`). Two more
+tables take rows the same way: losses.KL_ESTIMATORS (--kl, --qkl-estimator: a function of log r)
+and rl/experience.SHAPING (--shaping: a reward-shaping term that sees the graded rollout and logs
+its own metrics).
+
 A row may declare, next to what it does (each attribute optional; absent means none):
 
     doc       one line for --help
@@ -30,7 +36,13 @@ losses.py stays torch-only: its rows follow the pattern by these attribute names
 import this file.
 """
 
+import argparse
 import dataclasses
+import importlib
+import json
+import importlib.util
+import os
+import sys
 
 # Tables by the option that chooses their row ("controllers" rows act when their own options switch
 # them on), declared by train.py (losses.py, which owns two of them, never imports this file).
@@ -134,3 +146,55 @@ def load_state(rows: dict, saved: dict | None):
     for name, row in rows.items():
         if saved and name in saved and hasattr(row, "load_state_dict"):
             row.load_state_dict(saved[name])
+
+
+def load(name: str):
+    """Import an extension module (--extensions): a dotted module name on the path, or a .py file
+    (imported once per process, under a name of its own). A module that does not import ends the
+    command in one line, naming it."""
+    try:
+        if not name.endswith(".py"):
+            importlib.import_module(name)
+            return
+        path = os.path.abspath(name)
+        key = "erpo_extension_" + "".join(c if c.isalnum() else "_" for c in path)
+        if key in sys.modules:                                           # (train.main called again)
+            return
+        spec = importlib.util.spec_from_file_location(key, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[key]
+            raise
+    except (ImportError, OSError, SyntaxError, ValueError, AttributeError, TypeError, NameError) as e:
+        raise SystemExit(f"error: --extensions {name}: {type(e).__name__}: {e}") from None
+
+
+def load_named(argv):
+    """Import the extensions a command names (--extensions), before its parser is built: their rows
+    add choices and options. Where the command names none: its --config file's, or on --resume the
+    run's own (config.json in --out, by default runs/<algo>)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    for flag, kw in (("--extensions", dict(nargs="*")), ("--config", {}), ("--out", {}), ("--algo", {}),
+                     ("--resume", dict(nargs="?", const="true"))):
+        pre.add_argument(flag, **kw)
+    ns, _ = pre.parse_known_args(argv)
+    names = ns.extensions
+    if names is None and ns.config:
+        names = _saved(ns.config)
+    if names is None and ns.resume not in (None, "false"):
+        names = _saved(os.path.join(ns.out or os.path.join("runs", ns.algo or "erpo"), "config.json"))
+    for name in names or []:
+        load(name)
+
+
+def _saved(path) -> list | None:
+    """The "extensions" a JSON config names (None: none, or unreadable: the options' checks say so)."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return saved.get("extensions") if isinstance(saved, dict) else None

@@ -15,6 +15,7 @@ import os
 import signal
 
 _hits: dict = {}
+ARMED = bool(os.environ.get("ERPO_FAULT"))   # read once: the fault tests set it before a run starts
 
 
 def point(name, before=None):

@@ -112,7 +112,8 @@ def plot_log(ax, x, y, fmt, color, label, **kw):
         ax.plot(x, pos, fmt, color=color, label=label, **kw)
     if low:
         ax.plot(low, [0.0] * len(low), "v", color=color, mfc="none", ms=6, clip_on=False,
-                transform=ax.get_xaxis_transform(), label=None if len(low) < len(y) else f"{label} (all <= 0)")
+                transform=ax.get_xaxis_transform(),
+                label=None if len(low) < len(y) else f"{label} (all <= 0)")
     return len(low)
 
 

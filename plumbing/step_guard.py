@@ -23,22 +23,25 @@ class StepGuard:
     start_norm: float | None = None     # the weights' norm where the run started (weights_diverged)
     ckpt_checked: bool = True           # the latest checkpoint's weights have given a finite loss
     bad_streak: int = 0                 # optimizer steps skipped in a row (non-finite loss or gradient)
+    bad_at: int | None = None           # the LR schedule's count of applied steps at the last skipped one
     idle_streak: int = 0                # RL steps in a row that applied no optimizer step
 
     def finite_step(self):
-        """An optimizer step's loss and gradient were finite on every rank: the streak of skipped
-        steps ends, and the latest checkpoint, whose weights gave this loss, is trusted."""
-        self.bad_streak = self.idle_streak = 0
+        """An RL step applied an optimizer step, its loss and gradient finite on every rank: the
+        latest checkpoint, whose weights gave that loss, is trusted, and the idle streak ends."""
+        self.idle_streak = 0
         if not self.ckpt_checked:
             checkpoints.mark_checked(self.out)
             self.ckpt_checked = True
 
-    def bad_step(self, opt):
+    def bad_step(self, opt, sched):
         """An optimizer step whose loss or gradient is not finite is not applied; --max-bad-steps of
         them in a row end the run (checkpoints.diverged sets the checkpoint of the diverged weights
-        aside)."""
+        aside). In a row: the schedule (sched.last_epoch, its count of applied steps) has not moved
+        since the last one."""
         opt.zero_grad(set_to_none=True)                                  # the weights stay as they were
-        self.bad_streak += 1
+        self.bad_streak = self.bad_streak + 1 if self.bad_at == sched.last_epoch else 1
+        self.bad_at = sched.last_epoch
         if self.bad_streak >= self.max_bad_steps:
             raise SystemExit(checkpoints.diverged(self.out, self.bad_streak, checked=self.ckpt_checked))
 

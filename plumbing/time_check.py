@@ -144,7 +144,8 @@ def against_measured(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows: flo
 
 def check_metrics(check: dict) -> dict:
     """The comparison as metrics.jsonl keys: time_model/<phase>_{modelled,measured,ratio} (seconds),
-    time_model/{projected,modelled,dry_run}_h, time_model/slots_{planned,got} (got: where the lines had it)."""
+    time_model/{projected,modelled,dry_run}_h, time_model/slots_{planned,got} (got: where the lines
+    had it)."""
     out = {f"time_model/{name}_{k}": v for name, p in check["phases"].items() for k, v in p.items()}
     out.update({f"time_model/slots_{k}": v for k, v in check["slots"].items() if v is not None})
     return {**out, **{f"time_model/{k}": check[k] for k in ("projected_h", "modelled_h", "dry_run_h")}}

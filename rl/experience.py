@@ -35,6 +35,7 @@ import tasks
 from modeling import logprobs
 from plumbing import batching, distributed, extension
 from plumbing.distributed import all_max, all_sum, all_sums
+from rl import query_reference
 
 
 @dataclass
@@ -75,21 +76,44 @@ def sample_and_score(run, decoder, prompt_idx, step, round_) -> rollout.Graded:
         L = args.max_new_tokens
         rewards += losses.overlong_penalty(ro.response_mask.sum(1).float(), L, run.algo.overlong_cache_len(L))
     acc, counts["new_turn"] = torch.tensor(correct).float(), rollout.new_turns(run.tokenizer, ro)
-    return rollout.Graded(ro, rewards, acc, prompt_idx, counts, keep=losses.nonconstant_groups(acc, G))
+    graded = rollout.Graded(ro, rewards, acc, prompt_idx, counts, keep=losses.nonconstant_groups(acc, G))
+    return shaped(run, graded) if getattr(args, "shaping", None) else graded
+
+
+# Reward shaping (--shaping NAME ...): an extension table (plumbing/extension.py). A row is a function
+# (graded: rollout.Graded, run) -> (rewards (B,), {metric: value}): it sees the graded rollout (the
+# tokens, their lengths, the accuracies, the rows' prompts) and returns the rewards that enter the
+# advantages and the metrics it logs (this rank's mean of each; the step's line has their mean over
+# ranks as shaping/<metric>). Rows apply in the order --shaping names them, after grading.
+SHAPING: dict = extension.declare("shaping", {})
+
+
+def shaped(run, graded: rollout.Graded) -> rollout.Graded:
+    """The --shaping rows applied to one sampling round's rewards; their metrics join its counts."""
+    rewards, counts = graded.rewards, dict(graded.counts)
+    for name in run.args.shaping:
+        rewards, metrics = SHAPING[name](replace(graded, rewards=rewards), run)
+        counts.update({f"shaping/{k}": float(v) for k, v in metrics.items()})
+    return replace(graded, rewards=torch.as_tensor(rewards, dtype=torch.float32), counts=counts)
 
 
 def collect(run, decoder, step) -> Collected:
-    """Sample and grade this rank's prompts. DAPO's dynamic sampling then drops groups whose
-    accuracies are all equal and samples more prompts (at most --max-resample-rounds extra rounds)
-    until this rank's share is full; unfilled slots become zero-weight filler groups, so every rank
-    still runs the same number of micro-batches (DDP and FSDP2 need that)."""
+    """Sample and grade this rank's prompts, G responses each (DAPO: resample_groups)."""
     G, mine = run.args.group_size, my_prompts(run, step)
     first = sample_and_score(run, decoder, mine, step, 0)
     info = {"zero_var_frac": 1 - first.keep.float().mean().item(), "resample_rounds": 0, **first.counts}
-    if not run.algo.dynamic_sampling:
-        everyone = trained_rows(torch.ones(len(mine) * G), first.ro, run.algo)
-        return Collected(first.ro, first.rewards, everyone, mine, first.rewards, first.acc, info)
-    rounds, have = [first], int(first.keep.sum())
+    if run.algo.dynamic_sampling:
+        return resample_groups(run, decoder, step, mine, first, info)
+    everyone = trained_rows(torch.ones(len(mine) * G), first.ro, run.algo)
+    return Collected(first.ro, first.rewards, everyone, mine, first.rewards, first.acc, info)
+
+
+def resample_groups(run, decoder, step, mine, first, info) -> Collected:
+    """DAPO's dynamic sampling: drop groups whose accuracies are all equal and sample more prompts (at
+    most --max-resample-rounds extra rounds) until this rank's share is full; unfilled slots become
+    zero-weight filler groups, so every rank still runs the same number of micro-batches (DDP and
+    FSDP2 need that)."""
+    G, rounds, have = run.args.group_size, [first], int(first.keep.sum())
     for r in range(1, run.args.max_resample_rounds + 1):
         if all_sum(torch.tensor(float(have < len(mine)))).item() == 0:  # every rank full (they
             break                                                      # sample together: FSDP2)
@@ -192,6 +216,30 @@ class UpdateBatch:
     adv: torch.Tensor                   # (B,)
     weights: torch.Tensor | None        # (B,) query weights
     sampler: torch.Tensor | None = None  # (B, R) the sampler's log-probs of the tokens (rollout.Rollout's)
+    signal: torch.Tensor | None = None  # (B,) bool: the row's advantage carries a signal (§8.6)
+
+
+@dataclass
+class StepResult:
+    """What one RL step computed (train.rl_step, scale_step.rl_step), for the loop's metrics and hooks."""
+    collected: Collected                # this rank's rollouts, graded
+    ro: rollout.Rollout                 # collected.ro on the device
+    batch: "UpdateBatch"                # masks, pi_old's scores, A, w: what the update read
+    prompts: query_reference.PromptBatch  # what the Query-KL reference saw
+    qref: torch.Tensor                  # (B, P-1) the Query-KL reference's prompt log-probs
+    update: dict                        # the update's statistics (ppo_update)
+
+
+def code_query_weights(prompt_logp, prompt_mask, valid, update_rows: list[slice]) -> torch.Tensor:
+    """The released code's query weights (B,): the current policy's prompt NLL (no grad) against its
+    mean over each global update batch, unclipped (method.md §4). DAPO filler rows keep 1."""
+    nll = -torch.where(prompt_mask > 0, prompt_logp, 0.0).sum(1)          # (B,) sequence NLL of each prompt
+    w = torch.ones_like(nll)
+    for rows in update_rows:
+        ok = valid[rows] > 0
+        mean = (all_sum(nll[rows][ok].sum()) / all_sum(ok.sum().float()).clamp_min(1)).item()
+        w[rows] = torch.where(ok, losses.query_weights(nll[rows].clamp_min(1e-8), mean_nll=mean), 1.0)
+    return w
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,7 +318,8 @@ def advantages(run, rewards, scores: OldScores, resp_mask, valid) -> tuple[torch
     RLOO's KL penalty in the reward (R - beta sum_t KL_t) is a regularizer, not a signal: the
     signal is judged on the advantages of the rewards before it."""
     algo, G = run.algo, run.args.group_size
-    own = extension.option_values(losses.ADVANTAGES[algo.adv], run.args)
+    row = losses.ADVANTAGES[algo.adv]
+    own = extension.option_values(row, run.args) if getattr(row, "OPTIONS", ()) else {}   # (its own knobs)
 
     def estimate(r):
         return losses.group_advantages(r, G, algo.adv, algo.adv_eps, valid, reduce=all_sum, options=own)
@@ -322,11 +371,13 @@ def sampler_vs_old(sampler, old, mask) -> dict:
     return {"samp_gap": log_r.abs(), "samp_kl": losses.policy_kl(sampler, old, "k3") * mask}
 
 
-def update_statistics(applied: list[dict]) -> dict:
-    """The applied optimizer steps' statistics (each a dict of this rank's sums, grad_norm global),
+def update_statistics(update: dict) -> dict:
+    """What the loop logs of a step's update (ppo_update's: "applied", the applied optimizer steps'
+    statistics, each a dict of this rank's sums, grad_norm global; its counts and lr, kept):
     summed over ranks: rl_loss's averaged over the steps; the clip fractions over those that can
     clip (until one step is applied the policy is the rollout's: ratio 1, nothing clipped);
     grad_norm (None: every step was skipped). Every rank applies the same steps."""
+    applied, kept = update["applied"], {k: v for k, v in update.items() if k != "applied"}
     stats, clip_stats, norms, off_policy = {}, {}, [], losses.off_policy_stats()
     for i, host in enumerate(applied):
         norms.append(host.pop("grad_norm"))
@@ -338,7 +389,7 @@ def update_statistics(applied: list[dict]) -> dict:
     sums = distributed.all_sums({**stats, **clip_stats})  # (the module's: memory_measure stubs it)
     out = {k: v / (n_clip if k in off_policy else n_opt) for k, v in sums.items()}
     out["grad_norm"] = sum(norms) / n_opt if norms else None
-    return out
+    return {**out, **kept}
 
 
 def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
@@ -369,7 +420,8 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
         **{f"reward_{k}": info.get(k, 0) for k in ("timeout", "error", "no_answer")},
         **{f"{k}/{t}": info.get(f"{k}/{t}", 0) for t in per_task for k in ("total", "correct")},
         **{f"{k}_{part}": v for k, pair in released.items() for part, v in zip(("sum", "n"), pair)},
-        **premise_sums(ref, qmask, sc.old, resp_mask, batch.valid, G)})
+        **premise_sums(ref, qmask, sc.old, resp_mask, batch.valid, G),
+        **{k: v for k, v in info.items() if k.startswith("shaping/")}})
     n = s["rows"]
     m = {"step": step + 1, "reward": s["reward"] / n, "train_acc": s["acc"] / n,
          "query_kl": s["qkl"] / max(1.0, s["valid"]), "entropy": s["ent"] / s["tok"],
@@ -383,7 +435,8 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
          "lr": upd["lr"], "gen_tok_per_s": s["tok"] / seconds["gen"],
          "premise_r": premise_r(s),            # r(prompt NLL under pi_0, response NLL under pi_old)
          "update_tok_per_s": s["update_tokens"] / seconds["update"],
-         **{k: s[k] for k in ("reward_timeout", "reward_error", "reward_no_answer")}}
+         **{k: s[k] for k in ("reward_timeout", "reward_error", "reward_no_answer")},
+         **{k: s[k] / world for k in s if k.startswith("shaping/")}}      # (each rank's mean)
     for k in released:
         m[k] = s[f"{k}_sum"] / max(1.0, s[f"{k}_n"])
     for t in per_task:                                                  # (the first sampling round's)

@@ -288,7 +288,7 @@ def worst_case_step(a, world: int, vocab: int) -> WorstCase:
     """This rank's share of a worst-case RL step (worst_case_rollout) and its masks."""
     ro = worst_case_rollout(a, a.rollout_batch // world * a.group_size, vocab)
     packed, B = ro.packed(), ro.response_ids.shape[0]
-    update_rows = batching.microbatches(B, a.update_batch // world * a.group_size)[:1]
+    update_rows = batching.update_batches(B, a.update_batch // world * a.group_size)[:1]
     return WorstCase(ro, packed, update_rows, ro.response_mask.float(), packed.prompt_tok_mask.float(),
                      torch.zeros(B, packed.P - 1))
 

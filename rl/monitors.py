@@ -36,7 +36,7 @@ from evaluation.heldout import heldout_at_temperatures
 from modeling import logprobs
 from plumbing import batching, distributed
 from plumbing.distributed import print0
-from rl import query_reference
+from rl import experience, query_reference
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,7 +113,16 @@ def term_gradients(run, batch, plan) -> dict:
     if distributed.is_fsdp(run.policy):
         return {}
     with run.timer("monitors"):
-        return _term_gradients(run, batch, plan)
+        return _term_gradients(run, batch, plan or plain_plan(run, batch))
+
+
+def plain_plan(run, batch) -> experience.StepPlan:
+    """The plain step's micro-batches (train.rl_step: it plans none) as the monitors read them."""
+    G, world = run.args.group_size, run.dist.world
+    rows = batching.update_batches(len(batch.valid), run.args.update_batch // world * G)
+    plan = experience.plan_step(run.args, batch.packed, batch.valid.tolist(), rows, slice(0, 0), False)
+    experience.judge_signal(plan, batch.signal, batch.valid, rows)
+    return plan
 
 
 def measured_micro_batch(plan, adv, no_signal):

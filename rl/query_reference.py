@@ -366,7 +366,11 @@ class QueryCache:
     def ref_logp(self, prompt_idx, group_size, width) -> torch.Tensor:
         """(len(prompt_idx) * G, width) reference prompt log-probs, right-aligned like the
         prompt slice of logprobs.Packed (each prompt repeated for its G responses)."""
-        return logprobs.right_align([self.logp[i] for i in prompt_idx for _ in range(group_size)], width)
+        out = torch.zeros(len(prompt_idx) * group_size, width)           # zeros on the left: padding
+        for k, i in enumerate(prompt_idx):
+            r = self.logp[i][max(0, len(self.logp[i]) - width):]
+            out[k * group_size:(k + 1) * group_size, width - len(r):] = r
+        return out
 
 
 def cache_meta(model_path, data_path, template, temperature, prompt_ids, *, weights, numerics, batch) -> dict:

@@ -46,6 +46,32 @@ class Run:
     decoding_copy: Callable = distributed.gathered
     controllers: dict = field(default_factory=dict)  # the active rows of controllers.CONTROLLERS, made for
                                         # this run: each step's loss coefficients (extension.steer)
+    fast: bool = False                  # a fast path of the step is on: rl/scale_step.py runs it
+
+
+# The fast paths, each an option (the GPU configs turn them on); train.rl_step is the plain step.
+# The sampler's is a seam of its own (rollout.sample_with); the others send the step to
+# rl/scale_step.py. {name: (is it on (args, bf16), what it does)}
+FAST_PATHS = {
+    "sampler": (lambda a, bf16: a.sampler == "kv", "--sampler kv: the one-pass KV-cache sampler (sampler/)"),
+    "pack": (lambda a, bf16: a.pack, "--pack: training forwards run the real tokens, packed"),
+    "share_prompts": (lambda a, bf16: a.share_prompts, "--share-prompts: a prompt runs once for its G responses"),
+    "micro_tokens": (lambda a, bf16: a.micro_tokens > 0, "--micro-tokens: micro-batches planned under a token cap"),
+    "fsdp": (lambda a, bf16: a.fsdp, "--fsdp: sharded forwards in lockstep"),
+    "fused_head": (lambda a, bf16: bf16, "bf16 (--dtype): log-probs from a float32 head fused with the "
+                   "log-softmax (bf16 logits would round them)"),
+}
+
+
+def fast_paths(args, bf16=False) -> list[str]:
+    """The names of FAST_PATHS that are on."""
+    return [name for name, (on, _) in FAST_PATHS.items() if on(args, bf16)]
+
+
+def describe_fast_paths(args, bf16=False) -> str:
+    """Start-up's one line: which fast paths are on."""
+    on = [FAST_PATHS[name][1] for name in fast_paths(args, bf16)]
+    return "fast paths: " + ("; ".join(on) if on else "none (the plain step, train.rl_step)")
 
 
 def old_rows(args, algo) -> float:
@@ -103,6 +129,7 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
     the cache it or the query weights need, the optimizer."""
     resolve_grad_ckpt(args, algo, dist.world, dist.device)
     print0(batching.describe(args, dist.world, len(data)))
+    print0(describe_fast_paths(args, distributed.uses_bf16(args.dtype, dist.device)))
     bf16 = distributed.uses_bf16(args.dtype, dist.device)
     dtype, amp = distributed.precision(args.dtype, dist.device)
     policy, ref = policy_and_reference(args, algo, dist, model, state)
@@ -138,7 +165,7 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
     return Run(args, algo, dist, policy, ref, tokenizer, opt, sched, data, qref, cached, spec, phases,
                task_names=tuple(tasks.task_names_in(data.rows)), guard=guard,
                decoding_copy=lora.decoding_copy if args.lora_rank else distributed.gathered,
-               controllers=rules)
+               controllers=rules, fast=bool(set(fast_paths(args, bf16)) - {"sampler"}))
 
 
 def exportable(run):

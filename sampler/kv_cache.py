@@ -485,3 +485,56 @@ def _progress(total, first, show):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=first, desc="sample", leave=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# --kv-budget 0 on CUDA: the positions that fit beside what the rollout phase still allocates
+
+
+def _local(p):
+    """This rank's part of a parameter (its shard under FSDP2)."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def kv_budget_that_fits(model, opt, bf16, batch_size, max_new_tokens) -> int:
+    """--kv-budget 0 on CUDA: the KV-cache positions that fit in the free GPU memory measured now,
+    less what the rollout phase will still allocate beside the cache (rollout_reserve, and the one
+    pass's own kv_cache.decode_reserve: its prefill and the logits of as many slots as can be --
+    batch_size, at most one per max_new_tokens + 1 positions), less memory_plan.KV_MARGIN of the
+    card (kv_cache.kv_budget_from_memory)."""
+    p = next(model.parameters())
+    dtype = torch.bfloat16 if bf16 else p.dtype                      # the cache's: kv_cache.kv_dtype
+    held = sum(rollout_reserve(model, opt, bf16).values())
+    rows = kv_budget_from_memory(model.config, dtype, held) // (max_new_tokens + 1)
+    rows = min(rows, batch_size) if batch_size else rows
+    own = decode_reserve(model.config, 2 if bf16 else p.element_size(), rows)
+    return kv_budget_from_memory(model.config, dtype, held + sum(own.values()))
+
+
+def rollout_reserve(model, opt, bf16) -> dict[str, int]:
+    """Bytes a training run's rollout phase holds beside the KV cache that are not allocated yet
+    when the spec is made (after the policy, the reference and the Query-KL cache are), by name:
+    - "adam": the optimizer `opt`'s exp_avg and exp_avg_sq (this rank's shards), allocated at its
+      first step -- 0 once it has state, or without an optimizer;
+    - "decoding copy": the model the sampler decodes with, made at each rollout: under FSDP2 the
+      whole policy gathered (distributed.gathered, in bf16 or the default dtype), under LoRA the
+      base with the adapters merged (lora.merged, in bf16 or as it is);
+    - "autocast casts": otherwise, under bf16 autocast, the bf16 copies of the float32 matmul
+      weights (every nn.Linear's) the decoding steps make, kept for the autocast region (the step)."""
+    params = dict(model.named_parameters())
+    fsdp = any(hasattr(p, "to_local") for p in params.values())
+    lora = any("lora_" in n for n in params)
+    out = {"adam": 0, "decoding copy": 0, "autocast casts": 0}
+    if opt is not None and not opt.state:
+        out["adam"] = sum(2 * _local(p).numel() * p.element_size()
+                          for g in opt.param_groups for p in g["params"])
+    if fsdp:
+        copy_bytes = 2 if bf16 else torch.get_default_dtype().itemsize
+        out["decoding copy"] = sum(p.numel() for p in params.values()) * copy_bytes
+    elif lora:
+        out["decoding copy"] = sum(p.numel() * (2 if bf16 else p.element_size())
+                                   for n, p in params.items() if "lora_" not in n)
+    elif bf16:
+        out["autocast casts"] = sum(2 * p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+                                    for p in m.parameters(recurse=False) if p.dtype == torch.float32)
+    return out

@@ -5,9 +5,11 @@
     python -m study.walkthrough --tolerances     # re-measures tests/golden/walkthrough_tolerances.json
 
 Nothing here re-implements the step. `trace` runs train.py's own code on `argv()`: `train.parse_args`,
-`train.load_data`, `run_setup.setup_rl`, then `train.rl_step` for steps 1..TRACED + 1, with two of
-train.py's functions wrapped to keep what they are given in the traced step: `train.rollouts` (the
-graded experience) and `train.ppo_update` (the UpdateBatch and the plan of the update). The wrapped
+`train.load_data`, `run_setup.setup_rl`, then `train.logged_step` for steps 1..TRACED + 1, with two
+of the step's functions wrapped to keep what they are given in the traced step: `rollouts` (the
+graded experience) and `ppo_update` (the UpdateBatch and the plan of the update). It traces the step
+at scale (rl/scale_step.py, with the fast paths it documents on: FAST), whose plan names each
+micro-batch; tests/test_golden.py holds it equal to the plain train.rl_step. The wrapped
 update runs the real one (ERPO's optimizer step, what train.py logs), then, from the weights before
 it, splits the micro-batch's loss into its terms with losses.py's functions for ERPO and for GRPO
 (each term's gradient alone, by autograd), checks Proposition 1 and runs GRPO's real update from
@@ -36,6 +38,7 @@ import losses
 from modeling import models
 import train
 from plumbing import distributed
+from rl import scale_step
 from study import walkthrough_doc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +58,12 @@ def argv(data, out):
     return ["--algo", "erpo", "--train-data", data, "--out", out, "--steps", str(TRACED + 1),
             "--rollout-batch", "4", "--update-batch", "4", "--group-size", "4", "--micro-batch", "16",
             "--max-new-tokens", "48", "--eval-every", "0", "--save-every", "0", "--seed", str(SEED),
-            "--query-cache-dir", "", "--measure-policy-kl", "true"]   # the traced step's Policy-KL
+            "--query-cache-dir", "", "--measure-policy-kl", "true",   # the traced step's Policy-KL
+            *FAST]
+
+
+# The fast paths the traced step runs (rl/run_setup.FAST_PATHS): its plan shares each prompt's forward
+FAST = ("--sampler", "kv", "--share-prompts", "true")
 
 
 def write_subset(folder) -> str:
@@ -225,21 +233,21 @@ def trace(folder):
     run = train.setup_rl(args, algo, dist, model, tokenizer, data, None)
     with amp():
         for step in range(TRACED - 1):
-            train.rl_step(run, step)
+            train.logged_step(run, step)
     t = Trace()
-    real_rollouts, real_update = train.rollouts, train.ppo_update
+    real_rollouts, real_update = scale_step.rollouts, scale_step.ppo_update
 
     def rollouts(run, step):
         t.collected = real_rollouts(run, step)
         return t.collected
-    train.rollouts, train.ppo_update = rollouts, traced_update(t, real_update)
+    scale_step.rollouts, scale_step.ppo_update = rollouts, traced_update(t, real_update)
     try:
         with amp():
-            t.metrics = train.rl_step(run, TRACED - 1)
+            t.metrics = train.logged_step(run, TRACED - 1)
     finally:
-        train.rollouts, train.ppo_update = real_rollouts, real_update
+        scale_step.rollouts, scale_step.ppo_update = real_rollouts, real_update
     with amp():                                      # the next step: on the weights the trace put back
-        t.next_metrics = train.rl_step(run, TRACED)
+        t.next_metrics = train.logged_step(run, TRACED)
     return t, run
 
 

@@ -45,6 +45,9 @@ class Task:
     max_new_tokens: int | None = None
     # the warm start it is made for (a model folder): its tokenizer is the yardstick of tokenizer_misfit
     model: str | None = None
+    # its prompt template, a key of data.prompts.TEMPLATES (a task's module may register its own there):
+    # --template's default when the task is --task (train.py, evaluate.py); None: "plain"
+    template: str | None = None
 
 
 # A model's tokenizer that spells the task's prompts in this many times the tokens its own warm start

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from rl import query_reference
 import tasks
 import train
 from plumbing import extension
-from tests.rounding import assert_rounding
+from tests.rounding import assert_rounding, is_timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
@@ -379,3 +380,190 @@ def test_a_coefficient_rule_written_outside_steers_and_resumes(tmp_path, small_d
             train.parse_args(["--toy-step", "0.1", "--out", str(tmp_path / "x")])
     finally:
         extension.unregister(controllers.CONTROLLERS, "toy-entropy")
+
+
+# ----------------------------------------------------------------------------------------------
+# --extensions: the changes a researcher makes next, each a module written outside the repo and loaded
+# by the option on the command line (config.json records it; --resume imports it again unasked). No repo
+# file is edited and nothing is monkeypatched: the module registers its rows with the pattern's call.
+
+@pytest.fixture
+def outside():
+    """Puts back the tables an extension module adds rows to, and forgets the modules, after a test."""
+    import losses
+    from data import prompts
+    from rl import experience
+    tables = (losses.KL_ESTIMATORS, experience.SHAPING, tasks.TASKS, prompts.TEMPLATES, query_reference.REFERENCES)
+    before = [dict(t) for t in tables]
+    yield
+    for t, b in zip(tables, before):
+        t.clear(), t.update(b)
+    for key in [k for k in sys.modules if k.startswith("erpo_extension_")]:
+        del sys.modules[key]
+
+
+def module_file(folder, name, text) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.py"
+    path.write_text(text)
+    return str(path)
+
+
+def loaded(name):
+    """The extension module loaded from a file `name`.py (plumbing/extension.load)."""
+    return next(m for k, m in sys.modules.items() if k.startswith("erpo_extension_") and k.endswith(f"_{name}_py"))
+
+
+def resumed_exactly(tmp_path, data, *argv, steps=2) -> list[dict]:
+    """The run of `steps` steps, beside the same run stopped after one and resumed with a plain
+    --resume (no --extensions: config.json names them): every metric but the timings equal."""
+    whole = run(tmp_path / "whole", data, *argv, "--save-every", "1", steps=steps)
+    run(tmp_path / "cut", data, *argv, "--save-every", "1", steps=steps - 1)
+    train.main(["--out", str(tmp_path / "cut"), "--resume", "--steps", str(steps)])
+    with open(tmp_path / "cut" / "metrics.jsonl") as f:
+        resumed = [json.loads(line) for line in f]
+    strip = [{k: v for k, v in m.items() if not is_timing(k)} for m in whole]
+    assert strip == [{k: v for k, v in m.items() if not is_timing(k)} for m in resumed]
+    return whole
+
+
+KL_ESTIMATOR = '''"""A KL estimator of one's own: half of k2, counting its calls."""
+import losses
+from plumbing import extension
+
+calls = []
+
+
+def half_k2(log_r):
+    """(log r)^2 / 4: k2 / 2."""
+    calls.append(log_r.numel())
+    return 0.25 * log_r.square()
+
+
+extension.register(losses.KL_ESTIMATORS, "half-k2", half_k2, replace=True)
+'''
+
+
+def test_a_kl_estimator_from_outside_trains_and_resumes_exactly(tmp_path, small_data, outside):
+    """losses.KL_ESTIMATORS is a table: a new estimator is a function of log r, a choice of --kl and
+    --qkl-estimator once its module is loaded."""
+    path = module_file(tmp_path / "mine", "half_k2", KL_ESTIMATOR)
+    ms = resumed_exactly(tmp_path, small_data, "--algo", "erpo", "--qkl-estimator", "half-k2", "--extensions", path)
+    assert loaded("half_k2").calls and ms[-1]["loss_query_kl"] > 0      # the loss's Query-KL: its estimate
+    with open(tmp_path / "whole" / "config.json") as f:
+        cfg = json.load(f)
+    assert cfg["extensions"] == [path] and cfg["qkl_estimator"] == "half-k2"
+
+
+SHAPING = '''"""A reward-shaping term of one's own: a length penalty, logging its mean."""
+from plumbing import extension
+from rl import experience
+
+
+def brevity(graded, run):
+    """-1e-3 per response token."""
+    penalty = 1e-3 * graded.ro.response_mask.sum(1).float()
+    return graded.rewards - penalty, {"brevity": penalty.mean().item()}
+
+
+extension.register(experience.SHAPING, "brevity", brevity, replace=True)
+'''
+
+
+def test_a_reward_shaping_term_from_outside_logs_its_metric_and_resumes_exactly(tmp_path, small_data, outside):
+    """rl/experience.SHAPING: a term sees the graded rollout (the responses' lengths here), returns the
+    rewards the advantages use and metrics that reach the step's line (shaping/<name>)."""
+    path = module_file(tmp_path / "mine", "brevity", SHAPING)
+    ms = resumed_exactly(tmp_path, small_data, "--algo", "grpo", "--shaping", "brevity", "--extensions", path)
+    for m in ms:
+        assert m["shaping/brevity"] == pytest.approx(1e-3 * m["response_len"], rel=1e-5)
+        assert m["reward"] == pytest.approx(m["train_acc"] - m["shaping/brevity"], abs=1e-6)
+    with pytest.raises(SystemExit, match="--shaping nope"):
+        run(tmp_path / "bad", small_data, "--shaping", "nope")
+
+
+TASK = '''"""A task of one's own: the tiny math world asked under a template and a length of its own."""
+import dataclasses
+import os
+
+from data import prompts
+import tasks
+from plumbing import extension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+extension.register(prompts.TEMPLATES, "question", "Question: {problem}", replace=True)
+tasks.register(dataclasses.replace(
+    tasks.get("math"), name="math-q", doc="tiny math asked as a question, in 40 tokens",
+    datasets={"math-q-train": os.path.join(HERE, "train.jsonl"), "math-q-test": os.path.join(HERE, "test.jsonl")},
+    train_data="math-q-train", heldout=("math-q-test",), max_new_tokens=40, template="question"))
+'''
+
+
+def test_a_task_from_outside_brings_its_template_and_lengths_to_training_and_evaluation(tmp_path, outside):
+    """A task carries its prompt template and response length: --task picks them up in train.py (its
+    sets too) and in evaluate.py, which loads the same module with --extensions."""
+    import evaluate
+    mine = tmp_path / "mine"
+    path = module_file(mine, "math_q", TASK)
+    for name, n in (("train", 64), ("test", 8)):
+        with open(os.path.join(ROOT, "data", "tinymath", f"{name}.jsonl")) as f:
+            (mine / f"{name}.jsonl").write_text("".join(next(f) for _ in range(n)))
+    argv = ("--task", "math-q", "--extensions", path, "--eval-every", "2", "--eval-limit", "4")
+    ms = resumed_exactly(tmp_path, str(mine / "train.jsonl"), *argv)
+    with open(tmp_path / "whole" / "config.json") as f:
+        cfg = json.load(f)
+    assert (cfg["template"], cfg["max_new_tokens"], cfg["task"]) == ("question", 40, "math-q")
+    assert "eval_acc" in ms[-1] and all(m["response_len"] <= 40 for m in ms)
+    evaluate.main(["--model", WARM, "--task", "math-q", "--benchmarks", "math-q-test", "--extensions", path,
+                   "--n", "1", "--limit", "4", "--out", str(tmp_path / "eval"), "--no-progress"])
+    with open(tmp_path / "eval" / "config.json") as f:
+        settings = json.load(f)
+    assert (settings["template"], settings["max_new_tokens"], settings["task"]) == ("question", 40, "math-q")
+
+
+REFERENCE = '''"""A Query-KL reference of one's own with per-step state: an exponential moving average of each
+prompt's log-probs under the rollout policy, started at the reference model's (saved, resumed)."""
+import torch
+
+from plumbing import extension
+from rl import query_reference
+
+
+class EmaReference(query_reference.QueryReference):
+    doc = "an EMA of the rollout policy's prompt log-probs"
+    needs = frozenset({"model"})
+    initial_policy = False
+
+    def __init__(self):
+        self.avg = {}
+
+    def prompt_logp(self, batch):
+        rows = []
+        for g, i in enumerate(batch.prompt_idx):
+            start = batch.model_prompt[g * batch.group_size]
+            rows += [self.avg.get(i, start).to(start.device)] * batch.group_size
+        return torch.stack(rows)
+
+    def after_step(self, batch):
+        for g, i in enumerate(batch.prompt_idx):
+            now = batch.policy_prompt[g * batch.group_size].detach().cpu()
+            self.avg[i] = 0.5 * self.avg.get(i, now) + 0.5 * now
+
+    def state_dict(self):
+        return {"avg": dict(self.avg)}
+
+    def load_state_dict(self, state):
+        self.avg = dict(state.get("avg", {}))
+
+
+extension.register(query_reference.REFERENCES, "ema-outside", EmaReference, replace=True)
+'''
+
+
+def test_a_reference_with_state_from_outside_resumes_exactly(tmp_path, small_data, outside):
+    """A Query-KL reference whose state moves every step: the checkpoint keeps it, and a --resume
+    that names no extension continues the run as if it had not stopped."""
+    path = module_file(tmp_path / "mine", "ema", REFERENCE)
+    ms = resumed_exactly(tmp_path, small_data, "--algo", "erpo", "--qkl-ref", "ema-outside", "--extensions", path,
+                         steps=3)
+    assert ms[-1]["loss_query_kl"] > 0 and all(math.isfinite(m["loss"]) for m in ms)

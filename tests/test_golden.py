@@ -150,6 +150,21 @@ def test_golden_metrics(tmp_path, algo):
     assert not bad, "\n".join(map(str, bad))
 
 
+# The fast paths the GPU configs turn on (rl/run_setup.FAST_PATHS): the one-pass KV sampler, packed and
+# shared-prompt forwards (the step at scale, rl/scale_step.py). The golden runs were recorded with them
+# on (they were the defaults then), so this also keeps the step at scale as it was.
+FAST = ("--sampler", "kv", "--pack", "true", "--share-prompts", "true")
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_the_fast_paths_reproduce_the_golden_run(tmp_path, algo):
+    """The plain step (the default) and the step at scale sample the same tokens, rewards and counts;
+    their losses, KLs and norms agree within the golden rounding tolerances."""
+    _, want = load_golden(algo)
+    bad = mismatches(want, run_golden(algo, str(tmp_path), FAST), load_tolerances()["golden"][algo])
+    assert not bad, "\n".join(map(str, bad))
+
+
 # A deliberate change of behaviour, each an algorithm and extra flags: the lr by 1%, ERPO's
 # Query-KL coefficient alpha (0.01) and GRPO's Policy-KL coefficient beta (0.01) doubled.
 CHANGES = [("erpo", ("--lr", "2.02e-4")), ("erpo", ("--alpha", "0.02")), ("grpo", ("--beta", "0.02"))]

@@ -1,6 +1,6 @@
 """--kv-budget 0 on CUDA: the KV-cache positions that fit in the free GPU memory, less what the rollout
 phase still allocates beside the cache, less memory_plan.KV_MARGIN of the card (sampler/kv_cache.py
-kv_budget_from_memory, rollout.kv_budget_that_fits / rollout_reserve). No GPU here: the one CUDA query,
+kv_budget_from_memory, kv_cache.kv_budget_that_fits / rollout_reserve). No GPU here: the one CUDA query,
 torch.cuda.mem_get_info, is replaced by a card of a given size and free memory.
 """
 
@@ -75,23 +75,23 @@ def test_the_reserve_is_what_the_rollout_phase_allocates(warm, monkeypatch):
     model, _ = warm
     model = type(model)(model.config)                                  # a copy to train
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    before = rollout.rollout_reserve(model, opt, bf16=True)
+    before = kv_cache.rollout_reserve(model, opt, bf16=True)
     linear = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
                  for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert before["autocast casts"] == 2 * linear and before["decoding copy"] == 0
-    assert rollout.rollout_reserve(model, opt, bf16=False)["autocast casts"] == 0
+    assert kv_cache.rollout_reserve(model, opt, bf16=False)["autocast casts"] == 0
 
     gpu(monkeypatch, 100 * GIB)
     per = kv_cache.kv_bytes_per_position(model.config, torch.bfloat16)
-    budget = rollout.kv_budget_that_fits(model, opt, True, 256, 96)
+    budget = kv_cache.kv_budget_that_fits(model, opt, True, 256, 96)
     own = kv_cache.decode_reserve(model.config, 2, 256)
     assert budget == memory_plan.kv_positions_that_fit(100 * GIB, CARD, sum(before.values()) + sum(own.values()),
                                                        per)
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
     opt.step()
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
-    assert state == before["adam"] and rollout.rollout_reserve(model, opt, bf16=True)["adam"] == 0
-    after = rollout.kv_budget_that_fits(model, opt, True, 256, 96)
+    assert state == before["adam"] and kv_cache.rollout_reserve(model, opt, bf16=True)["adam"] == 0
+    after = kv_cache.kv_budget_that_fits(model, opt, True, 256, 96)
     assert after - budget in (state // per, state // per + 1)           # (floors of two quotients)
 
 
@@ -104,7 +104,7 @@ def test_a_lora_run_reserves_its_merged_decoding_copy(warm):
     model, _ = warm
     policy = lora.wrap(type(model)(model.config), 4, 8)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
-    got = rollout.rollout_reserve(policy.get_base_model(), opt, bf16=True)
+    got = kv_cache.rollout_reserve(policy.get_base_model(), opt, bf16=True)
     merged = lora.merged(policy, torch.bfloat16)
     assert got["decoding copy"] == sum(p.numel() * p.element_size() for p in merged.parameters())
     assert got["adam"] == 2 * 4 * lora.trainable(policy)[0] and got["autocast casts"] == 0

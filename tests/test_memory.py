@@ -113,9 +113,10 @@ def test_the_decoding_copy_is_freed_before_scoring(tmp_path, monkeypatch):
     from torch.distributed.fsdp import FSDPModule
 
     import train
+    from rl import scale_step                                            # (--fsdp: the step at scale)
 
     copies, seen = [], []
-    real_gathered, real_score = distributed.gathered, train.score_old_and_ref
+    real_gathered, real_score = distributed.gathered, scale_step.score_old_and_ref
 
     def gathered(model, dtype=None):
         ctx = real_gathered(model, dtype)
@@ -136,7 +137,7 @@ def test_the_decoding_copy_is_freed_before_scoring(tmp_path, monkeypatch):
         seen.append([c() is None for c in copies])
         return real_score(*a, **k)
     monkeypatch.setattr(distributed, "gathered", gathered)
-    monkeypatch.setattr(train, "score_old_and_ref", score)
+    monkeypatch.setattr(scale_step, "score_old_and_ref", score)
     sharded = lambda: sum(issubclass(type(o), FSDPModule) for o in gc.get_objects())   # noqa: E731
     gc.collect()
     before = sharded()

@@ -13,6 +13,7 @@ import torch
 
 import losses
 import train
+from rl import scale_step
 from plumbing import extension, options
 from tests.rounding import assert_rounding, is_exact
 
@@ -89,8 +90,10 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeyp
     assert cfg["algo"] == "erpo" and cfg["alpha"] is None   # the algorithm's own alpha (0.01)
 
 
-# --no-signal step: both paths take every optimizer step, whatever the sampled groups' rewards
-SKIPPED_FORWARD_ARGS = ("--algo", "grpo", "--beta", "0.04", "--eval-every", "0", "--no-signal", "step")
+# --no-signal step: both paths take every optimizer step, whatever the sampled groups' rewards; the
+# step at scale (rl/scale_step.py), whose fast path the skipped forward is
+SKIPPED_FORWARD_ARGS = ("--algo", "grpo", "--beta", "0.04", "--eval-every", "0", "--no-signal", "step",
+                        "--sampler", "kv", "--pack", "true", "--share-prompts", "true")
 SKIPPED_FORWARD_KEYS = ("reward", "query_kl", "policy_kl", "entropy", "pg_loss", "loss", "grad_norm", "clip_frac")
 
 
@@ -113,7 +116,7 @@ def test_the_skipped_old_policy_forward_changes_nothing(tmp_path, small_data, mo
     `python -m tests.test_golden tolerances`). Also: the second run reuses the shared Query-KL cache."""
     def compute_pi_old():
         assert "reused" not in capsys.readouterr().out                  # the first run built the cache
-        monkeypatch.setattr(train, "on_policy_rows", lambda run, upd_rows: slice(0, 0))
+        monkeypatch.setattr(scale_step, "on_policy_rows", lambda run, upd_rows: slice(0, 0))
 
     skipped, computed = skipped_and_computed(str(tmp_path), small_data, compute_pi_old)
     assert "query-KL reference cache: reused" in capsys.readouterr().out  # the second run reused it

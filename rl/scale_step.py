@@ -1,0 +1,187 @@
+"""The RL step at scale: the same step as train.rl_step, with its fast paths on.
+
+train.rl_step reads top to bottom and runs by default (the embedded tiny world, one process). The
+GPU configs turn on the options that send each step here instead (train.fast_paths says which):
+
+- scoring (modeling/logprobs.score_tokens): each prompt runs once for its G responses
+  (--share-prompts), or each micro-batch's real tokens run packed without padding (--pack), through
+  a fused float32 head (hidden states x lm_head in chunks: no (B, L, V) logits in memory);
+- the step's plan (rl/experience.plan_step): micro-batches longest first under a token cap
+  (--micro-tokens), as many on every rank (FSDP2 gathers the weights in each forward: --fsdp),
+  trimmed to their own width; groups dealt to the ranks by length (experience.deal_by_length);
+- pi_old's forward elided for the first update batch: that update's own first forward IS pi_old's
+  (on_policy_rows, is_pi_old_forward);
+- the step's scalars read back from the device once per optimizer step (distributed.read_scalars).
+
+tests/test_fast_paths.py holds this step equal to train.rl_step (the same tokens, rewards and
+counts; losses, KLs and gradient norms within the measured rounding of tests/golden/tolerances.json).
+"""
+
+import torch
+
+import losses
+from modeling import logprobs
+from plumbing import batching, distributed, faults, optimizer
+from rl import experience, query_reference
+
+def rl_step(run, step, before_update=None) -> experience.StepResult:
+    """train.rl_step with the fast paths on (module doc); returns what it computed."""
+    G, dev = run.args.group_size, run.dist.device
+    collected = rollouts(run, step)                                      # G responses per prompt, graded
+    ro, valid = collected.ro.to(dev), collected.valid.to(dev)
+    packed = ro.packed()                               # [prompt | response] rows
+    resp_mask = ro.response_mask.float() * valid[:, None]
+    prompt_mask = packed.prompt_tok_mask.float() * valid[:, None]
+    update_rows = batching.update_batches(len(ro.finished), run.args.update_batch // run.dist.world * G)
+    fresh = on_policy_rows(run, update_rows)
+    plan = experience.plan_step(run.args, packed, collected.valid.tolist(), update_rows, fresh,
+                                has_ref=run.ref is not None)
+    with run.timer("score"):
+        scores = score_old_and_ref(run, packed, fresh, plan)             # pi_old, reference
+    prompts = query_reference.PromptBatch(collected.prompt_idx, G, packed.P - 1, scores.prompt, prompt_mask,
+                                          scores.ref_prompt, step, packed.input_ids[:, :packed.P])
+    qref = run.qref.prompt_logp(prompts)                                 # Query-KL's reference
+    adv, signal = experience.advantages(run, collected.rewards.to(dev), scores, resp_mask, valid)  # A
+    experience.judge_signal(plan, signal, valid, update_rows)           # which updates step (§8.6)
+    w = row_weights(run, collected.prompt_idx, scores.prompt, prompt_mask, valid, update_rows)  # w(q)
+    batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w, ro.logprobs)
+    if before_update is not None:                                        # the monitors, at pi_old
+        before_update(batch, plan)
+    with run.timer("update"):
+        update = ppo_update(run, batch, plan)
+    return experience.StepResult(collected, ro, batch, prompts, qref, update)
+
+
+def rollouts(run, step) -> experience.Collected:
+    """The step's rollouts from a decoding copy (a LoRA policy's merged copy, freed before scoring
+    needs the memory), their groups dealt to the ranks by length."""
+    with run.decoding_copy(run.policy, run.spec.weights_dtype) as decoder:
+        collected = experience.collect(run, decoder, step)
+    return experience.deal_by_length(run, collected)                   # the ranks' work evened out
+
+
+def on_policy_rows(run, update_rows) -> slice:
+    """Rows that get no pi_old forward of their own: the first update batch's, unless something needs
+    pi_old's log-probs before the update (RLOO's KL-penalised rewards, the code weights:
+    losses.Algo.needs_pi_old_first). The update's first forward scores them (is_pi_old_forward)."""
+    return slice(0, 0) if run.algo.needs_pi_old_first else update_rows[0]
+
+
+def is_pi_old_forward(epoch: int, u: int, fresh: slice) -> bool:
+    """Is this update forward also pi_old's (recorded as the old log-probs and the monitors)?"""
+    # Exact, not an approximation: the first PPO epoch's first optimizer step runs its forward on the
+    # rollout's weights (nothing is applied yet), so its log-probs ARE pi_old's: the ratio is exactly 1.
+    return epoch == u == 0 and fresh.stop > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# RL, part 2: log-probs, query weights, PPO updates
+
+
+@torch.no_grad()
+def score_old(run, packed: logprobs.Packed, scores: experience.OldScores, mbs: list[logprobs.MicroBatch],
+              group):
+    """pi_old's log-probs and entropy of the rows of `mbs` (no grad, the unwrapped policy)."""
+    for mb in mbs:
+        part, prompt_cols, resp_cols = packed.trimmed(mb)                # no all-padding columns
+        s = logprobs.score_tokens(distributed.unwrap(run.policy), part, run.args.temperature, True, group,
+                                  checked=True)
+        scores.record(mb.rows, prompt_cols, resp_cols, s)
+    distributed.reshard(run.policy)  # FSDP2 keeps the root gathered after a no-grad forward
+
+
+@torch.no_grad()
+def score_old_and_ref(run, packed: logprobs.Packed, fresh: slice,
+                      plan: experience.StepPlan) -> experience.OldScores:
+    """No-grad forwards: the policy over the rows after `fresh`, the reference over all rows."""
+    scores = experience.OldScores.empty(packed, fresh, has_ref=run.ref is not None)
+    score_old(run, packed, scores, plan.old, plan.group)
+    for mb in plan.ref:
+        part, prompt_cols, resp_cols = packed.trimmed(mb)
+        s = logprobs.score_tokens(run.ref, part, run.args.temperature, group=plan.group, checked=True)
+        scores.ref[mb.rows, resp_cols], scores.ref_prompt[mb.rows, prompt_cols] = s.response, s.prompt
+    distributed.reshard(run.ref)  # FSDP2 keeps the root gathered after a forward with no backward
+    return scores
+
+
+def row_weights(run, prompt_idx, prompt_logp, prompt_mask, valid, update_rows):
+    """Per-row query weights (method.md §4), or None: train.query_weights's, over this step's
+    update batches."""
+    algo, G = run.algo, run.args.group_size
+    if algo.weights == "none":
+        return None
+    if algo.weights == "paper":
+        w = losses.query_weights(run.cache.nll[torch.tensor(prompt_idx)], mean_nll=run.cache.nll_mean,
+                                 clip=algo.weight_clip)
+        return w.repeat_interleave(G).to(valid.device)
+    return experience.code_query_weights(prompt_logp, prompt_mask, valid, update_rows)
+
+
+def ppo_update(run, batch: experience.UpdateBatch, plan: experience.StepPlan) -> dict:
+    """One optimizer step per global update batch with a signal (UpdatePlan.takes_step), x ppo_epochs
+    -> train.ppo_update's record (each applied step's statistics, the counts, the lr). The first
+    update forward is pi_old's for the on-policy rows (on_policy_rows):
+    if that update takes no step, they are scored on their own."""
+    applied, skipped, no_signal = [], 0, 0
+    lr = run.opt.param_groups[0]["lr"]                                   # the step's (its first update's)
+    for epoch in range(run.args.ppo_epochs):
+        for u, update in enumerate(plan.updates):
+            is_pi_old = is_pi_old_forward(epoch, u, batch.scores.fresh)
+            if not update.takes_step(run.args.no_signal):               # no signal (the same on every rank)
+                if is_pi_old:
+                    score_old(run, batch.packed, batch.scores, plan.fresh, plan.group)
+                no_signal += 1
+                continue
+            stats = optimizer_step(run, batch, update, is_pi_old, plan.group)
+            if stats is None:
+                skipped += 1
+            else:
+                applied.append(stats)
+    return {"applied": applied, "skipped_steps": skipped, "no_signal_steps": no_signal, "lr": lr}
+
+
+def optimizer_step(run, batch: experience.UpdateBatch, update: experience.UpdatePlan, is_pi_old: bool,
+                   group: int):
+    """Gradient of one update batch, clipped, applied if its loss and gradient are finite on every
+    rank -> its statistics on the host (this rank's sums; grad_norm global), or None if skipped."""
+    stats = accumulate_gradient(run, batch, update, is_pi_old, group)
+    norm = optimizer.clip_grad(run.policy, run.args.grad_clip)
+    host = distributed.read_scalars({**stats, "grad_norm": norm}, finite=("loss", "grad_norm"))
+    if host is None:
+        run.guard.bad_step(run.opt, run.sched)                           # not applied; too many: the end
+        return None
+    optimizer.step(run.opt, run.sched)
+    return host
+
+
+def accumulate_gradient(run, batch: experience.UpdateBatch, update: experience.UpdatePlan, is_pi_old: bool,
+                        group: int) -> dict[str, torch.Tensor]:
+    """Forward + backward of each micro-batch of one optimizer step; -> its loss statistics, summed
+    over micro-batches as float64 tensors (no host read here). Every loss term is divided by the
+    GLOBAL count of its update batch (tokens or sequences over all micro-batches and ranks), so the
+    gradient equals that of one big batch at any micro-batch size and world size (DDP averages
+    over ranks, hence the `* world`). is_pi_old: this forward is pi_old's too (record it)."""
+    args, algo, old, stats = run.args, run.algo, batch.scores, {}
+    for k, mb in enumerate(update.micro_batches):
+        part, pcols, rcols = batch.packed.trimmed(mb)                    # rows mb.rows, fewer columns
+        rows = mb.rows
+        with distributed.grad_sync(run.policy, k == len(update.micro_batches) - 1):
+            now = logprobs.score_tokens(run.policy, part, args.temperature, is_pi_old or algo.uses_entropy,
+                                        group, checked=True, entropy_grad=algo.entropy_coef > 0)
+            if is_pi_old:
+                old.record(rows, pcols, rcols, now)
+            loss, st = losses.rl_loss(                           # PG(A*w) [+ b*PolicyKL] [+ a*QueryKL]
+                algo, logp=now.response, old_logp=old.old[rows, rcols],
+                ref_logp=old.ref[rows, rcols] if algo.has_policy_kl_loss else None,
+                resp_mask=batch.resp_mask[rows, rcols], advantages=batch.adv[rows],
+                weights=None if batch.weights is None else batch.weights[rows],
+                prompt_logp=now.prompt, prompt_ref_logp=batch.qref[rows, pcols],
+                prompt_mask=batch.prompt_mask[rows, pcols],
+                num_tokens=update.num_tokens, num_seqs=update.num_seqs, max_len=args.max_new_tokens,
+                sampler_logp=batch.sampler[rows, rcols], entropy=now.entropy)
+            (loss * run.dist.world).backward()
+        faults.point("mid-step")
+        for key, v in st.items():
+            stats[key] = stats.get(key, 0.0) + v.detach().double()
+    return stats
+
