@@ -101,22 +101,13 @@ def policy_kl(logp, ref_logp, kind="k3", clamp=None, old_logp=None):
 
 
 def query_kl(logp, ref_logp, mask, kind="k3", clamp=K3_CLAMP):
-    """Per-prompt Query-KL, the ERPO regularizer R_query = KL(rho_theta || rho_theta0) (method.md §2-3).
-
-    logp:     (B, T) log p_theta(x_t | x_<t) of the prompt tokens, read from the SAME forward pass
-              that scores the responses (no extra pass; method.md §3).
-    ref_logp: (B, T) the same under the reference model (cached before RL, or a reference worker).
-    mask:     (B, T) 1 on prompt tokens after the first one (the first token has no prediction).
-    kind: the per-token estimator, k3 in the paper (delta = ref - logp; exp(delta) - delta - 1,
-    clamped as in the released code); k1/k2 as in policy_kl.
-    Returns (B,): the per-token estimate averaged over the prompt tokens of each sequence. Average
-    over sequences with aggregate(..., mode="seq-mean") -> the released code's seq-mean-token-mean.
-
+    """Per-prompt Query-KL, ERPO's regularizer R_query = KL(rho_theta || rho_theta0) (method.md §2-3):
+    the per-token estimate `kind` (k3 in the paper, clamped as in the released code) of the prompt
+    tokens' log-probs logp (B, T), from the SAME forward that scores the responses, against the
+    reference's ref_logp (B, T), averaged over each row's mask (prompt tokens after the first) -> (B,).
     Proposition 1 (structural decoupling): the gradient flows only through the prompt
-    log-likelihoods l_theta(q); the response score function grad log pi(o|q) never appears, and a
-    causal LM's prompt log-probs do not see the response, so changing the responses leaves this
-    term's gradient unchanged (tested with a tiny Qwen2 in tests/test_losses.py).
-    """
+    log-likelihoods; a causal LM's prompt log-probs do not see the response, so changing the responses
+    leaves this term's gradient unchanged (tests/test_losses.py, with a tiny Qwen2)."""
     kl = policy_kl(logp, ref_logp, kind, clamp=clamp)
     mask = mask.to(kl.dtype)
     return (kl * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
@@ -720,21 +711,17 @@ def unused_fields(algo):
 
 def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights, prompt_logp,
             prompt_ref_logp, prompt_mask, num_tokens, num_seqs, max_len, sampler_logp=None, entropy=None):
-    """loss = PG(A * w) [+ beta * PolicyKL] [+ alpha * QueryKL] for one micro-batch.
-
-    Response side (B, T_r): logp (with grad), old_logp (rollout policy), ref_logp (reference policy;
-      may be None when no Policy-KL term is in the loss), resp_mask; sampler_logp: the sampler's own
-      log-probs of the tokens (needed when algo.tis_cap > 0: truncated_is_weights); entropy: the
-      policy's token entropy (needed when algo.uses_entropy; with grad for an entropy bonus).
-    advantages (B,) or (B, T_r); weights (B,) query weights of each response's prompt, or None when
-      algo.weights == "none" (method.md §4: they scale the PG term only, never the Query-KL term).
-    Prompt side (B, T_p): prompt_logp (with grad, from the same forward pass), prompt_ref_logp
-      (cached reference), prompt_mask (prompt tokens after the first). May be None when alpha == 0;
-      when given with alpha == 0 the Query-KL is still reported (GRPO's Query-KL drift, Table 3).
-    num_tokens, num_seqs, max_len: denominators of the whole optimizer batch (see aggregate).
-    Returns (loss, stats): stats are detached micro-batch contributions; summed over the
-    micro-batches they give the batch values (given global num_tokens / num_seqs).
-    """
+    """loss = PG(A * w) [+ beta * PolicyKL] [+ alpha * QueryKL] for one micro-batch -> (loss, stats:
+    its detached contributions, which summed over the micro-batches give the batch's values).
+    Response side (B, T_r): logp (with grad), old_logp (pi_old), ref_logp (the reference; None where
+      the loss has no Policy-KL), resp_mask; sampler_logp: the sampler's own log-probs (algo.tis_cap
+      > 0); entropy: the policy's token entropy (algo.uses_entropy; with grad for a bonus).
+    advantages (B,) or (B, T_r); weights (B,): each response's query weight, None where algo.weights
+      is "none" (they scale the PG term only, never the Query-KL: method.md §4).
+    Prompt side (B, T_p), from the same forward: prompt_logp (with grad), prompt_ref_logp (the
+      Query-KL reference), prompt_mask (prompt tokens after the first). None where alpha == 0; given
+      with alpha == 0, the Query-KL is still reported (GRPO's drift, Table 3).
+    num_tokens, num_seqs, max_len: the whole optimizer batch's denominators (aggregate)."""
     if (weights is None) != (algo.weights == "none"):
         raise ValueError(f"algo.weights={algo.weights!r} but weights is "
                          f"{'None' if weights is None else 'given'}")

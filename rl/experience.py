@@ -75,7 +75,7 @@ def sample_and_score(run, decoder, prompt_idx, step, round_) -> rollout.Graded:
     if run.algo.overlong:
         L = args.max_new_tokens
         rewards += losses.overlong_penalty(ro.response_mask.sum(1).float(), L, run.algo.overlong_cache_len(L))
-    acc, counts["new_turn"] = torch.tensor(correct).float(), rollout.new_turns(run.tokenizer, ro)
+    acc = torch.tensor(correct).float()
     graded = rollout.Graded(ro, rewards, acc, prompt_idx, counts, keep=losses.nonconstant_groups(acc, G))
     return shaped(run, graded) if getattr(args, "shaping", None) else graded
 
@@ -415,7 +415,8 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
         "reward": c.first_rewards, "acc": c.first_acc,                  # the first sampling round's
         "qkl": losses.query_kl(sc.prompt, qref, qmask),                 # (B,) per-row Query-KL (k3)
         "ent": sc.entropy * mask, "kl": kl, "w": 0.0 if w is None else w,
-        "trunc": (~ro.finished).float(), "new_turn": info["new_turn"], "zero_var": info["zero_var_frac"],
+        "trunc": (~ro.finished).float(), "zero_var": info["zero_var_frac"],
+        "new_turn": rollout.new_turns(run.tokenizer, ro),              # (DAPO: of the rows it trains on)
         "kept_groups": info.get("kept_groups", 0), "update_tokens": update_tokens, **sampler,
         **{f"reward_{k}": info.get(k, 0) for k in ("timeout", "error", "no_answer")},
         **{f"{k}/{t}": info.get(f"{k}/{t}", 0) for t in per_task for k in ("total", "correct")},

@@ -452,11 +452,11 @@ def test_sigint_stops_at_the_step_boundary_with_a_checkpoint_and_resume_reproduc
     real, calls = train.rl_step, []
     before = signal.getsignal(signal.SIGINT)       # SIG_IGN when the suite runs as a background job
 
-    def ctrl_c_in_step_3(run, step):
+    def ctrl_c_in_step_3(run, step, *rest):
         calls.append(step)
         if step == 2:
             os.kill(os.getpid(), signal.SIGINT)    # arrives mid-step: the step still finishes
-        return real(run, step)
+        return real(run, step, *rest)
     monkeypatch.setattr(train, "rl_step", ctrl_c_in_step_3)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
