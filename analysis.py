@@ -110,7 +110,7 @@ def _step_figure(runs, path, title, ylabel, curves, log=False):
             if x and log:
                 low += plots.plot_log(ax, x, y, style, f"C{i}", f"{name} {what}", ms=3)
             elif x:
-                ax.plot(x, y, style, color=f"C{i}", ms=3, label=f"{name} {what}")
+                ax.plot(x, y, style, color=f"C{i}", ms=3, label=f"{name} {what}" if what else "_nolegend_")
     out = None
     if ax.lines:
         if log:
@@ -141,7 +141,8 @@ def monitor_plots(runs: dict, out_dir) -> list:
                       ("eval_query_kl_trained", "--s", "trained prompts"),
                       ("eval_query_kl_train", ":x", "first training rows (older runs)")], log=True),
         _step_figure(runs, os.path.join(out_dir, "premise.png"), "Premise meter: r(prompt NLL under pi_0, "
-                     "response NLL under pi_old) per step", "Pearson r", [("premise_r", "-", "r")])]
+                     "response NLL under pi_old) per step, with its 95% interval", "Pearson r",
+                     [("premise_r", "-", "r"), ("premise_r_lo", ":", "95% interval"), ("premise_r_hi", ":", None)])]
 
 
 # ----------------------------------------------------------------------------- two runs, one table

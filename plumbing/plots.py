@@ -130,16 +130,19 @@ def kl_over_steps(runs: dict, path):
     to plot."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
-    low = 0
+    low, drawn = 0, set()
     for i, (name, rows) in enumerate(runs.items()):
         for key, style, kind in (("query_kl", "-", "Query-KL"), ("policy_kl", "--", "Policy-KL")):
             x, y = series(rows, key)
             if x:
                 low += plot_log(ax, x, y, style, f"C{i}", f"{name} {kind}")
+                drawn.add(kind)
     out = None
-    if ax.lines:
-        out = _save_step_plot(fig, ax, log_ylabel(ax, "KL", low), path,
-                              "Query-KL (solid) and Policy-KL (dashed) per training step")
+    if ax.lines:                    # the title names what is drawn: ERPO logs no Policy-KL unless asked
+        only = "Query-KL" if "Policy-KL" not in drawn else "Policy-KL"
+        missing = ("Policy-KL: --measure-policy-kl true logs ERPO's" if only == "Query-KL" else "Query-KL")
+        title = ("Query-KL (solid) and Policy-KL (dashed)" if len(drawn) == 2 else f"{only} (no {missing})")
+        out = _save_step_plot(fig, ax, log_ylabel(ax, "KL", low), path, title + " per training step")
     plt.close(fig)
     return out
 

@@ -435,6 +435,7 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
          **{f"loss_{k}" if k in ("policy_kl", "query_kl") else k: v for k, v in upd.items() if k != "lr"},
          "lr": upd["lr"], "gen_tok_per_s": s["tok"] / seconds["gen"],
          "premise_r": premise_r(s),            # r(prompt NLL under pi_0, response NLL under pi_old)
+         **premise_interval(premise_r(s), s["premise_n"]),                # its 95% interval (Fisher z)
          "update_tok_per_s": s["update_tokens"] / seconds["update"],
          **{k: s[k] for k in ("reward_timeout", "reward_error", "reward_no_answer")},
          **{k: s[k] / world for k in s if k.startswith("shaping/")}}      # (each rank's mean)
@@ -480,6 +481,19 @@ def premise_sums(ref_prompt, prompt_mask, old, resp_mask, valid, group_size) -> 
     y = ((r.view(-1, group_size) * v).sum(1) / rows.clamp_min(1.0))[ok]
     return {"premise_n": ok.sum(), "premise_x": x.sum(), "premise_y": y.sum(), "premise_xx": (x * x).sum(),
             "premise_yy": (y * y).sum(), "premise_xy": (x * y).sum()}
+
+
+PREMISE_Z = 1.959964       # the normal's 97.5% quantile: premise_r's two-sided 95% interval
+
+
+def premise_interval(r, n) -> dict:
+    """premise_r_lo / premise_r_hi: Fisher's z interval of an r over n prompts, tanh(atanh(r) +- z /
+    sqrt(n - 3)), null where r is or n <= 3. One step's prompts are few (32 by default: about +-0.33
+    around r = 0.2), so a single step's r says little; the interval says how little."""
+    if r is None or n <= 3:
+        return {"premise_r_lo": None, "premise_r_hi": None}
+    z, half = math.atanh(max(-1 + 1e-12, min(1 - 1e-12, r))), PREMISE_Z / math.sqrt(n - 3)
+    return {"premise_r_lo": math.tanh(z - half), "premise_r_hi": math.tanh(z + half)}
 
 
 def premise_r(s: dict) -> float:

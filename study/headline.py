@@ -16,7 +16,7 @@ subprocess on one intra-op thread (the numbers do not depend on the core count),
 
 What is reported, per algorithm: held-out pass@1 at step 50 (`eval_acc/<set>` of metrics.jsonl: one
 sample at T = 1.0 on the first 200 problems of each set) and the step-0 value, Query-KL, Policy-KL
-and entropy averaged over steps 41-50; as the mean over the three seeds +- the 95% Student-t
+and entropy averaged over steps 46-50 (the last tenth); as the mean over the three seeds +- the 95% Student-t
 half-width (t = 4.30 for 3 seeds) with each seed's value, and the min-max over the five kernel
 variants of seed 0; and ERPO - GRPO paired by seed (the pairs share their step-1 samples), with
 its Student-t interval over the three differences (paired.md). Each run's summary
@@ -82,7 +82,7 @@ def summarize(run: Run, out, seconds, size, started_at) -> dict:
         lines = [json.loads(line) for line in f]
     steps = [m for m in lines if m["step"] > 0 and "reward" in m]
     last = max(m["step"] for m in lines)
-    tail = [m for m in steps if m["step"] > last - max(1, last // 10)]            # steps 41-50 of 50
+    tail = [m for m in steps if m["step"] > last - max(1, last // 10)]            # the last tenth: 46-50
     acc = {m["step"]: {s: m[f"eval_acc/{s}"] for s in SETS if f"eval_acc/{s}" in m} for m in lines}
     import torch
     return {"name": run.name, "algo": run.algo, "seed": run.seed, "kernels": run.kernels, "size": size,
@@ -178,8 +178,8 @@ def paired_table(study) -> str:
 
 
 ROWS = [*((f"{s} (step 50)", f"final/{s}", 100, 1) for s in SETS),
-        ("Query-KL (steps 41–50)", "query_kl_tail", 1000, 2), ("Policy-KL, k3 (steps 41–50)", "policy_kl_tail", 1000, 1),
-        ("entropy (steps 41–50)", "entropy_tail", 1, 3)]
+        ("Query-KL (steps 46–50)", "query_kl_tail", 1000, 2), ("Policy-KL, k3 (steps 46–50)", "policy_kl_tail", 1000, 1),
+        ("entropy (steps 46–50)", "entropy_tail", 1, 3)]
 
 
 def table(study) -> str:

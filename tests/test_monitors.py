@@ -304,3 +304,24 @@ def test_the_memorisation_metric_scores_prompts_the_run_has_sampled(tmp_path, sm
         assert set(idx) <= sampled and len(idx) == min(n, len(sampled)) == len(set(idx)), steps
     assert seen[1][1] == seen[2][1] and len(seen[1][1]) == 12                       # fixed once 12 are sampled
     assert set(seen[2][1]) != set(range(12))
+
+
+def test_the_premise_meters_interval_covers_the_mean_of_its_steps(tmp_path, small_data):
+    """premise_r is one r over one step's prompts: its 95% interval (Fisher's z over the step's n
+    prompts) holds the step's r, is the textbook one at a hand value, and over a seeded 8-step run
+    the intervals cover the mean of the per-step values (a single step says little: method.md §11)."""
+    lo_hi = experience.premise_interval(0.2, 32)
+    half = 1.959964 / math.sqrt(29)
+    assert lo_hi == pytest.approx({"premise_r_lo": math.tanh(math.atanh(0.2) - half),
+                                   "premise_r_hi": math.tanh(math.atanh(0.2) + half)})
+    assert experience.premise_interval(None, 32) == experience.premise_interval(0.5, 3) == \
+        {"premise_r_lo": None, "premise_r_hi": None}
+    ms = [m for m in run(tmp_path / "run", small_data, "--steps", "8") if m["step"]]
+    rs = [m["premise_r"] for m in ms if m["premise_r"] is not None]
+    assert len(rs) >= 6
+    mean = sum(rs) / len(rs)
+    for m in ms:
+        if m["premise_r"] is not None:
+            assert m["premise_r_lo"] <= m["premise_r"] <= m["premise_r_hi"]
+    covered = [m["premise_r_lo"] <= mean <= m["premise_r_hi"] for m in ms if m["premise_r"] is not None]
+    assert sum(covered) >= len(covered) - 1, (mean, [(m["premise_r_lo"], m["premise_r_hi"]) for m in ms])
