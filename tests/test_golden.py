@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.rounding import (CROSS_PATH_TESTS, KERNELS, RECORD, SAFETY, TOLERANCES, is_exact, is_timing,
+from tests.rounding import (CROSS_PATH_TESTS, KERNELS, RECORD, runnable_kernels, SAFETY, TOLERANCES, is_exact, is_timing,
                             kernel_env, load_tolerances, tolerance)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -231,7 +231,7 @@ def golden_differences(algo, tmp):
     exact key matches the golden under each variant (else no tolerance could make the test portable)."""
     _, want = load_golden(algo)
     out = {}
-    for name in KERNELS:
+    for name in runnable_kernels():
         got = run_golden(algo, os.path.join(tmp, name), kernels=name)
         exact = mismatches(want, got, None)
         assert not exact, f"{algo} under {name}: an exact key moved: {list(map(str, exact))}"
@@ -248,7 +248,7 @@ def cross_path_differences(tmp, tests):
     """The cross-path `tests` (node ids of CROSS_PATH_TESTS) under each kernel variant, with RECORD
     set: {variant: {name: worst difference}}, {name: largest |value|}, {name: the tests it came from}."""
     out, scale, source = {}, {}, {}
-    for name in KERNELS:
+    for name in runnable_kernels():
         record = os.path.join(tmp, f"paths-{name}.jsonl")
         env = dict(kernel_env(name), OMP_NUM_THREADS="1", **{RECORD: record})
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
@@ -285,11 +285,11 @@ def measure_tolerances(tests=None):
     commit, dirty = _commit()
     old = load_tolerances()
     what = "the golden runs and every cross-path test" if tests is None else f"the cross-path tests {tests}"
-    measurements = [*old["measurements"], {"machine": _machine(), "kernels": KERNELS, "commit": commit,
+    measurements = [*old["measurements"], {"machine": _machine(), "kernels": runnable_kernels(), "commit": commit,
                                            "dirty_worktree": dirty, "what": what}]
     now = len(measurements) - 1
     result = {"how": "python -m tests.test_golden tolerances: the golden runs, and the tests of tests/rounding.py's "
-                     f"CROSS_PATH_TESTS (each assert_rounding), under each of {list(KERNELS)}; tolerance = "
+                     f"CROSS_PATH_TESTS (each assert_rounding), under each of {list(KERNELS)} this CPU runs; tolerance = "
                      f"{SAFETY} x the worst difference over variants and steps (where they all agree: {SAFETY} x "
                      "2^-23 x the largest value), or the committed one where larger (measured on another "
                      "machine: *_set_by and paths' set_by index `measurements`)",
@@ -310,7 +310,7 @@ def measure_tolerances(tests=None):
         result["worst"] = {algo: old["worst"][algo] for algo in ALGOS}
     kept = {k: v for k, v in old["paths"].items() if tests is not None and not set(v["from"]) & set(tests)}
     result["worst"]["paths"] = {var: {**{k: w for k, w in old["worst"].get("paths", {}).get(var, {}).items()
-                                         if k in kept}, **diffs[var]} for var in KERNELS}
+                                         if k in kept}, **diffs[var]} for var in runnable_kernels()}
     new = {k: tolerance([d[k] for d in diffs.values()], scale[k]) for k in sorted(scale)}
     committed = old["paths"]
     tol, by = larger_tolerances({k: v["atol"] for k, v in committed.items()},
