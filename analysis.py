@@ -142,7 +142,8 @@ def monitor_plots(runs: dict, out_dir) -> list:
                       ("eval_query_kl_train", ":x", "first training rows (older runs)")], log=True),
         _step_figure(runs, os.path.join(out_dir, "premise.png"), "Premise meter: r(prompt NLL under pi_0, "
                      "response NLL under pi_old) per step, with its 95% interval", "Pearson r",
-                     [("premise_r", "-", "r"), ("premise_r_lo", ":", "95% interval"), ("premise_r_hi", ":", None)])]
+                     [("premise_r", "-", "r"), ("premise_r_lo", ":", "95% interval"),
+                      ("premise_r_hi", ":", None)])]
 
 
 # ----------------------------------------------------------------------------- two runs, one table

@@ -32,6 +32,7 @@ try:                                       # Ctrl-C during these imports: one li
     from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan,
                           extension, optimizer, options, run_dir, time_check, time_model)
     from plumbing.distributed import all_sums, print0
+    from plumbing.options import HOW_IT_RUNS, MAY_CHANGE, NEW, opt
     from rl import controllers, monitors, run_setup, scale_step
     from rl.run_setup import Run, needs_reference_model, old_rows, setup_rl
 except KeyboardInterrupt:
@@ -44,159 +45,148 @@ TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymat
 # Options: the embedded tiny world, minutes on 2 CPU cores; the paper's setup is
 # configs/paper_qwen7b.json (--config; flags override it). Loss knobs (--alpha, --beta, --kl, ...)
 # are generated from losses.Algo's fields.
+# One row an option (plumbing/options.Option): name, default, help [, choices or a range], then
+# its rules, where they are not the usual ones:
+#   acts=    (acts(args), what it cannot act under, why): an option that acts only with another; given
+#            where it cannot act, refused as an inert loss knob is (options.check_inert_options)
+#   resume=  MAY_CHANGE: --resume may change it (it applies from the resumed step; config.json's
+#            "resumed" records it); HOW_IT_RUNS: how this command runs, not what the run is. Every
+#            other option (and loss knob) fixes what the run is and must not change on --resume.
+#   before=  its value for a run made before the option existed (a value, or a function of the old
+#            config.json), which --resume then continues as it trained; none: today's default then
+#            too (run_dir.older_config says which)
+_DECAYS = (lambda a: a.lr_schedule != "constant", "under --lr-schedule constant",
+           "the LR does not decay (give --lr-schedule linear or cosine)")
+_LORA = (lambda a: a.lora_rank > 0, "without --lora-rank",
+         "the run fine-tunes every weight, no adapters (give --lora-rank r)")
 OPTIONS = [
     # name                default                              help [, choices or a range]
-    ("algo",              "erpo",                              "sft, or a row of losses.ALGOS", ["sft", *losses.ALGOS]),
-    ("task",              "math",                              "what the rows ask and how a completion is scored "
+    opt("algo",           "erpo",                              "sft, or a row of losses.ALGOS", ["sft", *losses.ALGOS]),
+    opt("task",           "math",                              "what the rows ask and how a completion is scored "
                                                                "(tasks/; its sets are the defaults of --train-data "
-                                                               "and --eval-data)", tasks.TASKS),
-    ("model",             os.path.join(TINY, "warmstart"),     "HF folder or hub id of the policy (also the reference model)"),
-    ("train_data",        tasks.get("math").train_data,        "training problems: JSONL path or set name (default: "
+                                                               "and --eval-data)", tasks.TASKS, before="math"),
+    opt("model",          os.path.join(TINY, "warmstart"),     "HF folder or hub id of the policy (also the reference model)"),
+    opt("train_data",     tasks.get("math").train_data,        "training problems: JSONL path or set name (default: "
                                                                "--task's)"),
-    ("eval_data",         list(tasks.get("math").heldout),     "held-out sets for periodic evaluation, names or paths "
+    opt("eval_data",      list(tasks.get("math").heldout),     "held-out sets for periodic evaluation, names or paths "
                                                                "(default: --task's)"),
-    ("template",          "plain",                             "prompt template (data/prompts.TEMPLATES; default: --task's)",
+    opt("template",       "plain",                             "prompt template (data/prompts.TEMPLATES; default: --task's)",
                                                                prompts.TEMPLATES),
-    ("out",               None,                                "run folder (config.json, metrics.jsonl, ckpt/); default runs/<algo>"),
-    ("seed",              0,                                   "seed of prompt order and of every sampled row"),
+    opt("out",            None,                                "run folder (config.json, metrics.jsonl, ckpt/); default runs/<algo>", resume=HOW_IT_RUNS),
+    opt("seed",           0,                                   "seed of prompt order and of every sampled row"),
     # rollout: prompts per step, responses per prompt, sampling
-    ("steps",             50,                                  "RL steps (one rollout batch each)", ">=0"),
-    ("rollout_batch",     32,                                  "prompts sampled per RL step (global, all ranks)", ">=1"),
-    ("update_batch",      16,                                  "prompts per optimizer step (global); rollout/update = optimizer steps per RL step", ">=1"),
-    ("group_size",        8,                                   "responses per prompt (G)", ">=2"),
-    ("temperature",       1.0,                                 "rollout temperature; log-probs are computed on logits/T", ">0"),
-    ("top_p",             1.0,                                 "nucleus sampling (1 = off)", "(0,1]"),
-    ("max_prompt_len",    128,                                 "longer prompts are dropped from the training set", ">=1"),
-    ("max_new_tokens",    96,                                  "response length limit", ">=1"),
-    ("sampler",           "hf",                                "HF generate with the seeded per-row draw (plain), or "
+    opt("steps",          50,                                  "RL steps (one rollout batch each)", ">=0", resume=MAY_CHANGE),
+    opt("rollout_batch",  32,                                  "prompts sampled per RL step (global, all ranks)", ">=1"),
+    opt("update_batch",   16,                                  "prompts per optimizer step (global); rollout/update = optimizer steps per RL step", ">=1"),
+    opt("group_size",     8,                                   "responses per prompt (G)", ">=2"),
+    opt("temperature",    1.0,                                 "rollout temperature; log-probs are computed on logits/T", ">0"),
+    opt("top_p",          1.0,                                 "nucleus sampling (1 = off)", "(0,1]"),
+    opt("max_prompt_len", 128,                                 "longer prompts are dropped from the training set", ">=1"),
+    opt("max_new_tokens", 96,                                  "response length limit", ">=1"),
+    opt("sampler",        "hf",                                "HF generate with the seeded per-row draw (plain), or "
                                                                "the one-pass KV-cache sampler (kv: fast, sampler/)", ["hf", "kv"]),
-    ("gen_batch",         256,                                 "rows per sampler call, at most", ">=1"),
-    ("kv_budget",         0,                                   "KV-cache positions per sampler call (0 on CUDA: what fits in the free memory beside "
-                                                               "the rollout's other allocations, less 10% of the card; CPU: no cap)", ">=0"),
-    ("compile_decode",    False,                               "the sampler's decode step through torch.compile (CUDA graphs); off until measured on a GPU"),
-    ("max_resample_rounds", 4,                                 "dynamic sampling: extra sampling rounds at most", ">=0"),
-    ("reward",            "acc",                               "binary accuracy, or 0.9*acc + 0.1*format", ["acc", "acc+format"]),
+    opt("gen_batch",      256,                                 "rows per sampler call, at most", ">=1", resume=MAY_CHANGE),
+    opt("kv_budget",      0,                                   "KV-cache positions per sampler call (0 on CUDA: what fits in the free memory beside "
+                                                               "the rollout's other allocations, less 10% of the card; CPU: no cap)", ">=0", resume=MAY_CHANGE),
+    opt("compile_decode", False,                               "the sampler's decode step through torch.compile (CUDA graphs); off until measured on a GPU", resume=MAY_CHANGE),
+    opt("max_resample_rounds", 4,                                 "dynamic sampling: extra sampling rounds at most", ">=0"),
+    opt("reward",         "acc",                               "binary accuracy, or 0.9*acc + 0.1*format", ["acc", "acc+format"]),
     # optimisation
-    ("lr",                2e-4,                                "AdamW learning rate", ">0"),
-    ("weight_decay",      0.01,                                "AdamW weight decay", ">=0"),
-    ("warmup",            0,                                   "linear warm-up, in optimizer steps", ">=0"),
-    ("lr_schedule",       "constant",                          "the LR after warm-up: constant, or decayed to --lr-floor "
-                                                               "(plumbing/optimizer.py)", list(optimizer.SCHEDULES)),
-    ("lr_floor",          0.0,                                 "a decaying schedule's final LR, as a fraction of --lr", "[0,1]"),
-    ("lr_decay_steps",    0,                                   "RL steps over which the LR decays (0: --steps, which it "
-                                                               "follows when --resume changes --steps)", ">=0"),
-    ("grad_clip",         1.0,                                 "clip the global grad norm (0 = off)", ">=0"),
-    ("ppo_epochs",        1,                                   "passes over each rollout batch", ">=1"),
-    ("micro_batch",       64,                                  "sequences per forward/backward on each rank", ">=1"),
-    ("micro_tokens",      0,                                   "also at most this many tokens per micro-batch: real tokens when --pack packs the forward, else padded (0 = no cap)", ">=0"),
-    ("pack",              False,                               "fast path: full-row training forwards run each micro-batch's real tokens, packed (no padding; modeling/logprobs.py)"),
-    ("dtype",             "auto",                              "bf16-mixed: fp32 weights + bf16 autocast (2x faster matmuls on CPUs with AVX512-BF16/AMX); auto: that on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16", "bf16-mixed"]),
-    ("fsdp",              False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
-    ("lora_rank",         0,                                   "LoRA: train rank-r adapters on the policy's linear layers, "
+    opt("lr",             2e-4,                                "AdamW learning rate", ">0", resume=MAY_CHANGE),
+    opt("weight_decay",   0.01,                                "AdamW weight decay", ">=0", resume=MAY_CHANGE),
+    opt("warmup",         0,                                   "linear warm-up, in optimizer steps", ">=0", resume=MAY_CHANGE),
+    opt("lr_schedule",    "constant",                          "the LR after warm-up: constant, or decayed to --lr-floor "
+                                                               "(plumbing/optimizer.py)", list(optimizer.SCHEDULES), before="constant"),
+    opt("lr_floor",       0.0,                                 "a decaying schedule's final LR, as a fraction of --lr", "[0,1]", acts=_DECAYS),
+    opt("lr_decay_steps", 0,                                   "RL steps over which the LR decays (0: --steps, which it "
+                                                               "follows when --resume changes --steps)", ">=0", acts=_DECAYS, resume=MAY_CHANGE),
+    opt("grad_clip",      1.0,                                 "clip the global grad norm (0 = off)", ">=0", resume=MAY_CHANGE),
+    opt("ppo_epochs",     1,                                   "passes over each rollout batch", ">=1"),
+    opt("micro_batch",    64,                                  "sequences per forward/backward on each rank", ">=1", resume=MAY_CHANGE),
+    opt("micro_tokens",   0,                                   "also at most this many tokens per micro-batch: real tokens when --pack packs the forward, else padded (0 = no cap)", ">=0", resume=MAY_CHANGE),
+    opt("pack",           False,                               "fast path: full-row training forwards run each micro-batch's real tokens, packed (no padding; modeling/logprobs.py)", resume=MAY_CHANGE),
+    opt("dtype",          "auto",                              "bf16-mixed: fp32 weights + bf16 autocast (2x faster matmuls on CPUs with AVX512-BF16/AMX); auto: that on CUDA, fp32 on CPU", ["auto", "float32", "bfloat16", "bf16-mixed"]),
+    opt("fsdp",           False,                               "shard the policy (and reference) with FSDP2 instead of DDP replicas (large models)"),
+    opt("lora_rank",      0,                                   "LoRA: train rank-r adapters on the policy's linear layers, "
                                                                "the rest frozen and the reference model (modeling/lora.py; 0 = "
-                                                               "full fine-tuning)", ">=0"),
-    ("lora_alpha",        16.0,                                "LoRA: the adapters' update is (alpha / r) B A", ">0"),
-    ("lora_dropout",      0.0,                                 "LoRA: dropout on the adapters' input", "[0,1)"),
-    ("lora_targets",      "all-linear",                        "LoRA: peft's target_modules, 'all-linear' or names "
-                                                               "joined by commas (q_proj,v_proj)"),
-    ("grad_ckpt",         memory_plan.AUTO,                    "activation checkpointing of every decoder layer: true, false, or "
+                                                               "full fine-tuning)", ">=0", before=0),
+    opt("lora_alpha",     16.0,                                "LoRA: the adapters' update is (alpha / r) B A", ">0", acts=_LORA),
+    opt("lora_dropout",   0.0,                                 "LoRA: dropout on the adapters' input", "[0,1)", acts=_LORA),
+    opt("lora_targets",   "all-linear",                        "LoRA: peft's target_modules, 'all-linear' or names "
+                                                               "joined by commas (q_proj,v_proj)", acts=_LORA),
+    opt("grad_ckpt",      memory_plan.AUTO,                    "activation checkpointing of every decoder layer: true, false, or "
                                                                "auto = on only where the update micro-batch does not fit the "
-                                                               "card without it (memory_plan.needs_checkpointing; CPU: off)"),
-    ("share_prompts",     False,                               "fast path: training forwards run each prompt once for its G responses (not with --fsdp/--grad-ckpt)"),
-    ("dry_run",           False,                               "print the per-GPU memory plan (plumbing/memory_plan.py) and exit; no weights loaded"),
-    ("plan_gpus",         8,                                   "GPUs the --dry-run plan assumes", ">=1"),
-    ("plan_gpu",          "h100",                              "the GPU --dry-run's time model assumes (plumbing/time_model.py)",
-                                                               list(time_model.GPUS)),
-    ("plan_lengths",      None,                                "--dry-run's time model: measured lengths (an evaluate.py "
+                                                               "card without it (memory_plan.needs_checkpointing; CPU: off)", resume=MAY_CHANGE),
+    opt("share_prompts",  False,                               "fast path: training forwards run each prompt once for its G responses (not with --fsdp/--grad-ckpt)", resume=MAY_CHANGE),
+    opt("dry_run",        False,                               "print the per-GPU memory plan (plumbing/memory_plan.py) and exit; no weights loaded", resume=HOW_IT_RUNS),
+    opt("plan_gpus",      8,                                   "GPUs the --dry-run plan assumes", ">=1", resume=HOW_IT_RUNS),
+    opt("plan_gpu",       "h100",                              "the GPU --dry-run's time model assumes (plumbing/time_model.py)",
+                                                               list(time_model.GPUS), resume=HOW_IT_RUNS),
+    opt("plan_lengths",   None,                                "--dry-run's time model: measured lengths (an evaluate.py "
                                                                "samples.jsonl, a run's metrics.jsonl, or a "
                                                                "time_model.prompt_histogram JSON); default: the review "
-                                                               "case of configs/lengths/ (plumbing/time_model.py)"),
-    ("plan_constants",    None,                                "--dry-run's time model: a bench/gpu_check.py results JSON whose "
+                                                               "case of configs/lengths/ (plumbing/time_model.py)", resume=HOW_IT_RUNS),
+    opt("plan_constants", None,                                "--dry-run's time model: a bench/gpu_check.py results JSON whose "
                                                                "measured constants replace the assumed ones "
-                                                               "(plumbing/time_model.py CONSTANTS)"),
-    ("qkl_ref",           "cache",                             "the Query-KL reference (rl/query_reference.py): the "
+                                                               "(plumbing/time_model.py CONSTANTS)", resume=HOW_IT_RUNS),
+    opt("qkl_ref",        "cache",                             "the Query-KL reference (rl/query_reference.py): the "
                                                                "initial policy's prompt log-probs cached before RL "
                                                                "(the paper); the reference model's forward over "
                                                                "each step's prompts (live: what the released code "
                                                                "means); zeros (released-zeros: what it computes); "
                                                                "an anchor that moves (ema, refresh); another "
                                                                "model's, from --qkl-ref-model (model)",
-                                                               query_reference.REFERENCES),
-    ("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)"),
-    ("measure_policy_kl", False,                               "keep a reference model to log Policy-KL even when the loss has none "
-                                                               "(ERPO's Table 3 Policy-KL column: true; +18 s a paper step, 7.4 -> 8.6 h)"),
-    ("no_signal",         "skip",                              "an update batch whose every advantage is ~0 (its "
+                                                               query_reference.REFERENCES, before="cache"),
+    opt("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)", resume=MAY_CHANGE),
+    opt("measure_policy_kl", False,                               "keep a reference model to log Policy-KL even when the loss has none "
+                                                               "(ERPO's Table 3 Policy-KL column: true; +18 s a paper step, 7.4 -> 8.6 h)", resume=MAY_CHANGE),
+    opt("no_signal",      "skip",                              "an update batch whose every advantage is ~0 (its "
                                                                "groups' rewards all equal): skip its step (no AdamW "
                                                                "update, no weight decay, the LR schedule waits), or "
                                                                "step on the KL terms alone (method.md §8.6)",
-                                                               ["skip", "step"]),
-    ("max_bad_steps",     3,                                   "consecutive non-finite (skipped) optimizer steps that end the run", ">=1"),
-    ("strict_data",       False,                               "training rows without a problem or an answer are an error, not skipped"),
+                                                               ["skip", "step"], before="step"),
+    opt("max_bad_steps",  3,                                   "consecutive non-finite (skipped) optimizer steps that end the run", ">=1", resume=MAY_CHANGE),
+    opt("strict_data",    False,                               "training rows without a problem or an answer are an error, not skipped"),
     # evaluation / checkpoints
-    ("eval_every",        10,                                  "held-out evaluation every N steps (0 = never)", ">=0"),
-    ("eval_temperatures", [1.0],                               "held-out sampling temperatures: eval_acc* are the "
+    opt("eval_every",     10,                                  "held-out evaluation every N steps (0 = never)", ">=0", resume=MAY_CHANGE),
+    opt("eval_temperatures", [1.0],                               "held-out sampling temperatures: eval_acc* are the "
                                                                "first's; with several, each is also logged as "
-                                                               "eval_acc@T<t>*", ">=0"),
-    ("eval_limit",        200,                                 "problems per held-out set (0 = all)", ">=0"),
-    ("monitor_every",     10,                                  "each loss term's gradient norm, cosine to the PG's, every N steps (0 = never; not with --fsdp)", ">=0"),
-    ("save_every",        20,                                  "checkpoint every N steps and at the end (0 = never)", ">=0"),
-    ("resume",            False,                               "continue the run in --out from its checkpoint (options "
+                                                               "eval_acc@T<t>*", ">=0", before=lambda saved: [saved.get("eval_temperature", 1.0)]),
+    opt("eval_limit",     200,                                 "problems per held-out set (0 = all)", ">=0"),
+    opt("monitor_every",  10,                                  "each loss term's gradient norm, cosine to the PG's, every N steps (0 = never; not with --fsdp)", ">=0", resume=MAY_CHANGE),
+    opt("save_every",     20,                                  "checkpoint every N steps and at the end (0 = never)", ">=0", resume=MAY_CHANGE),
+    opt("resume",         False,                               "continue the run in --out from its checkpoint (options "
                                                                "that fix the run must not change; those in "
-                                                               "RESUME_MAY_CHANGE may)"),
-    ("overwrite",         False,                               "replace the run already in --out (a fresh run into it "
-                                                               "is an error otherwise)"),
-    ("export",            None,                                "after training, save the final model + tokenizer to this folder"),
-    ("export_dtype",      "auto",                              "dtype of exported HF folders (--export; an FSDP2 run's <out>/hf): "
+                                                               "RESUME_MAY_CHANGE may)", resume=HOW_IT_RUNS),
+    opt("overwrite",      False,                               "replace the run already in --out (a fresh run into it "
+                                                               "is an error otherwise)", resume=HOW_IT_RUNS),
+    opt("export",         None,                                "after training, save the final model + tokenizer to this folder", resume=MAY_CHANGE),
+    opt("export_dtype",   "auto",                              "dtype of exported HF folders (--export; an FSDP2 run's <out>/hf): "
                                                                "auto = bfloat16 when the run computes in bf16, else the weights' own; "
-                                                               "checkpoints keep float32", list(checkpoints.EXPORT_DTYPES)),
-    ("nccl_timeout",      120.0,                               "minutes a rank waits at a collective (NCCL's default 10 can fire "
-                                                               "during a long evaluation or export)", ">0"),
-    ("extensions",        [],                                  "modules imported before the options are read: their rows of the "
+                                                               "checkpoints keep float32", list(checkpoints.EXPORT_DTYPES), resume=MAY_CHANGE),
+    opt("nccl_timeout",   120.0,                               "minutes a rank waits at a collective (NCCL's default 10 can fire "
+                                                               "during a long evaluation or export)", ">0", resume=MAY_CHANGE),
+    opt("extensions",     [],                                  "modules imported before the options are read: their rows of the "
                                                                "extension tables and their options (dotted names or .py files; "
                                                                "plumbing/extension.py); --resume imports the run's again"),
-    ("shaping",           [],                                  "reward-shaping terms applied after grading, rows of "
+    opt("shaping",        [],                                  "reward-shaping terms applied after grading, rows of "
                                                                "rl/experience.SHAPING (an extension's): each sees the graded "
                                                                "rollout and logs its own metrics"),
-    ("log",               "jsonl",                             "also mirror metrics.jsonl to TensorBoard or W&B", ["jsonl", "tensorboard", "wandb"]),
+    opt("log",            "jsonl",                             "also mirror metrics.jsonl to TensorBoard or W&B", ["jsonl", "tensorboard", "wandb"], resume=MAY_CHANGE),
 ] + sft.OPTIONS + query_reference.reference_options()  # the warm start's (--sft-*), the references' (--qkl-ref-*)
 
-# Options that act only with another: given on the command line (a value other than the default)
-# where they cannot act, they are refused as an inert loss knob is (options.check_inert_options).
-# {option: (acts(args), what it cannot act under, why)}
-_DECAYS = (lambda a: a.lr_schedule != "constant", "under --lr-schedule constant",
-           "the LR does not decay (give --lr-schedule linear or cosine)")
-_LORA = (lambda a: a.lora_rank > 0, "without --lora-rank",
-         "the run fine-tunes every weight, no adapters (give --lora-rank r)")
-ACTS_ONLY_WITH = {"lr_floor": _DECAYS, "lr_decay_steps": _DECAYS,
-                  "lora_alpha": _LORA, "lora_dropout": _LORA, "lora_targets": _LORA}
-
-# --resume continues the run its config.json describes: these options may change (they apply from
-# the resumed step and are recorded in config.json's "resumed"); every other option and loss knob
-# fixes what the run is (the algorithm, the data and its order, the sampled rows) and must not.
-RESUME_MAY_CHANGE = {"steps", "lr", "weight_decay", "warmup", "grad_clip", "max_bad_steps", "eval_every", "monitor_every",
-                     "save_every", "log", "export", "export_dtype", "nccl_timeout", "query_cache_dir",
-                     "micro_batch", "micro_tokens", "grad_ckpt", "share_prompts", "gen_batch", "kv_budget",
-                     "measure_policy_kl", "lr_decay_steps", "pack", "compile_decode"}
-NOT_THE_RUN = {"resume", "overwrite", "out", "dry_run", "plan_gpus", "plan_gpu", "plan_lengths", "plan_constants"}   # how this command runs, not what
-# --resume of a run made before an option existed: its config.json lacks the option, and the run
-# continues as it trained -- the option's value before it existed (a value, or one computed from the
-# old config); an option missing here took today's default then too (or does not change training:
-# a new algorithm knob is the row's own, off for the rows that existed). run_dir.older_config says which.
-BEFORE_OPTION = {
-    "no_signal": "step",                                     # before 4d27ed3: every update batch stepped
-    "eval_temperatures": lambda saved: [saved.get("eval_temperature", 1.0)],  # the one --eval-temperature
-    "task": "math",                                          # before tasks/: math only
-    "qkl_ref": "cache",                                      # the initial policy's cached prompt log-probs
-    "lr_schedule": "constant",                               # warm-up, then constant
-    "lora_rank": 0,                                          # full fine-tuning
-}
+# The rules of the table's rows, as the checks read them (plumbing/options.Option's columns)
+ACTS_ONLY_WITH = {o.name: o.acts for o in OPTIONS if getattr(o, "acts", None)}
+RESUME_MAY_CHANGE = {o.name for o in OPTIONS if getattr(o, "resume", None) == MAY_CHANGE}
+NOT_THE_RUN = {o.name for o in OPTIONS if getattr(o, "resume", None) == HOW_IT_RUNS}
+BEFORE_OPTION = {o.name: o.before for o in OPTIONS if getattr(o, "before", NEW) is not NEW}
 
 
 # ----------------------------------------------------------------------------------------------
 # RL, part 1: the step, plain. Sampling and grading are rl/experience.py's (with rollout.py and
 # reward.py), the loss terms losses.py's (equations: docs/method.md). Each fast path of the GPU configs
 # is an option that sends the step to rl/scale_step.py instead (run_setup.FAST_PATHS), held equal to
-# this one by tests/test_fast_paths.py.
+# this one by the golden runs (tests/test_golden.py).
 
 
 def rl_step(run, step, before_update=None) -> experience.StepResult:

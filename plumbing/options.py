@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+from typing import NamedTuple
 from dataclasses import MISSING, dataclass, field, fields, replace
 
 import torch
@@ -53,6 +54,27 @@ def _is_float_pair(default):
     """A (lo, hi) default such as losses.Algo.weight_clip: a flag of two numbers."""
     pair = isinstance(default, (list, tuple)) and len(default) == 2
     return pair and all(isinstance(x, float) for x in default)
+
+
+# The rules an option's row may state (train.OPTIONS' columns after the parser's)
+FIXED, MAY_CHANGE, HOW_IT_RUNS = "fixed", "may change", "how it runs"   # on --resume
+NEW = object()                         # before=: no value before it existed (today's default then too)
+
+
+class Option(NamedTuple):
+    """One row of an entry script's options table: the parser's columns, then the row's rules."""
+    name: str
+    default: object
+    help: str
+    choices: object = None              # a list of values, or a range such as ">=1", "(0,1]"
+    acts: tuple | None = None           # (acts(args), what it cannot act under, why): else refused
+    resume: str = FIXED                 # FIXED: the run's, unchanged on --resume; MAY_CHANGE; HOW_IT_RUNS
+    before: object = NEW                # its value for a run made before it existed (or f(old config))
+
+
+def opt(name, default, help, choices=None, **rules) -> Option:
+    """A row of the options table (Option); its rules by keyword."""
+    return Option(name, default, help, choices, **rules)
 
 
 def _add(parser, name, default, help, choices=None, show_default=True):
@@ -123,7 +145,7 @@ def build_parser(table, description):
     p.add_argument("--config",
                    help="JSON file of defaults (keys as the flags, with _), e.g. configs/paper_qwen7b.json")
     for row in table:
-        _add(p, *row)
+        _add(p, *row[:4])
     g = p.add_argument_group("loss knobs (fields of losses.Algo; unset = the algorithm's own value)")
     for row in algo_knobs():
         _add(g, *row)

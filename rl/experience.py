@@ -414,10 +414,9 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
         "rows": len(c.first_rewards), "tok": mask.sum(), "valid": c.valid, "kl_tok": resp_mask.sum(),
         "reward": c.first_rewards, "acc": c.first_acc,                  # the first sampling round's
         "qkl": losses.query_kl(sc.prompt, qref, qmask),                 # (B,) per-row Query-KL (k3)
-        "ent": sc.entropy * mask, "kl": kl, "w": 0.0 if w is None else w,
+        "ent": sc.entropy * mask, "kl": kl, "w": 0.0 if w is None else w, "kept": info.get("kept_groups", 0),
         "trunc": (~ro.finished).float(), "zero_var": info["zero_var_frac"],
-        "new_turn": rollout.new_turns(run.tokenizer, ro),              # (DAPO: of the rows it trains on)
-        "kept_groups": info.get("kept_groups", 0), "update_tokens": update_tokens, **sampler,
+        "new_turn": rollout.new_turns(run.tokenizer, ro), "update_tokens": update_tokens, **sampler,
         **{f"reward_{k}": info.get(k, 0) for k in ("timeout", "error", "no_answer")},
         **{f"{k}/{t}": info.get(f"{k}/{t}", 0) for t in per_task for k in ("total", "correct")},
         **{f"{k}_{part}": v for k, pair in released.items() for part, v in zip(("sum", "n"), pair)},
@@ -434,8 +433,7 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
          # named loss_* (the loss's own, over the update's policies; the monitors above are pi_old's)
          **{f"loss_{k}" if k in ("policy_kl", "query_kl") else k: v for k, v in upd.items() if k != "lr"},
          "lr": upd["lr"], "gen_tok_per_s": s["tok"] / seconds["gen"],
-         "premise_r": premise_r(s),            # r(prompt NLL under pi_0, response NLL under pi_old)
-         **premise_interval(premise_r(s), s["premise_n"]),                # its 95% interval (Fisher z)
+         **premise_meter(s),       # r(prompt NLL under pi_0, response NLL under pi_old), its 95% interval
          "update_tok_per_s": s["update_tokens"] / seconds["update"],
          **{k: s[k] for k in ("reward_timeout", "reward_error", "reward_no_answer")},
          **{k: s[k] / world for k in s if k.startswith("shaping/")}}      # (each rank's mean)
@@ -450,7 +448,7 @@ def step_metrics(run, step, c, ro, batch, qref, upd) -> dict:
                  weight_max=all_max(w.max()).item())
     if run.algo.dynamic_sampling:
         m["resample_rounds"] = all_max(torch.tensor(float(info["resample_rounds"]))).item()
-        m["kept_groups"] = s["kept_groups"]
+        m["kept_groups"] = s["kept"]
     if step == 0:                                       # a GRPO and an ERPO run of one seed sample alike
         m["sample_digest"] = sample_digest(ro)          # at step 1 (study.headline pairs them by it)
     return m
@@ -494,6 +492,12 @@ def premise_interval(r, n) -> dict:
         return {"premise_r_lo": None, "premise_r_hi": None}
     z, half = math.atanh(max(-1 + 1e-12, min(1 - 1e-12, r))), PREMISE_Z / math.sqrt(n - 3)
     return {"premise_r_lo": math.tanh(z - half), "premise_r_hi": math.tanh(z + half)}
+
+
+def premise_meter(s: dict) -> dict:
+    """premise_r and its interval (premise_interval) from premise_sums' sums over ranks."""
+    r = premise_r(s)
+    return {"premise_r": r, **premise_interval(r, s["premise_n"])}
 
 
 def premise_r(s: dict) -> float:

@@ -13,8 +13,9 @@ GPU configs turn on the options that send each step here instead (train.fast_pat
   (on_policy_rows, is_pi_old_forward);
 - the step's scalars read back from the device once per optimizer step (distributed.read_scalars).
 
-tests/test_fast_paths.py holds this step equal to train.rl_step (the same tokens, rewards and
-counts; losses, KLs and gradient norms within the measured rounding of tests/golden/tolerances.json).
+tests/test_golden.py holds this step and train.rl_step to the same golden runs (the same tokens,
+rewards and counts; losses, KLs and gradient norms within the measured rounding of
+tests/golden/tolerances.json).
 """
 
 import torch
