@@ -34,7 +34,7 @@ from evaluation import heldout
 from modeling import logprobs
 import rollout
 from data import benchmarks
-from plumbing import errors, interrupts, plots, run_dir
+from plumbing import errors, extension, interrupts, plots, run_dir
 
 # ----------------------------------------------------------------------------- training runs
 
@@ -358,6 +358,7 @@ def parse_args(argv=None):
     n = sub.add_parser("nll", help="Appendix D: query NLL vs response NLL per problem")
     heldout.add_sampling_args(n, benchmarks=["tiny-test"], out="results/nll")
     n.add_argument("--temperature", type=float, default=1.0)
+    extension.load_named(sys.argv[1:] if argv is None else argv)       # nll: a task of one's own
     args = p.parse_args(argv)
     if args.cmd == "compare" and (len(args.runs) < 2 or args.last < 1):
         fail("compare needs two or more run folders" if len(args.runs) < 2 else

@@ -47,7 +47,6 @@ from tqdm import tqdm
 
 from evaluation import heldout
 import reward
-import tasks
 from data.prompts import PromptSet, encode_prompts
 from evaluation import eval_folder
 from plumbing import distributed, errors, extension, interrupts, plots, run_dir
@@ -473,9 +472,6 @@ def parse_args(argv=None):
     is loaded or written: a value outside its meaning never reaches --out."""
     extension.load_named(sys.argv[1:] if argv is None else argv)      # a task of one's own: a --task
     args = build_parser().parse_args(argv)
-    task = tasks.get(args.task)                                          # its template and lengths
-    args.template = args.template or task.template or "plain"
-    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
     try:
         heldout.check_sampling_args(args)
     except ValueError as e:

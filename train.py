@@ -139,7 +139,7 @@ OPTIONS = [
                                                                query_reference.REFERENCES, before="cache"),
     opt("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)", resume=MAY_CHANGE),
     opt("measure_policy_kl", False,                               "keep a reference model to log Policy-KL even when the loss has none "
-                                                               "(ERPO's Table 3 Policy-KL column: true; +18 s a paper step, 7.4 -> 8.6 h)", resume=MAY_CHANGE),
+                                                               "(ERPO's Table 3 Policy-KL column: true; +24 s a paper step, 9.3 -> 11.0 h)", resume=MAY_CHANGE),
     opt("no_signal",      "skip",                              "an update batch whose every advantage is ~0 (its "
                                                                "groups' rewards all equal): skip its step (no AdamW "
                                                                "update, no weight decay, the LR schedule waits), or "

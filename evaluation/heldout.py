@@ -75,7 +75,12 @@ def looks_like_hub_id(path):
 
 def check_sampling_args(args):
     """The values of the shared flags, checked before anything is loaded or written: ValueError
-    with a one-line message (the script names itself) for the first that means nothing."""
+    with a one-line message (the script names itself) for the first that means nothing. --template
+    and --max-new-tokens not given: --task's own (Task.template, Task.max_new_tokens), where it has them."""
+    task = tasks.get(args.task)
+    args.template = args.template or task.template or "plain"
+    if args.max_new_tokens is None:
+        args.max_new_tokens = task.max_new_tokens
     for m in args.model:
         if not os.path.exists(m) and not looks_like_hub_id(m):
             raise ValueError(f"model path not found: {m}")

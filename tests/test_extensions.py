@@ -52,45 +52,15 @@ def test_live_reference_is_the_cache_recomputed(tmp_path, small_data):
         assert key in live[1] and live[1][key] >= 0
 
 
-class EmaReference(query_reference.QueryReference):
-    """A toy reference that follows the policy: an exponential moving average of each prompt's
-    log-probs under the rollout policy, started at the reference model's. State: one tensor per
-    prompt seen, saved in the checkpoint and restored on --resume."""
-    needs = frozenset({"model"})                                        # the reference model's forward
-    initial_policy = False                                              # query_kl stays on pi_0
-    loaded = []
-
-    def __init__(self):
-        self.avg = {}
-
-    def prompt_logp(self, batch):
-        rows = []
-        for g, i in enumerate(batch.prompt_idx):
-            start = batch.model_prompt[g * batch.group_size]
-            rows += [self.avg.get(i, start).to(start.device)] * batch.group_size
-        return torch.stack(rows)
-
-    def after_step(self, batch):
-        for g, i in enumerate(batch.prompt_idx):
-            now = batch.policy_prompt[g * batch.group_size].detach().cpu()
-            self.avg[i] = 0.5 * self.avg.get(i, now) + 0.5 * now
-
-    def state_dict(self):
-        return {"avg": dict(self.avg)}
-
-    def load_state_dict(self, state):
-        EmaReference.loaded.append(state)
-        self.avg = dict(state.get("avg", {}))
-
-
-def test_a_reference_registered_from_outside_trains_and_resumes(tmp_path, small_data):
+def test_a_reference_registered_from_outside_trains_and_resumes(tmp_path, small_data, outside):
     """A new Query-KL reference is a class and one row of query_reference.REFERENCES, added with the
-    pattern's one call: --qkl-ref picks it, its state goes into the checkpoint's one slot and comes
-    back on --resume, and the query_kl monitor still measures the drift from the initial policy."""
-    extension.register(query_reference.REFERENCES, "ema-test", EmaReference)
+    pattern's one call (REFERENCE below, imported from a file outside the repo): --qkl-ref picks it, its
+    state goes into the checkpoint's one slot and comes back on --resume, and the query_kl monitor
+    still measures the drift from the initial policy."""
+    EmaReference = own_module(tmp_path, "ema_module", REFERENCE).EmaReference
     try:
         out = tmp_path / "ema"
-        ms = run(out, small_data, "--algo", "erpo", "--qkl-ref", "ema-test", "--save-every", "1", steps=1)
+        ms = run(out, small_data, "--algo", "erpo", "--qkl-ref", "ema-outside", "--save-every", "1", steps=1)
         assert math.isfinite(ms[-1]["loss"])
         assert_rounding("extensions.ema_step1_query_kl", ms[-1]["query_kl"], 0.0)   # still pi_0 at step 1
         state = torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=False)
@@ -101,9 +71,9 @@ def test_a_reference_registered_from_outside_trains_and_resumes(tmp_path, small_
         assert ms[-1]["step"] == 2 and math.isfinite(ms[-1]["loss"])
         assert [set(s["avg"]) for s in EmaReference.loaded] == [set(saved["avg"])]
     finally:
-        extension.unregister(query_reference.REFERENCES, "ema-test")
+        extension.unregister(query_reference.REFERENCES, "ema-outside")
     with pytest.raises(SystemExit):                                     # unregistered: an argparse error
-        train.main(["--qkl-ref", "ema-test", "--out", str(tmp_path / "x")])
+        train.main(["--qkl-ref", "ema-outside", "--out", str(tmp_path / "x")])
 
 
 def test_a_task_registered_from_outside_scores_whole_rows(tmp_path):
@@ -544,8 +514,9 @@ from rl import query_reference
 
 class EmaReference(query_reference.QueryReference):
     doc = "an EMA of the rollout policy's prompt log-probs"
-    needs = frozenset({"model"})
-    initial_policy = False
+    needs = frozenset({"model"})                        # the reference model's forward
+    initial_policy = False                              # query_kl stays on pi_0
+    loaded = []                                         # the states --resume gave it
 
     def __init__(self):
         self.avg = {}
@@ -566,6 +537,7 @@ class EmaReference(query_reference.QueryReference):
         return {"avg": dict(self.avg)}
 
     def load_state_dict(self, state):
+        EmaReference.loaded.append(state)
         self.avg = dict(state.get("avg", {}))
 
 
