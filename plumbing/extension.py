@@ -57,18 +57,113 @@ def declare(option: str, table: dict) -> dict:
 
 def register(table: dict, name: str, row, *, replace: bool = False):
     """Add `row` to `table` under `name` -> the row. A name already there is an error unless
-    replace=True; so is an option name another row of any table already declares."""
+    replace=True; so is a row that lacks what its table reads (`malformed`), or an option name another
+    row of any declared table already declares. (The parser asks `check_rows` again once every table
+    is declared: a row registered before its table was declared is checked there.)"""
     if not isinstance(name, str) or not name:
         raise ValueError(f"an extension's name is a non-empty string, got {name!r}")
     if name in table and not replace:
         raise ValueError(f"{name!r} is already a row of this table (replace=True to replace it)")
-    mine = {opt[0] for opt in getattr(row, "OPTIONS", ())}
-    taken = {opt[0] for t in TABLES.values() for n, r in t.items() if not (t is table and n == name)
-             for opt in getattr(r, "OPTIONS", ())}
-    if mine & taken:
-        raise ValueError(f"{name!r}: options {sorted(mine & taken)} are already another row's")
+    why = malformed(table_option(table), row)
+    if why:
+        raise ValueError(f"{_row(table, name)}: {why}")
+    mine = _options_of(row)
+    for t in TABLES.values():
+        for n, r in t.items():
+            if not (t is table and n == name):
+                for opt in _options_of(r):
+                    if opt[0] in {o[0] for o in mine} and opt not in mine:
+                        raise ValueError(_both(table, name, t, n, opt[0]))
     table[name] = row
     return row
+
+
+# What a row of each table must have, beyond the optional attributes of the module docstring: the
+# table's option -> (attribute ("" = the row itself), what it is), each called or read at step 1
+REQUIRED = {
+    "adv": [("fn", "a function of losses.AdvantageInputs -> (n_groups, G) advantages")],
+    "surrogate": [("fn", "a function (logp, old_logp, advantages, mask, algo) -> losses.Surrogate"),
+                  ("stats", "the names of the statistics fn returns")],
+    "kl": [("", "a function of log r")],
+    "controllers": [("", "a class made per run as row(options, algo)"), ("is_on", "is_on(options)"),
+                    ("value", "value()"), ("after_step", "after_step(metrics)"),
+                    ("knob", "the Algo field it sets")],
+    "qkl_ref": [("build", "build(ctx) -> the reference"), ("prompt_logp", "prompt_logp(batch)")],
+    "task": [("score", "score(completion, row) -> tasks.Scored")],
+    "shaping": [("", "a function (graded, run) -> (rewards, metrics)")],
+}
+NEEDS = {"model", "prompt_ids"}                 # what a row may need from the run (module docstring)
+CALLED = {"fn", "", "is_on", "value", "after_step", "build", "prompt_logp", "score"}
+
+
+def malformed(option: str | None, row) -> str | None:
+    """What is wrong with `row` as a row of the table chosen by --`option` (None: nothing, or a table
+    not declared yet), in a few words naming the attribute."""
+    for attr, what in REQUIRED.get(option, ()):
+        value = getattr(row, attr, None) if attr else row
+        if value is None or (attr in CALLED and not callable(value)):
+            return f"it has no {attr or 'call'} ({what})" if attr else f"it is not callable ({what})"
+    if not isinstance(getattr(row, "doc", ""), str):
+        return f"its doc is {row.doc!r}, not one line of text"
+    unknown = set(getattr(row, "needs", ())) - NEEDS
+    if unknown:
+        return f"its needs {sorted(unknown)} are not among {sorted(NEEDS)}"
+    for opt in getattr(row, "OPTIONS", ()):
+        why = _bad_option(opt)
+        if why:
+            return f"its option {opt!r} {why}"
+    return None
+
+
+def _bad_option(opt) -> str | None:
+    if not isinstance(opt, (tuple, list)) or not 3 <= len(opt) <= 7:
+        return "is not a row (name, default, help[, choices])"
+    name, _default, help_ = opt[:3]
+    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
+        return "needs a lowercase name with _ (its flag: --name-with-dashes)"
+    if not isinstance(help_, str):
+        return "needs a help text (its third field)"
+    return None
+
+
+def check_rows(flags: set, script: str = "the entry script") -> str | None:
+    """Every row of every declared table as the parser meets them (one line, or None): each row
+    well formed (`malformed`), no option declared by two rows with other meanings, and none named
+    like a flag of the entry script's own (`flags`: its options' and the loss knobs' names; such a
+    row would silently read that flag: an advantage row's "lr" reads --lr)."""
+    seen = {}
+    for option, table in TABLES.items():
+        for name, row in table.items():
+            why = malformed(option, row)
+            if why:
+                return f"{_row(table, name)}: {why}"
+            for opt in _options_of(row):
+                if opt[0] in flags:
+                    return (f"{_row(table, name)}: its option {opt[0]!r} is {script}'s own "
+                            f"--{opt[0].replace('_', '-')} (the row would read that flag); rename it")
+                other = seen.setdefault(opt[0], (table, name, opt))
+                if other[2] != opt:
+                    return _both(*other[:2], table, name, opt[0])
+    return None
+
+
+def table_option(table: dict) -> str | None:
+    """The option that chooses `table`'s rows (None: not declared)."""
+    return next((option for option, t in TABLES.items() if t is table), None)
+
+
+def _row(table, name) -> str:
+    option = table_option(table)
+    return f"extension row {name!r}" + (f" of --{option.replace('_', '-')}" if option else "")
+
+
+def _both(table, name, other_table, other, option) -> str:
+    return (f"{_row(table, name)} and {_row(other_table, other)} both declare the option {option!r}, "
+            "each its own (one flag would set both); rename one of them")
+
+
+def _options_of(row) -> list:
+    return [tuple(opt) if isinstance(opt, list) else opt for opt in getattr(row, "OPTIONS", ())]
 
 
 def unregister(table: dict, name: str):

@@ -226,6 +226,9 @@ class Parsed:
 def parse(argv, table, description) -> Parsed:
     """Table default < config file < command line."""
     parser = build_parser(table, description)
+    why = extension.check_rows(own_flags(table), parser.prog)           # the rows --extensions added
+    if why:
+        parser.error(why)
     ns = parser.parse_args(argv)
     defaults = {name: default for name, default, *_ in table}
     cfg = {**defaults, **{name: None for name, *_ in algo_knobs()}}
@@ -233,7 +236,39 @@ def parse(argv, table, description) -> Parsed:
     cfg.update(from_file)
     cli = {k for k, v in vars(ns).items() if v is not None and k != "config"}
     cfg.update({k: getattr(ns, k) for k in cli})
+    for name in cli | set(from_file):
+        why = empty_value(name, cfg[name], defaults.get(name))
+        if why:
+            where = f"--{name.replace('_', '-')}" if name in cli else f"--config {ns.config}: {name}"
+            parser.error(f"{where} {why}")
     return Parsed(argparse.Namespace(**cfg), cli, set(from_file), parser, from_file, defaults, ns.config)
+
+
+# What an empty value would do without a word, by option (the rest: "give one, or leave it out")
+EMPTY = {"out": "would train into runs/<algo>", "eval_data": "would evaluate nothing (for no held-out "
+         "evaluation give --eval-every 0)"}
+
+
+def empty_value(name, value, default) -> str | None:
+    """Why an empty value is refused: "" for an option whose default is None (a path: --out,
+    --export, --plan-lengths; "" names no file, and `args.out or ...` would read it as unset), or no
+    value for a list whose default has some (--eval-data: no set at all). None: it is not empty, or
+    empty means something there (--extensions, --shaping: none; --query-cache-dir '': never share)."""
+    path = default is None and value == ""
+    nothing = isinstance(default, list) and default and value == []
+    if not (path or nothing):
+        return None
+    said = EMPTY.get(name, "names nothing")
+    shown = "''" if path else "without a value"
+    return f"{shown}: {said}; give one, or leave it out for its default"
+
+
+def own_flags(table) -> set:
+    """The names of the table's own options and the loss knobs: the rows of the extension tables
+    (which the table also holds, as the same objects) are not among them."""
+    tables = extension.TABLES.values()
+    rows = {id(opt) for t in tables for r in t.values() for opt in getattr(r, "OPTIONS", ())}
+    return {row[0] for row in table if id(row) not in rows} | {name for name, *_ in algo_knobs()} | {"config"}
 
 
 def fill(parsed: Parsed, values: dict, skip=()):
@@ -422,13 +457,19 @@ def foreign_knobs_message(src: KnobSources, knobs: set) -> str:
 
 
 def check_acts(parsed: Parsed, name: str, acts: bool, why: str, where: str | None = None):
-    """An option given on the command line with a value other than its default that cannot act is
-    an error, as an inert loss knob is (the default itself changes nothing). `where`: what it cannot
-    act under (default: the algorithm as configured)."""
+    """An option given on the command line or in the --config file with a value other than its
+    default that cannot act is an error, as an inert loss knob is (the default itself changes
+    nothing): one rule wherever the value comes from. `where`: what it cannot act under (default: the
+    algorithm as configured)."""
     value = getattr(parsed.args, name)
-    if name in parsed.cli and value != parsed.defaults.get(name) and not acts:
-        where = where or f"on --algo {parsed.args.algo} as configured"
+    if acts or value == parsed.defaults.get(name):
+        return
+    where = where or f"on --algo {parsed.args.algo} as configured"
+    if name in parsed.cli:
         parsed.error(f"--{name.replace('_', '-')} {value} cannot act {where}: {why}")
+    if name in parsed.config_keys:                      # (a key the file sets, the flag not given)
+        parsed.error(f"--config {parsed.config_path}: {name} {value} cannot act {where}: {why}; or "
+                     f"remove the key")
 
 
 def check_inert_options(parsed: Parsed, rules: dict):
@@ -442,13 +483,18 @@ def check_extension_options(parsed, algo, controllers: dict):
     rule's of `controllers`), and the chosen advantage row accepts its options (on a group of
     --group-size)."""
     args = parsed.args
-    chosen = ((losses.ADVANTAGES, [algo.adv] if algo else []),
-              (controllers, extension.switched_on(controllers, args) if algo else []))
-    for table, rows in chosen:
-        for name in extension.inert_options(table, rows, parsed.cli):
+    references = extension.TABLES.get("qkl_ref", {})                    # (rl/query_reference.py's)
+    ref = getattr(args, "qkl_ref", None)
+    chosen = ((losses.ADVANTAGES, [algo.adv] if algo else [], None),
+              (losses.SURROGATES, [algo.surrogate] if algo else [], None),
+              (references, [ref] if algo and ref else [], f"another Query-KL reference than --qkl-ref {ref}"),
+              (controllers, extension.switched_on(controllers, args) if algo else [], None))
+    for table, rows, whose in chosen:
+        for name in extension.inert_options(table, rows, parsed.cli | parsed.config_keys):
             row = extension.owner(table, name)
-            check_acts(parsed, name, False, f"it is an option of {row!r} ({table[row].doc}), which this "
-                       "run does not use")
+            doc = getattr(table[row], "doc", "")
+            of = whose or f"{row!r}{f' ({doc})' if doc else ''}, which this run does not use"
+            check_acts(parsed, name, False, f"it is an option of {of}")
     if algo is not None and getattr(losses.ADVANTAGES[algo.adv], "rewards", "any") == "binary" and \
             getattr(args, "reward", "acc") != "acc":
         parsed.error(f"--adv {algo.adv} needs 0/1 rewards: --reward acc, not {args.reward}")
@@ -459,6 +505,27 @@ def check_extension_options(parsed, algo, controllers: dict):
                                     options=own)
         except ValueError as e:
             parsed.error(f"--adv {algo.adv}: {e}")
+        if never_a_signal(algo, args.group_size, own):                  # (pass@k at k = G: no variance)
+            given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in own.items())
+            change = f"change {_flags(own)} or --group-size" if own else "choose another --adv"
+            parsed.error(f"--adv {algo.adv}{' ' + given if given else ''} at --group-size {args.group_size}: "
+                         "every group's advantages are 0 whatever its rewards, so no step would have a "
+                         f"signal and nothing would train: {change}")
+
+
+def never_a_signal(algo, group_size, own) -> bool:
+    """Whether the advantage row gives 0 to every group of 0/1 rewards, k successes for each k in
+    1..G-1 (pass@k with k = G: a group with a success passes, one without fails; no variance).
+    Every such run would end in the no-signal message, which blames equal rewards."""
+    for k in range(1, group_size):
+        rewards = torch.tensor([1.0] * k + [0.0] * (group_size - k))
+        try:
+            adv = losses.group_advantages(rewards, group_size, algo.adv, algo.adv_eps, options=own)
+        except ValueError:                                               # (a row of other rewards)
+            return False
+        if adv.abs().max() > 0:
+            return False
+    return True
 
 
 def absolute_paths(parsed: Parsed, names):
