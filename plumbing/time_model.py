@@ -10,8 +10,9 @@ every response to --max-new-tokens. The lengths (`Lengths`, `plan_lengths`):
                run's metrics.jsonl: its response_len and truncated_frac)
     prompts    as the code pads them, from a distribution of prompt lengths: the review's summary
                statistics by default (mean 144 tokens, a rank's longest of 64 prompts ~430), or a
-               histogram of the data under the template (`prompt_histogram` writes one, with the data's
-               and the tokenizer's hashes, where both are at hand; --plan-lengths reads it)
+               histogram of the data under the template (lengths_file.prompt_histogram writes one, with
+               the data's and the tokenizer's hashes, where both are at hand; --plan-lengths reads it;
+               plumbing/lengths_file.py reads every such file)
 The step's phases, per rank (the ranks run in parallel), each an expectation over those lengths
 (formulas of the distributions, no sampling; tests/test_time_model.py replays the code's own
 schedule on sampled lengths against them):
@@ -29,7 +30,6 @@ schedule on sampled lengths against them):
              reduce-scattered per micro-batch
 """
 
-import hashlib
 import json
 import math
 import os
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plumbing import batching, memory_plan
+from plumbing import batching, lengths_file, memory_plan
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,10 @@ GRID = 64                  # decode steps per segment of the modelled pass
 MAX_SEGMENTS = 2000        # more (absurd --max-new-tokens): longer segments, ages in blocks (coarser)
 AGE_BINS = 4096            # ages of a segment in at most this many blocks (exact below 4,096 tokens)
 REVIEW = os.path.join(memory_plan.ROOT, "configs", "lengths", "review_issue42.json")
+# The lengths are distributions over 0 .. --max-new-tokens, held as float64 arrays (about a dozen at
+# once: ~100 bytes a token, measured). Past this many tokens a row (no model has as many positions)
+# the model is not run: --max-new-tokens 1e9 took 22 GB and was killed by the kernel.
+MODELLED_TOKENS = 2 ** 24
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,121 +204,15 @@ def default_responses() -> Lengths:
                             f"issue #42's review central case: {r['what'].split(' (')[0]}")
 
 
-def _bad(path, why):
-    return SystemExit(f"error: --plan-lengths {path}: {why}")
-
-
-def read_lengths(path: str, limit: int) -> dict:
-    """--plan-lengths: {"response": Lengths} and/or {"prompt": Lengths} measured in `path`:
-    - an evaluate.py samples.jsonl: each sample's num_tokens (unfinished samples: cut at the limit)
-    - a run's metrics.jsonl: the mean of its steps' response_len and truncated_frac (the limit they
-      were cut at: the max_new_tokens of the config.json beside it, else `limit`), fitted as the default
-    - a JSON of time_model.prompt_histogram ({"prompt": {"histogram": ...}}) or of the default's form
-    A file this cannot read stops with a one-line error."""
-    if not os.path.isfile(path):
-        raise _bad(path, "no such file")
-    with open(path) as f:
-        text = f.read()
-    try:
-        whole = json.loads(text)
-        records = [whole]
-    except json.JSONDecodeError:
-        try:
-            records = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
-        except json.JSONDecodeError as e:
-            raise _bad(path, f"not JSON or JSONL ({e.msg}, line {e.lineno})") from None
-    if len(records) == 1 and isinstance(records[0], dict) and {"prompt", "response"} & set(records[0]):
-        return _from_spec(path, records[0])
-    if not records or not all(isinstance(r, dict) for r in records):
-        raise _bad(path, "no records (a samples.jsonl, a metrics.jsonl or a lengths JSON)")
-    if all("num_tokens" in r for r in records):
-        return {"response": _from_samples(path, records, limit)}
-    steps = [r for r in records if "response_len" in r]
-    if steps:
-        return {"response": _from_metrics(path, steps, limit)}
-    raise _bad(path, "its records have neither num_tokens (samples.jsonl) nor response_len (metrics.jsonl)")
-
-
-def _from_samples(path, records, limit) -> Lengths:
-    n = [int(r["num_tokens"]) if r.get("finished", True) else limit for r in records]
-    if min(n) < 0:
-        raise _bad(path, "a negative num_tokens")
-    pmf = np.bincount(np.minimum(n, limit), minlength=limit + 1).astype(np.float64)
-    return Lengths(pmf, f"{len(n)} samples of {path} (unfinished ones cut at the limit)", cut=True)
-
-
-def _from_metrics(path, steps, limit) -> Lengths:
-    config = os.path.join(os.path.dirname(path), "config.json")
-    at = limit
-    if os.path.isfile(config):
-        with open(config) as f:
-            at = int(json.load(f).get("max_new_tokens", limit))
-    mean = sum(float(r["response_len"]) for r in steps) / len(steps)
-    cut = sum(float(r.get("truncated_frac", 0.0)) for r in steps) / len(steps)
-    try:
-        return fitted_responses(mean, cut, at, f"{path}: {len(steps)} steps' mean {mean:.0f}, {cut:.1%} cut "
-                                f"at {at}").cut_at(limit)
-    except ValueError as e:
-        raise _bad(path, str(e).split(": ", 1)[1]) from None
-
-
-def _from_spec(path, spec) -> dict:
-    out = {}
-    try:
-        if "histogram" in spec.get("prompt", {}):
-            h = {int(k): float(v) for k, v in spec["prompt"]["histogram"].items()}
-            pmf = np.zeros(max(h) + 1)
-            pmf[list(h)] = list(h.values())
-            out["prompt"] = Lengths(pmf, f"histogram of {spec['prompt'].get('data', '?')} ({path})")
-        elif "prompt" in spec:
-            p = spec["prompt"]
-            out["prompt"] = fitted_prompts(p["mean"], p["longest"], p["longest_of"], f"{path}")
-        if "response" in spec:
-            r = spec["response"]
-            out["response"] = fitted_responses(r["mean"], r["truncated"], r["limit"], f"{path}")
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise _bad(path, f"not a lengths JSON ({type(e).__name__}: {e})") from None
-    return out
-
-
 def plan_lengths(a) -> tuple[Lengths, Lengths]:
     """(responses cut at --max-new-tokens, prompts of at most --max-prompt-len): --plan-lengths'
     where it gives them (getattr(a, "plan_lengths")), else the defaults."""
     path = getattr(a, "plan_lengths", None)
-    got = read_lengths(path, a.max_new_tokens) if path else {}
+    got = lengths_file.read_lengths(path, a.max_new_tokens) if path else {}
     resp = got.get("response") or default_responses()
     prompt = got.get("prompt") or default_prompts()
     return resp.cut_at(a.max_new_tokens), prompt.at_most(a.max_prompt_len)
 
-
-def prompt_histogram(tokenizer_dir: str, data: str, template: str, out: str, encode) -> dict:
-    """Write the histogram of the prompt lengths of `data` (a JSONL of {"problem": ...} rows) under
-    `template`, tokenized by `tokenizer_dir`'s tokenizer, with the data's and tokenizer's sha256, to
-    `out` (what --plan-lengths reads). encode: data.prompts.encode_prompts (plumbing may not import it).
-    -> what it wrote."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    with open(data) as f:
-        rows = [json.loads(ln) for ln in f if ln.strip()]
-    counts = np.bincount([len(ids) for ids in encode(tok, rows, template)])
-    files = [os.path.join(tokenizer_dir, n) for n in sorted(os.listdir(tokenizer_dir))
-             if n.startswith("tokenizer")]
-    spec = {"source": f"time_model.prompt_histogram of {data}", "prompt": {
-        "data": os.path.basename(data), "data_sha256": _sha256([data]), "template": template,
-        "tokenizer": tokenizer_dir, "tokenizer_sha256": _sha256(files), "rows": len(rows),
-        "mean": float(np.dot(np.arange(len(counts)), counts) / counts.sum()),
-        "histogram": {str(n): int(c) for n, c in enumerate(counts) if c}}}
-    with open(out, "w") as f:
-        json.dump(spec, f, indent=1)
-    return spec
-
-
-def _sha256(paths) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        with open(p, "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -526,6 +424,12 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
     """The model's table, the realistic estimate first and the worst case beside it; old_rows: the
     fraction of rows pi_old's own forward scores (the first update's rows are scored by the update's
     forward: train.on_policy_rows). Lengths: plan_lengths(a) (--plan-lengths, else the defaults)."""
+    tokens = a.max_new_tokens + a.max_prompt_len
+    if tokens > MODELLED_TOKENS:                            # (memory for the arrays, not for the run)
+        return (f"time model: not modelled: --max-prompt-len {a.max_prompt_len:,} + --max-new-tokens "
+                f"{a.max_new_tokens:,} tokens a row is more than any model's positions, and its length "
+                f"distributions would take ~{tokens * 100 / 2 ** 30:.0f} GiB of host memory (the model "
+                f"runs up to {MODELLED_TOKENS:,} tokens a row)")
     arch, gpu, given = memory_plan.arch_for(a.model), GPUS[gpu_name], a
     a = memory_plan.as_planned(memory_plan._with(a, plan_gpu=gpu_name), gpus, needs_ref)
     resp, prompt = plan_lengths(a)

@@ -13,7 +13,7 @@ import torch
 
 import train
 from data.prompts import encode_prompts
-from plumbing import batching, memory_plan, time_check, time_model
+from plumbing import batching, lengths_file, memory_plan, time_check, time_model
 from sampler import kv_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,7 +121,7 @@ def test_measured_lengths_from_samples_and_metrics(tmp_path):
     rows = [(100, True), (300, True), (2048, False), (500, True)]
     samples.write_text("".join(json.dumps({"id": i, "num_tokens": n, "finished": f}) + "\n"
                                for i, (n, f) in enumerate(rows)))
-    got = time_model.read_lengths(str(samples), 3072)["response"]
+    got = lengths_file.read_lengths(str(samples), 3072)["response"]
     assert got.truncated() == pytest.approx(0.25) and got.mean() == pytest.approx((900 + 3072) / 4)
     run = tmp_path / "run"
     run.mkdir()
@@ -129,7 +129,7 @@ def test_measured_lengths_from_samples_and_metrics(tmp_path):
     (run / "metrics.jsonl").write_text("".join(
         json.dumps({"step": s, "response_len": m, "truncated_frac": t}) + "\n"
         for s, m, t in [(1, 700, 0.04), (2, 800, 0.06)]))
-    got = time_model.read_lengths(str(run / "metrics.jsonl"), 2048)["response"]
+    got = lengths_file.read_lengths(str(run / "metrics.jsonl"), 2048)["response"]
     assert got.mean() == pytest.approx(750, abs=1) and got.truncated() == pytest.approx(0.05)
     a, _ = paper("--steps", "10")
     a.plan_lengths = str(samples)
@@ -143,11 +143,11 @@ def test_a_bad_lengths_file_is_one_line(tmp_path, text, why):
     path = tmp_path / "x.jsonl"
     path.write_text(text)
     with pytest.raises(SystemExit) as e:
-        time_model.read_lengths(str(path), 3072)
+        lengths_file.read_lengths(str(path), 3072)
     assert str(e.value).startswith(f"error: --plan-lengths {path}: ") and why in str(e.value)
     assert "\n" not in str(e.value)
     with pytest.raises(SystemExit, match="no such file"):
-        time_model.read_lengths(str(tmp_path / "missing.jsonl"), 3072)
+        lengths_file.read_lengths(str(tmp_path / "missing.jsonl"), 3072)
 
 
 def test_a_prompt_histogram_of_the_data_under_its_tokenizer(tmp_path):
@@ -157,12 +157,12 @@ def test_a_prompt_histogram_of_the_data_under_its_tokenizer(tmp_path):
     problems = ["What is 2 + 2?", "Leo owns 36 buttons and gives 19 to Zoe. How many are left?", "1 + 1?"]
     data.write_text("".join(json.dumps({"problem": p, "answer": "0"}) + "\n" for p in problems))
     out = tmp_path / "hist.json"
-    spec = time_model.prompt_histogram(TINY, str(data), "plain", str(out), encode_prompts)
+    spec = lengths_file.prompt_histogram(TINY, str(data), "plain", str(out), encode_prompts)
     from transformers import AutoTokenizer
     ids = encode_prompts(AutoTokenizer.from_pretrained(TINY), [{"problem": p} for p in problems], "plain")
     assert spec["prompt"]["histogram"] == {str(n): sum(len(i) == n for i in ids) for n in map(len, ids)}
     assert len(spec["prompt"]["data_sha256"]) == 64 and len(spec["prompt"]["tokenizer_sha256"]) == 64
-    got = time_model.read_lengths(str(out), 3072)["prompt"]
+    got = lengths_file.read_lengths(str(out), 3072)["prompt"]
     assert got.mean() == pytest.approx(np.mean([len(i) for i in ids]))
     assert "histogram of math.jsonl" in got.source
 
