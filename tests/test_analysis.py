@@ -16,7 +16,7 @@ import evaluate
 from evaluation import heldout
 from modeling import models
 import rollout
-from plumbing import plots, run_dir
+from plumbing import plots, run_dir, run_summary
 from tests.rounding import assert_rounding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,16 +127,33 @@ def test_next_lines_count_what_evaluate_would_sample(tmp_path):
         counts.append(evaluate.planned_samples(benches, args.temperatures, args.n, keys))
         assert f"{counts[-1]:,} samples" in note
     assert counts == [3 * 200 * 1 * 1, 3 * 200 * 8 * 3]
-    assert f"python analysis.py compare OTHER_RUN {out}" in text
+    assert f"  # with a run to compare: python analysis.py compare <another run folder> {out}" in text
     # the paper's protocol: evaluate.py's defaults, 492,800 samples on the tiny world (docs/evaluation.md)
     args = evaluate.parse_args(["--model", os.path.join(out, "ckpt"), "--out", str(tmp_path / "e")])
-    assert (args.n, len(args.temperatures)) == (run_dir.PAPER_N, run_dir.PAPER_TEMPERATURES)
+    assert (args.n, len(args.temperatures)) == (run_summary.PAPER_N, run_summary.PAPER_TEMPERATURES)
     benches = evaluate.load_benchmarks(args.benchmarks, None, None)
     full = evaluate.planned_samples(benches, args.temperatures, args.n, ["m"])
     assert full == 492_800
-    assert f"{run_dir.PAPER_N} samples x {run_dir.PAPER_TEMPERATURES} temperatures" in text
+    assert f"{run_summary.PAPER_N} samples x {run_summary.PAPER_TEMPERATURES} temperatures" in text
     with open(os.path.join(ROOT, "docs", "evaluation.md")) as f:
         assert "492,800" in f.read()
+
+
+def test_the_next_compare_line_works_as_pasted(tmp_path, capsys):
+    """`next:`'s comparison names a run beside this one (runs/grpo beside runs/erpo) and then works
+    as pasted; with none, it is a comment whose placeholder is plainly one (`compare OTHER_RUN`
+    failed as pasted)."""
+    rows = [{"step": 0, "eval_acc": 0.3, "eval_acc/tiny-test": 0.3}, {"step": 1, "query_kl": 0.0, "entropy": 0.1}]
+    erpo = write_run(tmp_path / "runs" / "erpo", rows)
+    line = run_summary.compare_command(erpo)
+    assert line.strip().startswith("# with a run to compare: python analysis.py compare <another run folder> ")
+    (tmp_path / "runs" / "notes").mkdir()                               # a folder of the user's: not a run
+    grpo = write_run(tmp_path / "runs" / "grpo", rows)
+    line = run_summary.compare_command(erpo)
+    cmd = line.split("#")[0].split()
+    assert cmd == ["python", "analysis.py", "compare", grpo, erpo]
+    analysis.main(cmd[2:])
+    assert "verdict: erpo - grpo" in capsys.readouterr().out
 
 
 def test_query_response_nll_matches_separate_forwards():
