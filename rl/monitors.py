@@ -216,13 +216,10 @@ class HeldoutQueryKL:
         what = "held-out: " + ",".join(map(str, evalsets))             # (meta's "data": the sets' names)
         meta = query_reference.cache_meta(a.model, what, a.template, a.temperature, ids, weights=None,
                                           numerics=numerics, batch=a.micro_batch)
-        if resuming and not os.path.exists(path):
-            print0(f"held-out Query-KL: not measured ({path} is missing: the run began before it existed)")
-            return None
         if resuming:
             try:
-                cache = query_reference.resumed(path, meta, a, d, ids, pad)
-            except SystemExit as e:
+                cache = cls.resumed(run, path, meta, ids, pad)
+            except SystemExit as e:                                     # (the true reason, in one line)
                 print0(f"held-out Query-KL: not measured ({str(e.code).removeprefix('error: ')})")
                 return None
         else:
@@ -232,6 +229,37 @@ class HeldoutQueryKL:
         sets = {name: len(ps) for name, ps in evalsets.items()}
         data = (run.data.ids, run.cache.logp) if run.cache is not None else (None, None)
         return cls(sets, ids, cache.logp, *data)
+
+    @classmethod
+    def resumed(cls, run, path, meta, ids, pad) -> "query_reference.QueryCache":
+        """On --resume: the run folder's held-out cache; where it has none (evaluation was off when
+        the run began, or the run is older than the file) or an unreadable one, the same built from
+        the initial model (--model), as a fresh run builds it, said in one line. The held-out prompts
+        are not the training cache's, so the checkpoint's record of that cache cannot rebuild this one
+        (it said "built with other settings"). SystemExit (one line): the initial model does not load,
+        or no longer has the weights the run began from (the training cache's record says)."""
+        a, d = run.args, run.dist
+        why = "missing" if not os.path.exists(path) else None
+        if why is None:
+            try:
+                torch.load(path)
+            except Exception as e:      # empty or cut: torch raises anything, EOFError to RuntimeError
+                why = f"unreadable ({type(e).__name__})"
+        if why is None:
+            return query_reference.resumed(path, meta, a, d, ids, pad)  # (its prompts and settings checked)
+
+        def refuse(reason):
+            raise SystemExit(f"{path} is {why} and cannot be built from the initial model: {reason}")
+        initial = query_reference.initial_policy(a, d, refuse)
+        meta["weights"] = query_reference.weights_fingerprint(initial)
+        began = run.cache.meta.get("weights") if run.cache is not None else None   # (the training cache's)
+        if began and began != meta["weights"]:
+            refuse(f"{a.model} no longer has the weights the run began from")
+        cache = query_reference.load_or_build(path, meta, initial, ids, pad, a.temperature, d.device,
+                                              a.query_cache_dir)
+        del initial
+        print0(f"held-out Query-KL: {path} was {why}: built it from the initial model {a.model}")
+        return cache
 
     def trained_sample(self, run, steps: int) -> list[int]:
         """Training-set indices of the trained prompts an evaluation after `steps` RL steps scores."""
