@@ -1641,8 +1641,136 @@ ISSUE50 = [
          malformed_metrics, uses_base=True),
 ]
 
+# Issue #50's findings (part 2): one rule for an option from a flag, a --config file or an extension
+# row; rows checked when loaded; empty values, absurd lengths, --plan-lengths files, the held-out
+# Query-KL on --resume, pass@G, and the `next:` comparison as pasted
+
+GRPO_ROW = "losses.AdvantageRow(losses.grpo_advantages, 'grpo, of my own'{extra})"   # + attributes
+
+
+def extension_module(name, *rows):
+    """A set-up: {c}/<name>.py, an --extensions module registering advantage rows: (name, the row's code)."""
+    lines = ["import losses", "from plumbing import extension"]
+    lines += [f"extension.register(losses.ADVANTAGES, {n!r}, {row})" for n, row in rows]
+    return write_text(f"{name}.py", "\n".join(lines) + "\n")
+
+
+def ran_as_pasted(env) -> str | None:
+    """The `next:` comparison the run printed, run as pasted (from the repository, as the runs are)."""
+    line = next((ln for ln in env.last.out.splitlines() if "python analysis.py compare" in ln), "")
+    argv = line.split("#")[0].split()[2:]
+    if not argv or line.strip().startswith("#"):
+        return f"no command to paste: {line.strip()[:120]!r}"
+    p = env.run("analysis.py", argv)
+    return None if p.code == 0 and "verdict:" in p.out else f"as pasted: exit {p.code}: {p.last_err_line()[:120]}"
+
+
+def beside_base(env):
+    """{c}/runs/grpo: a copy of the shared run, beside the run the case trains ({c}/runs/erpo)."""
+    (env.dir / "runs").mkdir()
+    shutil.copytree(env.sweep.base, env.dir / "runs" / "grpo", symlinks=True)
+
+
+HISTOGRAM = '{"prompt": {"histogram": {"20": 5, "30": -3}}}'
+
+
+def heldout_measured(steps) -> Check:
+    """eval_query_kl logged, finite and >= 0, at each of `steps`."""
+    def check(env):
+        got = {m["step"]: m.get("eval_query_kl") for m in metrics(env.dir / "run") if m.get("step") in steps}
+        ok = set(got) == set(steps) and all(isinstance(v, float) and v >= 0 for v in got.values())
+        return None if ok else f"eval_query_kl at steps {got}, expected a value at {list(steps)}"
+    return check
+
+
+ISSUE50_MORE = [
+    Case("config-lora-alpha-no-rank", "train.py", "lora_alpha in a --config without lora_rank: refused as the "
+         "flag is (it was accepted and did nothing)",
+         ["--config", "{c}/c.json", *train("{c}/run", 1)],
+         Refused("--config {c}/c.json: lora_alpha 32.0 cannot act without --lora-rank", absent=("run",)),
+         write_text("c.json", '{"lora_alpha": 32}')),
+    Case("config-qkl-ref-decay-cache", "train.py", "qkl_ref_decay in a --config under the cache reference: "
+         "refused as the flag is",
+         ["--config", "{c}/c.json", *train("{c}/run", 1)],
+         Refused("qkl_ref_decay 0.5 cannot act", absent=("run",)),
+         write_text("c.json", '{"qkl_ref_decay": 0.5}')),
+    Case("config-entropy-delta-no-target", "train.py", "entropy_coef_delta in a --config without a target: "
+         "refused as the flag is",
+         ["--config", "{c}/c.json", *train("{c}/run", 1)],
+         Refused("entropy_coef_delta 0.01 cannot act", absent=("run",)),
+         write_text("c.json", '{"entropy_coef_delta": 0.01}')),
+    Case("extension-option-lr", "train.py", "an extension row's option named lr (it silently read --lr): "
+         "refused, naming the row and the flag",
+         ["--extensions", "{c}/mine.py", "--adv", "mine", *train("{c}/run", 1)],
+         Refused("extension row 'mine' of --adv: its option 'lr' is train.py's own --lr", absent=("run",)),
+         extension_module("mine", ("mine", GRPO_ROW.format(extra=", OPTIONS=(('lr', 0.5, 'its own lr'),)")))),
+    Case("extension-options-clash", "train.py", "two rows declaring one option, each its own: refused, "
+         "naming both",
+         ["--extensions", "{c}/mine.py", *train("{c}/run", 1)],
+         Refused("extension row 'b' of --adv and extension row 'a' of --adv both declare the option 'my_k'",
+                 absent=("run",)),
+         extension_module("mine", ("a", GRPO_ROW.format(extra=", OPTIONS=(('my_k', 1, 'a'),)")),
+                          ("b", GRPO_ROW.format(extra=", OPTIONS=(('my_k', 2, 'b'),)")))),
+    Case("extension-row-no-fn", "train.py", "an advantage row without its function (a traceback at step 1): "
+         "refused when loaded, naming the row",
+         ["--extensions", "{c}/mine.py", "--adv", "mine", *train("{c}/run", 1)],
+         Refused("extension row 'mine' of --adv: it has no fn", absent=("run",)),
+         extension_module("mine", ("mine", "type('Row', (), {'doc': 'no function'})()"))),
+    Case("extension-option-malformed", "train.py", "a row's option that is not (name, default, help): refused "
+         "when loaded, naming the row",
+         ["--extensions", "{c}/mine.py", "--adv", "mine", *train("{c}/run", 1)],
+         Refused("extension row 'mine' of --adv: its option ('my-k', 1) is not a row", absent=("run",)),
+         extension_module("mine", ("mine", GRPO_ROW.format(extra=", OPTIONS=(('my-k', 1),)")))),
+    Case("plan-lengths-negative-count", "train.py", "--plan-lengths a histogram with a negative count (planned "
+         "from): refused",
+         ["--dry-run", "--plan-lengths", "{c}/h.json"],
+         Refused("its prompt histogram counts -3 prompts of 30 tokens"),
+         write_text("h.json", HISTOGRAM)),
+    Case("plan-lengths-all-zero", "train.py", "--plan-lengths a histogram of zero counts (nan): refused",
+         ["--dry-run", "--plan-lengths", "{c}/h.json"],
+         Refused("its prompt histogram counts no prompt"),
+         write_text("h.json", '{"prompt": {"histogram": {"20": 0}}}')),
+    Case("plan-lengths-run-metrics", "train.py", "--plan-lengths the tiny world's run's metrics.jsonl (every "
+         "row cut: refused before): planned from",
+         ["--dry-run", "--plan-lengths", "{c}/run/metrics.jsonl"],
+         Works("4 steps' mean 24, 100.0% cut at 24, as two points", said(r"plan: peak_gib_per_gpu=")),
+         copy_base, uses_base=True),
+    Case("out-empty", "train.py", "--out '' (trained into runs/<algo>): refused",
+         [*SMALL, "--out", "", "--steps", "1"],
+         Refused("--out '': would train into runs/<algo>")),
+    Case("eval-data-no-value", "train.py", "--eval-data with no value (evaluated nothing without a word): "
+         "refused",
+         train("{c}/run", 1, "--eval-data"),
+         Refused("--eval-data without a value: would evaluate nothing", absent=("run",))),
+    Case("dry-run-length-1e9", "train.py", "--dry-run --max-new-tokens 1e9 (22 GB of arrays, killed): the "
+         "time model says it does not model it, the plan is printed",
+         ["--dry-run", "--max-new-tokens", "1000000000"],
+         Works("time model: not modelled: --max-prompt-len 128 + --max-new-tokens 1,000,000,000",
+               said(r"plan: peak_gib_per_gpu="))),
+    Case("resume-heldout-eval-later", "train.py", "--resume of a run without heldout_query_cache.pt (evaluation "
+         "off at its start): held-out Query-KL measured, from the initial model",
+         ["--out", "{c}/run", "--resume", "--steps", "6"],
+         Works("heldout_query_cache.pt was missing: built it from the initial model",
+               all_of(steps_are(range(7)), heldout_measured([6]))),
+         both(copy_base, remove("run/heldout_query_cache.pt")), uses_base=True),
+    Case("resume-heldout-cache-cut", "train.py", "--resume with a cut heldout_query_cache.pt ('built with other "
+         "settings'): rebuilt from the initial model, measured",
+         ["--out", "{c}/run", "--resume", "--steps", "6"],
+         Works("heldout_query_cache.pt was unreadable", all_of(steps_are(range(7)), heldout_measured([6]))),
+         both(copy_base, truncate("run/heldout_query_cache.pt")), uses_base=True),
+    Case("passk-k-is-group-size", "train.py", "--adv passk --passk-k = --group-size (pass@G: no variance, no "
+         "step; the message blamed equal rewards): refused",
+         train("{c}/run", 1, "--adv", "passk", "--passk-k", "4"),
+         Refused("--adv passk --passk-k 4 at --group-size 4: every group's advantages are 0", absent=("run",))),
+    Case("next-compare-as-pasted", "train.py", "the `next:` comparison names the run beside it and works as "
+         "pasted (compare OTHER_RUN failed)",
+         train("{c}/runs/erpo", 1, *ONE_STEP),
+         Works("python analysis.py compare {c}/runs/grpo {c}/runs/erpo", ran_as_pasted),
+         beside_base, uses_base=True),
+]
+
 CASES = (ISSUE_TRAIN + ISSUE_EVALUATE + ISSUE_ANALYSIS + OWN + FUZZ_EVALUATE + FUZZ_TRAIN + ISSUE40_OPTIONS
-         + FUZZ40 + ISSUE50)
+         + FUZZ40 + ISSUE50 + ISSUE50_MORE)
 
 
 # ----------------------------------------------------------------------------------------------
