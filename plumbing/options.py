@@ -20,6 +20,7 @@ import torch
 
 import losses
 from plumbing import errors, extension
+from plumbing.distributed import print0
 
 
 def parse_bool(s):
@@ -307,9 +308,20 @@ def make_algo(parsed: Parsed):
                      "(--algo dapo, or --dynamic-sampling)")
     if hasattr(args, "qkl_ref"):
         check_acts(parsed, "qkl_ref", algo.alpha > 0, "alpha=0, no Query-KL term takes a reference (the "
-                   "query_kl monitor measures the drift from the initial policy either way)")
+                   "query_kl monitor measures the drift from the initial policy either way)",
+                   acts_in_the_file=_file_alpha(parsed) > 0)
     return algo
 
+
+
+def _file_alpha(parsed: Parsed) -> float:
+    """The Query-KL coefficient the --config file's own settings give: its alpha, else its
+    algorithm's (0 without one)."""
+    alpha = parsed.config.get("alpha")
+    if alpha is None:
+        row = losses.ALGOS.get(parsed.config.get("algo"))
+        alpha = row.alpha if row else 0.0
+    return alpha
 
 # ----------------------------------------------------------------------------------------------
 # Which loss knobs apply: the command line's, the algorithm's row, and a --config file's
@@ -456,20 +468,26 @@ def foreign_knobs_message(src: KnobSources, knobs: set) -> str:
             f"--algo {src.algo}): {each}; they apply only to the config's own algorithm: " + "; ".join(how))
 
 
-def check_acts(parsed: Parsed, name: str, acts: bool, why: str, where: str | None = None):
+def check_acts(parsed: Parsed, name: str, acts: bool, why: str, where: str | None = None,
+               acts_in_the_file: bool = False):
     """An option given on the command line or in the --config file with a value other than its
     default that cannot act is an error, as an inert loss knob is (the default itself changes
     nothing): one rule wherever the value comes from. `where`: what it cannot act under (default: the
-    algorithm as configured)."""
+    algorithm as configured). acts_in_the_file: the key acts under the file's own settings, and what
+    the command line changed (e.g. --algo grpo over a config of ERPO's) leaves it idle: the file is
+    not wrong, so that is said in one line, not refused (a shipped config stays usable as a base)."""
     value = getattr(parsed.args, name)
     if acts or value == parsed.defaults.get(name):
         return
     where = where or f"on --algo {parsed.args.algo} as configured"
     if name in parsed.cli:
         parsed.error(f"--{name.replace('_', '-')} {value} cannot act {where}: {why}")
-    if name in parsed.config_keys:                      # (a key the file sets, the flag not given)
-        parsed.error(f"--config {parsed.config_path}: {name} {value} cannot act {where}: {why}; or "
-                     f"remove the key")
+    if name in parsed.config_keys and acts_in_the_file:
+        print0(f"note: --config {parsed.config_path}: {name} {value} does not act {where}, as the command "
+              f"line sets it: {why}")
+    elif name in parsed.config_keys:                    # (a key the file sets, the flag not given)
+        parsed.error(f"--config {parsed.config_path}: {name} {value} cannot act {where}: {why}; give "
+                     f"--{name.replace('_', '-')} {parsed.defaults.get(name)} or remove the key")
 
 
 def check_inert_options(parsed: Parsed, rules: dict):

@@ -20,7 +20,7 @@ import shutil
 import socket
 
 import losses
-from plumbing import checkpoints, distributed, faults, options, run_summary
+from plumbing import checkpoints, distributed, faults, options
 
 
 def write_config(out, cfg: dict):
@@ -512,13 +512,3 @@ def drop_partial_line(path):
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
-
-
-# ----------------------------------------------------------------------------------------------
-# The end of a run
-
-
-def summary(out, wall_s, eval_sets=(), template="plain", save_every=1) -> str:
-    """The end of a run's output: what changed, where things are, what to run next
-    (plumbing/run_summary.py)."""
-    return run_summary.summary(out, wall_s, eval_sets, template, save_every)

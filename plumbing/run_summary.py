@@ -1,4 +1,4 @@
-"""What a run prints at its end (run_dir.summary): held-out accuracy first -> last per set, the final
+"""What a run prints at its end (`summary`, train.py): held-out accuracy first -> last per set, the final
 KLs and entropy, where the run folder and checkpoint are, and the `next:` commands -- each one that
 works as pasted (the plots, a comparison with a run beside this one, evaluations sized like the run),
 or, where it needs a folder only the user knows, a comment that says so.

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from plumbing import distributed, memory_plan
-from plumbing.time_model import GPUS, Lengths, _point, fitted_responses, plan_lengths, slots_for, step_terms
+from plumbing.lengths_file import Lengths, _point, fitted_responses
+from plumbing.time_model import GPUS, plan_lengths, slots_for, step_terms
 
 CHECK_STEPS = 3                 # the run's first steps it reads: step 1 warms up, steps 2..3 are measured
 # The model's phases against the run's timer (rl/experience.py, train.rl_step): the sampler's time_gen

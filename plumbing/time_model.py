@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plumbing import batching, lengths_file, memory_plan
+from plumbing.lengths_file import Lengths, fitted_prompts, fitted_responses, fixed
 
 
 @dataclass(frozen=True)
@@ -76,108 +77,6 @@ REVIEW = os.path.join(memory_plan.ROOT, "configs", "lengths", "review_issue42.js
 # once: ~100 bytes a token, measured). Past this many tokens a row (no model has as many positions)
 # the model is not run: --max-new-tokens 1e9 took 22 GB and was killed by the kernel.
 MODELLED_TOKENS = 2 ** 24
-
-
-# ----------------------------------------------------------------------------------------------
-# Length distributions
-
-class Lengths:
-    """A distribution of token counts: pmf[x] = P(length = x), x = 0 .. len(pmf) - 1; `source` says
-    where it comes from (printed beside the estimate)."""
-
-    def __init__(self, pmf, source: str, cut=False):
-        pmf = np.asarray(pmf, dtype=np.float64)
-        self.pmf, self.source = pmf / pmf.sum(), source
-        self.cut = cut                  # the last length's rows were cut there: under a higher limit
-        #                                 they run to it (the pessimistic guess)
-        self.cdf = np.minimum(np.cumsum(self.pmf), 1.0)
-
-    def mean(self) -> float:
-        return float(np.dot(np.arange(len(self.pmf)), self.pmf))
-
-    def sf(self) -> np.ndarray:
-        """P(length > x), x = 0 .. len - 1."""
-        return np.maximum(1.0 - self.cdf, 0.0)
-
-    def expected_max(self, k: float) -> float:
-        """E[the longest of k independent draws] (k may be fractional: an expected count)."""
-        return float(np.sum(1.0 - self.cdf[:-1] ** k)) if k > 0 else 0.0
-
-    def top(self, u: float) -> int:
-        """The length exceeded by a fraction u of draws: the smallest x with P(length > x) <= u."""
-        return int(np.argmax(self.sf() <= u + 1e-12))
-
-    def at_most(self, limit: int, source=None) -> "Lengths":
-        """Conditioned on <= limit (longer prompts are dropped: data.prompts.load_prompt_set)."""
-        pmf = self.pmf[:limit + 1]
-        return Lengths(pmf if pmf.sum() > 0 else _point(limit), source or self.source)
-
-    def cut_at(self, limit: int) -> "Lengths":
-        """Responses under a limit: every length >= limit becomes the limit (a row cut there)."""
-        pmf = np.zeros(limit + 1)
-        n = min(limit, len(self.pmf) - 1 if self.cut else len(self.pmf))
-        pmf[:n] = self.pmf[:n]
-        pmf[limit] += self.pmf[n:].sum()
-        return Lengths(pmf, self.source, cut=True)
-
-    def truncated(self) -> float:
-        return float(self.pmf[-1])
-
-
-def _point(n: int) -> np.ndarray:
-    """The pmf of the length n, always (a vector of n + 1: not np.eye's (n + 1)^2 at absurd sizes)."""
-    pmf = np.zeros(n + 1)
-    pmf[n] = 1.0
-    return pmf
-
-
-def fixed(n: int, source: str) -> Lengths:
-    return Lengths(_point(n), source)
-
-
-def _gamma2(theta: float, limit: int) -> np.ndarray:
-    """pmf over 0 .. limit - 1 of a gamma of shape 2 (a skewed, long-tailed length) below the limit."""
-    x = np.arange(limit, dtype=np.float64)
-    f = x * np.exp(-x / theta)
-    return f / f.sum()
-
-
-def fitted_responses(mean: float, truncated: float, limit: int, source: str) -> Lengths:
-    """The responses of a stated mean and fraction cut at `limit`: that fraction at the limit, the
-    rest a gamma of shape 2 below it, its scale set so the mean is `mean`. A limit other than the
-    one measured: cut rows run to the new limit (pessimistic), longer ones are cut at it."""
-    below = (mean - truncated * limit) / max(1e-9, 1 - truncated)
-    x = np.arange(limit, dtype=np.float64)
-    if not 1 <= below < 0.66 * limit or truncated >= 1:
-        raise ValueError(f"{source}: a mean of {mean:g} tokens with {truncated:.1%} cut at {limit} "
-                         "fits no length distribution")
-    lo, hi = 1e-3, 1e7
-    for _ in range(100):                                       # the scale: bisection on the mean
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if np.dot(x, _gamma2(mid, limit)) < below else (lo, mid)
-    pmf = np.append(_gamma2(lo, limit) * (1 - truncated), truncated)
-    return Lengths(pmf, source, cut=True)
-
-
-def _lognormal(mu: float, sigma: float, n: int) -> np.ndarray:
-    x = np.arange(1, n, dtype=np.float64)
-    return np.concatenate([[0.0], np.exp(-(np.log(x) - mu) ** 2 / (2 * sigma ** 2)) / x])
-
-
-def fitted_prompts(mean: float, longest: float, of: int, source: str, n=8192) -> Lengths:
-    """Prompt lengths from two summary statistics: a log-normal of this mean whose longest of `of`
-    draws is `longest` on average."""
-    def with_mean(sigma):
-        lo, hi = -5.0, 12.0
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if Lengths(_lognormal(mid, sigma, n), "").mean() < mean else (lo, mid)
-        return Lengths(_lognormal(lo, sigma, n), source)
-    lo, hi = 0.01, 3.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if with_mean(mid).expected_max(of) < longest else (lo, mid)
-    return with_mean(lo)
 
 
 def _review():

@@ -116,7 +116,7 @@ def test_next_lines_count_what_evaluate_would_sample(tmp_path):
                                        {"step": 1, "query_kl": 0.0, "entropy": 0.1}], eval_data=sets)
     os.makedirs(os.path.join(out, "ckpt"))
     open(os.path.join(out, "ckpt", "state.pt"), "w").close()
-    text = run_dir.summary(out, 60, sets, "plain")
+    text = run_summary.summary(out, 60, sets, "plain")
     cmds = [line.split("#") for line in text.splitlines() if line.strip().startswith("python evaluate.py")]
     assert len(cmds) == 2 and "quick" in cmds[0][1] and "sized like the run" in cmds[1][1]
     counts = []
