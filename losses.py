@@ -84,20 +84,25 @@ def policy_kl(logp, ref_logp, kind="k3", clamp=None, old_logp=None):
     tokens' log-probs under pi_theta / pi_ref; the same shape back.
     clamp: None, or c > 0 to bound k3 to [-c, c] (EasyR1's low_var_kl and the released code: 10), its
     log r then bounded to [-20, 20] so exp() cannot overflow. Only k3 is clamped (method.md §10).
-    k3-ratio = (pi_theta / pi_old) * k3 on pi_old's tokens (old_logp): DeepSeek-V3.2's bias correction
-    (arXiv:2512.02556, Eq. 7), TRL's use_bias_correction_kl; the ratio is not detached, so its expected
-    gradient is grad KL(pi_theta||pi_ref) (method.md §8.1)."""
+    kind "k3-ratio": k3_ratio_kl, which also reads old_logp (pi_old's log-probs of the tokens)."""
     if kind == "k3-ratio":
-        if old_logp is None:
-            raise ValueError("policy_kl kind 'k3-ratio' needs old_logp (pi_old's log-probs of the tokens)")
-        ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))           # pi_theta / pi_old, with grad
-        return ratio * policy_kl(logp, ref_logp, "k3", clamp)
+        return k3_ratio_kl(logp, ref_logp, old_logp, clamp)
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"policy_kl kind must be one of {tuple(POLICY_KL_KINDS)}, got {kind!r}")
     log_r = ref_logp - logp
     if kind != "k3" or clamp is None:
         return KL_ESTIMATORS[kind](log_r)
     return k3(log_r.clamp(-20.0, 20.0)).clamp(-clamp, clamp)
+
+
+def k3_ratio_kl(logp, ref_logp, old_logp, clamp=None):
+    """(pi_theta / pi_old) * k3 per token, on pi_old's tokens: DeepSeek-V3.2's bias correction
+    (arXiv:2512.02556, Eq. 7), TRL's use_bias_correction_kl; the ratio is not detached, so its expected
+    gradient is grad KL(pi_theta||pi_ref) (method.md §8.1)."""
+    if old_logp is None:
+        raise ValueError("policy_kl kind 'k3-ratio' needs old_logp (pi_old's log-probs of the tokens)")
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))           # pi_theta / pi_old, with grad
+    return ratio * policy_kl(logp, ref_logp, "k3", clamp)
 
 
 def query_kl(logp, ref_logp, mask, kind="k3", clamp=K3_CLAMP):
@@ -272,11 +277,9 @@ def batch_moments(x, valid=None, reduce=None):
 
 
 def nonconstant_groups(rewards, group_size):
-    """(B,) -> (n_groups,) bool: True for groups whose rewards are not all equal.
-
-    DAPO's dynamic sampling keeps only these (an all-equal group has zero advantage everywhere and
-    contributes no gradient, only dilutes the token-mean).
-    """
+    """(B,) -> (n_groups,) bool: True for groups whose rewards are not all equal. DAPO's dynamic
+    sampling keeps only these (an all-equal group has zero advantage everywhere and contributes no
+    gradient, only dilutes the token-mean)."""
     r = _groups(rewards, group_size)
     return (r != r[:, :1]).any(dim=1)
 
@@ -360,16 +363,14 @@ def aggregate(values, mask=None, mode="token-mean", num_tokens=None, num_seqs=No
 # §8.3 writes out the equations. Conventions as above; advantages (B,) or (B, T).
 
 def ppo_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.0):
-    """PPO clipped surrogate, per token.
-
-    logp, old_logp: (B, T); advantages: (B,) (broadcast over tokens) or (B, T).
+    """PPO clipped surrogate, per token. logp, old_logp: (B, T); advantages: (B,) (broadcast over
+    tokens) or (B, T).
       r = pi_theta / pi_old = exp(logp - old_logp)
       loss_t = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)              (clip-higher when eps_high > eps_low)
       A < 0 and dual_clip=c: loss_t = min(loss_t, c*|A|)                 (dual-clip: bounds the loss of
                              a huge ratio on a bad token; c > 1, None disables)
     Returns (loss_tok (B, T), clipped (B, T) bool): clipped marks tokens where a clip was active,
-    i.e. whose gradient was cut to zero; its masked mean is the usual "clip fraction".
-    """
+    i.e. whose gradient was cut to zero; its masked mean is the usual "clip fraction"."""
     if advantages.dim() == logp.dim() - 1:
         advantages = advantages.unsqueeze(-1)
     # the log-ratio is bounded only to keep exp() finite; any clip decision is made far inside it

@@ -18,7 +18,7 @@ from data.benchmarks import DataError, load_benchmark
 from data.prompts import build_prompt
 from evaluation.heldout import heldout_at_temperatures
 from plumbing import checkpoints, distributed, optimizer
-from plumbing.batching import step_indices
+from rl.experience import step_indices
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tinymath")
 OPTIONS = [  # train.py's options table ends with these (same columns)

@@ -10,6 +10,8 @@ advantages (x query weights) -> PPO updates over micro-batches -> log. What dist
 algorithms is a row of `losses.ALGOS`; every loss term is in `losses.py` (equations: docs/method.md).
 """
 
+import functools
+import math
 import os
 import random
 import sys
@@ -30,11 +32,11 @@ try:                                       # Ctrl-C during these imports: one li
     import tasks
     from evaluation.heldout import check_fits
     from plumbing import (batching, checkpoints, distributed, errors, faults, interrupts, memory_plan,
-                          extension, optimizer, options, run_dir, time_check, time_model)
+                          extension, optimizer, options, run_dir, run_summary, time_check, time_model)
     from plumbing.distributed import all_sums, print0
     from plumbing.options import HOW_IT_RUNS, MAY_CHANGE, NEW, opt
     from rl import controllers, monitors, run_setup, scale_step
-    from rl.run_setup import Run, needs_reference_model, old_rows, setup_rl
+    from rl.run_setup import needs_reference_model, old_rows, setup_rl
 except KeyboardInterrupt:
     os.write(2, b"interrupted (SIGINT): stopped while starting, nothing written\n")
     raise SystemExit(130) from None
@@ -59,6 +61,7 @@ _DECAYS = (lambda a: a.lr_schedule != "constant", "under --lr-schedule constant"
            "the LR does not decay (give --lr-schedule linear or cosine)")
 _LORA = (lambda a: a.lora_rank > 0, "without --lora-rank",
          "the run fine-tunes every weight, no adapters (give --lora-rank r)")
+LR_SCHEDULES = ("constant", "linear", "cosine")                      # --lr-schedule: lr_factor
 OPTIONS = [
     # name                default                              help [, choices or a range]
     opt("algo",           "erpo",                              "sft, or a row of losses.ALGOS", ["sft", *losses.ALGOS]),
@@ -96,7 +99,7 @@ OPTIONS = [
     opt("weight_decay",   0.01,                                "AdamW weight decay", ">=0", resume=MAY_CHANGE),
     opt("warmup",         0,                                   "linear warm-up, in optimizer steps", ">=0", resume=MAY_CHANGE),
     opt("lr_schedule",    "constant",                          "the LR after warm-up: constant, or decayed to --lr-floor "
-                                                               "(plumbing/optimizer.py)", list(optimizer.SCHEDULES), before="constant"),
+                                                               "(lr_factor)", list(LR_SCHEDULES), before="constant"),
     opt("lr_floor",       0.0,                                 "a decaying schedule's final LR, as a fraction of --lr", "[0,1]", acts=_DECAYS),
     opt("lr_decay_steps", 0,                                   "RL steps over which the LR decays (0: --steps, which it "
                                                                "follows when --resume changes --steps)", ">=0", acts=_DECAYS, resume=MAY_CHANGE),
@@ -248,7 +251,7 @@ def score_old(run, packed) -> experience.OldScores:
     def cat(parts, field):
         return None if parts is None else torch.cat([getattr(p, field) for p in parts])
     return experience.OldScores(cat(mine, "response"), cat(mine, "prompt"), cat(mine, "entropy"),
-                                cat(ref, "response"), cat(ref, "prompt"), fresh=slice(0, 0))
+                                cat(ref, "response"), cat(ref, "prompt"))
 
 
 def query_weights(run, prompt_idx, prompt_logp, prompt_mask, valid):
@@ -261,13 +264,9 @@ def query_weights(run, prompt_idx, prompt_logp, prompt_mask, valid):
                                  clip=algo.weight_clip)
         return w.repeat_interleave(G).to(valid.device)
     if algo.weights == "code":
-        return experience.code_query_weights(prompt_logp, prompt_mask, valid, update_batches(run, len(valid)))
+        rows = experience.update_batches(len(valid), run.args, run.dist.world)
+        return experience.code_query_weights(prompt_logp, prompt_mask, valid, rows)
     return None
-
-
-def update_batches(run, rows: int) -> list[slice]:
-    """This rank's rows of each optimizer step: --update-batch prompts (global) x G responses."""
-    return batching.update_batches(rows, run.args.update_batch // run.dist.world * run.args.group_size)
 
 
 def ppo_update(run, batch: experience.UpdateBatch, signal) -> dict:
@@ -277,20 +276,22 @@ def ppo_update(run, batch: experience.UpdateBatch, signal) -> dict:
     ranks), so any micro-batch size and world size give the gradient of one big batch."""
     applied, skipped, no_signal, lr = [], 0, 0, run.opt.param_groups[0]["lr"]   # (the step's first lr)
     for _epoch in range(run.args.ppo_epochs):
-        for rows in update_batches(run, len(batch.valid)):
+        for rows in experience.update_batches(len(batch.valid), run.args, run.dist.world):
             n = all_sums({"tokens": batch.resp_mask[rows], "seqs": batch.valid[rows],
                           "signal": signal[rows].float() * batch.valid[rows]})
             if n["seqs"] == 0 or (n["signal"] == 0 and run.args.no_signal == "skip"):  # no signal (§8.6):
                 no_signal += 1                                           # AdamW would still move every
                 continue                                                 # weight by ~lr
             stats = accumulate_gradient(run, batch, rows, max(1.0, n["tokens"]), n["seqs"])
-            norm = optimizer.clip_grad(run.policy, run.args.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), run.args.grad_clip or math.inf)
             host = distributed.read_scalars({**stats, "grad_norm": norm}, finite=("loss", "grad_norm"))
             if host is None:                                             # not finite on some rank: not
                 run.guard.bad_step(run.opt, run.sched)                   # applied; too many end the run
                 skipped += 1
                 continue
-            optimizer.step(run.opt, run.sched)
+            run.opt.step()                                               # AdamW at lr x lr_factor(step)
+            run.sched.step()
+            run.opt.zero_grad(set_to_none=True)
             applied.append(host)
     return {"applied": applied, "skipped_steps": skipped, "no_signal_steps": no_signal, "lr": lr}
 
@@ -319,18 +320,29 @@ def accumulate_gradient(run, batch: experience.UpdateBatch, rows: slice, num_tok
     return stats
 
 
-# ----------------------------------------------------------------------------------------------
-# The step's memory, measured by running it (rl/memory_measure.py; --dry-run prints it beside the plan)
+def lr_factor(s, kind="constant", warmup_steps=0, decay_steps=0, floor=0.0) -> float:
+    """The LR multiplier of optimizer step s (0-based): (s + 1) / warmup_steps during the warm-up;
+    then 1 ("constant"), or decaying from 1 at the warm-up's end to `floor` at step decay_steps, and
+    `floor` after: linear, or cosine, floor + (1 - floor) (1 + cos(pi t)) / 2 with t the fraction of
+    the decay done (as transformers' get_linear / get_cosine_schedule_with_warmup, with a floor).
+    Why constant by default, and the horizon on --resume: plumbing/optimizer.py."""
+    if s < warmup_steps:
+        return (s + 1) / warmup_steps
+    if kind == "constant":
+        return 1.0
+    t = min(1.0, (s - warmup_steps) / max(1, decay_steps - warmup_steps))
+    shape = 1.0 - t if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * t))
+    return floor + (1.0 - floor) * shape
 
 
-def measure_memory(args, algo, world=1, fake=True, max_micro_batches=3) -> memory_measure.Measured:
-    """rl_step's phases measured by running this file's own step code (memory_measure.measure_step):
-    fake tensors on `world` fake ranks (the paper's widths on a CPU, in seconds), or real tensors in
-    the process group this process is in; at most max_micro_batches micro-batches of one update."""
-    code = memory_measure.StepCode(Run, scale_step.on_policy_rows, scale_step.score_old_and_ref,
-                                   scale_step.ppo_update)
-    return memory_measure.measure_step(args, algo, code, needs_reference_model(args, algo), world, fake,
-                                       max_micro_batches)
+def lr_schedule(args):
+    """lr_factor with the run's options, as torch's LambdaLR calls it (step s -> multiplier). The decay
+    runs over --lr-decay-steps RL steps, or (0) --steps, in optimizer steps."""
+    per_rl_step = args.rollout_batch // args.update_batch * args.ppo_epochs      # optimizer steps
+    horizon = args.lr_decay_steps or args.steps                          # (0: the run's --steps, resumed too)
+    return functools.partial(lr_factor, kind=args.lr_schedule, warmup_steps=args.warmup,
+                             decay_steps=horizon * per_rl_step, floor=args.lr_floor)
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,10 +377,10 @@ def train_rl(run, evalsets, log, start, amp):
             bar.set_postfix({k: f"{m[k]:.3f}" for k in shown if k in m} | {"s/step": f"{m['step_time']:.1f}"})
             saved = args.save_every and ((step + 1) % args.save_every == 0 or last)
             if saved:
-                save(run, step + 1, final=last)
+                run_setup.save(run, step + 1, final=last)
             if not last and stop.requested():                            # every rank: the same step
                 if not saved:
-                    save(run, step + 1, final=False)
+                    run_setup.save(run, step + 1, final=False)
                 bar.close()
                 ckpt = checkpoints.checkpoint_dir(args.out)
                 raise stop.exit(f"saved the checkpoint of step {step + 1} ({ckpt}/); continue with --resume")
@@ -407,18 +419,6 @@ IDLE = ("no optimizer step in {n} RL steps in a row (steps {first}-{last}; train
         "update batch had no signal (its groups' rewards all equal) or a non-finite loss, so the policy is "
         "not training; check the rewards (--task, --reward, --max-new-tokens), or take such steps with "
         "--no-signal step")
-
-
-def save(run, step, final):
-    a, bf16 = run.args, distributed.uses_bf16(run.args.dtype, run.dist.device)
-    extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta,
-             "weight_norm": run.guard.start_norm,                               # (weights_diverged's start)
-             "controllers": extension.state_of(run.controllers)}                # (their coefficients)
-    checkpoints.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
-                                export_dtype=a.export_dtype, bf16=bf16, extra=extra)
-    if final and lora.is_lora(run.policy):                               # checkpoints hold adapters: the
-        run_setup.final_export(run, step)                                   # merged model is <out>/hf
-    run.guard.saved()                                                    # trusted at the next finite loss
 
 
 # The extension tables (plumbing/extension.py): a row registered from outside with its own options is
@@ -478,10 +478,7 @@ def parse_args(argv=None):
                f"--task {args.task}'s solutions need: longer responses are cut (truncated_frac in "
                "metrics.jsonl)")
     algo = options.make_algo(parsed)                                     # None for sft
-    for name in query_reference.inert_options(args.qkl_ref, parsed.cli):   # another reference's option
-        options.check_acts(parsed, name, False, f"it is an option of another Query-KL reference than "
-                           f"--qkl-ref {args.qkl_ref}")
-    options.check_extension_options(parsed, algo, controllers.CONTROLLERS)  # --passk-k, --entropy-target
+    options.check_extension_options(parsed, algo, controllers.CONTROLLERS)  # --passk-k, --qkl-ref-decay, ...
     why = algo and controllers.refusal(args, algo)                       # e.g. a start above its bound
     if why:
         parsed.error(why)
@@ -515,7 +512,7 @@ def main(argv=None):
 def train(args, algo):
     t0 = time.time()
     if args.dry_run:  # the plan's formulas, and the step's memory measured on fake tensors beside them
-        measured = measure_memory(args, algo, args.plan_gpus) if algo else None
+        measured = memory_measure.measure_memory(args, algo, args.plan_gpus) if algo else None
         has_ref = bool(algo) and needs_reference_model(args, algo)
         if algo:                                                         # the step's time, modelled
             print(time_model.report(args, args.plan_gpus, has_ref, args.plan_gpu, old_rows(args, algo)))
@@ -535,7 +532,7 @@ def train(args, algo):
     with run_dir.RunLock(args.out) as lock:                              # released on any exit (a kill too)
         evalsets = train_in_folder(args, algo, dist, lock)
     sizes = {name: len(problems) for name, problems in evalsets.items()}     # (the next: lines' counts)
-    print0(run_dir.summary(args.out, time.time() - t0, sizes, args.template, args.save_every))
+    print0(run_summary.summary(args.out, time.time() - t0, sizes, args.template, args.save_every))
     distributed.teardown()
 
 
@@ -567,7 +564,8 @@ def train_in_folder(args, algo, dist, lock):
     run_dir.claim(args.out, lock, resume=args.resume, overwrite=args.overwrite)  # --overwrite: old run goes
     if algo is not None:
         print0(f"algo {args.algo}: {options.algo_summary(algo)}")
-        run = setup_rl(args, algo, dist, model, tokenizer, data, state)  # (a refused resume: metrics kept)
+        # (a resume refused in here keeps the metrics: the log is opened after it)
+        run = setup_rl(args, algo, dist, model, tokenizer, data, state, lr_schedule(args))
     log = run_dir.MetricsLog(args.out, state.step if state else 0, args.log, vars(args))  # after every check
     try:
         run_dir.write_config(args.out, run_dir.with_resume_record(args.out, vars(args), state and state.step,

@@ -58,7 +58,7 @@ yet), ~165 s in all, plus start-up:
    memory_plan.phases(), or where that does not exist the rollout/update sums of memory_plan.terms()
    (the line says which); FAIL where a phase exceeds its plan by more than 20% + 256 MiB (the plan
    would hide an out-of-memory), or where metrics.jsonl lacks train.py's own per-phase memory
-   (plumbing/timer.py: mem_alloc_<phase>, mem_reserved_<phase>, mem_used_<phase>; printed). SKIP on
+   (rl/experience.Phases: mem_alloc_<phase>, mem_reserved_<phase>, mem_used_<phase>; printed). SKIP on
    the CPU (no CUDA allocator), with the plan's figures.
    train/reload: <out>/hf loads with `models.load_policy`, gives finite logits, and differs from
    the initial weights (the optimizer moved them).
@@ -554,9 +554,9 @@ def instrumented_training(peaks, sharded):
     cut `peaks`; wrap_model records whether the policy came back FSDP2-sharded; rewards become
     coin flips of the response text (a random model solves nothing: no advantage, no update)."""
     import reward
-    from plumbing import timer
+    from rl import experience
 
-    base_phases, base_step, base_wrap = timer.Phases, optimizer.step, distributed.wrap_model
+    base_phases, base_step, base_wrap = experience.Phases, optimizer.step, distributed.wrap_model
     base_score = reward.score_batch
 
     class Phases(base_phases):
@@ -580,7 +580,7 @@ def instrumented_training(peaks, sharded):
         return [float(zlib.crc32(t.encode()) & 1) for t in texts], counts
 
     with contextlib.ExitStack() as stack:
-        for obj, name, value in ((timer, "Phases", Phases), (optimizer, "step", step),
+        for obj, name, value in ((experience, "Phases", Phases), (optimizer, "step", step),
                                  (distributed, "wrap_model", wrap_model), (reward, "score_batch", score_batch)):
             stack.enter_context(patched(obj, name, value))
         yield
@@ -687,7 +687,7 @@ def train_memory(dev, out):
         over += [ph] if want is not None and got > 1.2 * want + 256 * MIB else []
         missing += [ph] if not got else []
     other = out["peaks"].get("other", 0)
-    logged = out.get("logged", {})                 # train.py's own record (plumbing/timer.py), GiB
+    logged = out.get("logged", {})                 # train.py's own record (rl/experience.Phases), GiB
     lost = [f"mem_{kind}_{ph}" for kind in ("alloc", "reserved", "used") for ph in ("gen", "score", "update")
             if f"mem_{kind}_{ph}" not in logged]
     figures = (f"GiB measured/plan: {', '.join(cells)}; outside these phases {other / GIB:.2f} "

@@ -3,7 +3,7 @@
     python bench/memory_check.py                       # all 12, 2-3 minutes; writes bench/results/memory_check.json
     python bench/memory_check.py --only 1proc-fp32     # some of them (names: --list)
 
-Each configuration runs train.measure_memory (the step's real code under memory_measure.PhasePeaks)
+Each configuration runs memory_measure.measure_memory (the step's real code under memory_measure.PhasePeaks)
 on a random 20M-parameter Qwen2 (configs/models/memcheck-20m.json: 32K vocabulary) with 1,008-token
 prompts and 16 new tokens, and prints the plan of memory_plan.phases next to the measurement:
 one process, 2-process DDP and 2-process FSDP2 (gloo, torchrun), with and without --grad-ckpt, in
@@ -48,11 +48,12 @@ def measure_here(name) -> dict:
 
     import train
     from plumbing import distributed
+    from rl import memory_measure
 
     torch.manual_seed(0)
     a, algo = train.parse_args(train_argv(name))
     d = distributed.setup("cpu", fsdp=a.fsdp)
-    m = train.measure_memory(a, algo, d.world, fake=False, max_micro_batches=10 ** 6)
+    m = memory_measure.measure_memory(a, algo, d.world, fake=False, max_micro_batches=10 ** 6)
     planned = memory_plan.phases(memory_plan.arch_for(a.model), a, d.world, needs_ref=True, device="cpu")
     distributed.teardown()
     return {"name": name, "world": d.world, "measured": m.peaks, "planned": planned}

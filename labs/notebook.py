@@ -36,7 +36,7 @@ from modeling import models  # noqa: E402
 from rl import query_reference  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
-from plumbing.batching import step_indices  # noqa: E402
+from rl.experience import step_indices  # noqa: E402
 
 MODEL = os.path.join(ROOT, "data", "tinymath", "warmstart")
 ALGO = losses.ALGOS["erpo"]     # PG(A * w) + alpha * Query-KL; eps_low 0.2, eps_high 0.3, dual-clip c = 3

@@ -11,7 +11,7 @@ and no bf16 rounding of logits (~0.03-0.06 nat at |z| ~ 16-32) under the 1e-3-sc
 GRPO repeats each prompt for its G responses: `score_tokens(group=G)` runs a repeated prompt
 through the model once and gives its G rows copies of its KV cache; causal attention makes that the
 same math as G full rows (`shared_prompt_scores`). `MicroBatch` and `Packed.trimmed` cut a step's
-rows into forwards without all-padding columns, decided on the host (experience.plan_step).
+rows into forwards without all-padding columns, decided on the host (scale_step.plan_step).
 
 --pack (the full-row path: --share-prompts false, or --fsdp / --grad-ckpt, where prompts are not
 shared): a micro-batch's rows run concatenated, their real tokens only, position_ids restarting

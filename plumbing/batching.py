@@ -1,12 +1,11 @@
-"""The batch geometry of an RL step: which prompts a step takes (step_indices), how many per step,
-per rank, per optimizer step, and how they split across ranks. Checked and printed at start-up
-(batch sizes are the most common confusion in the big frameworks).
+"""The batch geometry of an RL step: how many prompts per step, per rank, per optimizer step, and
+how they split across ranks (which prompts a step takes: rl/experience.my_prompts). Checked and
+printed at start-up (batch sizes are the most common confusion in the big frameworks).
 
     rollout batch (prompts / RL step) = k optimizer steps x update batch (prompts / optimizer step)
     each update batch is split evenly across the W ranks; each rank micro-batches its share
 """
 
-import torch
 
 from plumbing.errors import DataError
 
@@ -28,25 +27,6 @@ def check_data(n, a):
     if n < need:
         raise DataError(f"{a.sft_data if sft else a.train_data}: {n} usable examples, fewer than one batch "
                         f"({'--sft-batch' if sft else '--rollout-batch'} {need}; lower it or add data)")
-
-
-def step_indices(n_data, step, batch, seed) -> list[int]:
-    """Indices of the problems of step `step`: an epoch-wise shuffle (drop_last), so a run is a
-    function of (seed, step) and resuming needs no data-loader state."""
-    per_epoch = n_data // batch
-    if per_epoch == 0:
-        raise ValueError(f"batch {batch} is larger than the data set ({n_data})")
-    epoch, k = divmod(step, per_epoch)
-    perm = torch.randperm(n_data, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
-    return perm[k * batch:(k + 1) * batch]
-
-
-def rank_share(order, rank, world, rollout_batch, update_batch):
-    """The entries of a rollout batch's prompt `order` that this rank samples: each update batch is
-    split evenly across ranks, so every optimizer step sees the same global prompts at any world
-    size (what makes 1-process and 2-process runs comparable)."""
-    per = update_batch // world
-    return [order[u + rank * per + i] for u in range(0, rollout_batch, update_batch) for i in range(per)]
 
 
 def describe(a, world, n_train) -> str:
@@ -79,11 +59,6 @@ def deal(tokens: list[int], world: int) -> list[list[int]]:
         load[r] += tokens[i]
         mine[r].append(i)
     return [sorted(m) for m in mine]
-
-
-def update_batches(n, size) -> list[slice]:
-    """Consecutive slices of at most `size` rows covering range(n): the rows of each optimizer step."""
-    return [slice(s, min(n, s + size)) for s in range(0, n, size)]
 
 
 def prompt_group(a) -> int:

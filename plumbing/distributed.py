@@ -131,8 +131,7 @@ def all_finite(values) -> bool:
 def read_scalars(values: dict, finite=()) -> dict[str, float] | None:
     """{name: a 0-d tensor or number} -> {name: float}, or None where a value named in `finite` is
     not finite on some rank: an optimizer step's one host read after backward (its loss statistics
-    and grad norm), so the micro-batch loop never waits on the device. (The fake-tensor memory
-    measurement, which has no values to read, replaces this: memory_measure.stub_scalar_reads.)"""
+    and grad norm), so the micro-batch loop never waits on the device."""
     host = {k: float(v) for k, v in values.items()}
     return host if all_finite([host[k] for k in finite]) else None
 

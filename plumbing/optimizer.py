@@ -1,5 +1,7 @@
-"""The optimizer step: AdamW, a linear warm-up then a constant or decaying LR, and gradient clipping.
+"""The optimizer: AdamW; gradient clipping and the step as the step at scale (rl/scale_step.py) and
+the SFT warm start take them (train.rl_step calls torch's directly); what a resumed run changes.
 
+The RL run's LR schedule is train.py's (lr_factor): a linear warm-up, then constant or decaying.
 Constant after warm-up by default, on purpose: every prefix of a run is itself a run, so a resumed
 or shortened run is the same run, and the SFT warm start's length can be picked from one curve.
 `--lr-schedule linear|cosine` decays it instead (the released ERPO recipe: linear to 0), over
@@ -14,11 +16,7 @@ that the horizon changed. A horizon the user gives (--lr-decay-steps) is kept; o
 --steps with --lr-floor 0 is refused (check_horizon).
 """
 
-import math
-
 import torch
-
-SCHEDULES = ("constant", "linear", "cosine")
 
 
 def adamw(model, lr, weight_decay, betas=(0.9, 0.999), foreach=None):
@@ -31,30 +29,11 @@ def adamw(model, lr, weight_decay, betas=(0.9, 0.999), foreach=None):
 
 
 def warmup_then_constant(opt, warmup_steps):
-    """LR multiplier (s + 1) / warmup for the first `warmup_steps` optimizer steps, then 1."""
-    return schedule(opt, "constant", warmup_steps)
-
-
-def lr_factor(s, kind="constant", warmup_steps=0, decay_steps=0, floor=0.0) -> float:
-    """The LR multiplier of optimizer step s (0-based): (s + 1) / warmup_steps during the warm-up;
-    then 1 ("constant"), or decaying from 1 at the warm-up's end to `floor` at step decay_steps, and
-    `floor` after: linear, or cosine, floor + (1 - floor) (1 + cos(pi t)) / 2 with t the fraction of
-    the decay done (as transformers' get_linear / get_cosine_schedule_with_warmup, with a floor)."""
-    if s < warmup_steps:
-        return (s + 1) / warmup_steps
-    if kind == "constant":
-        return 1.0
-    t = min(1.0, (s - warmup_steps) / max(1, decay_steps - warmup_steps))
-    shape = 1.0 - t if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * t))
-    return floor + (1.0 - floor) * shape
-
-
-def schedule(opt, kind="constant", warmup_steps=0, decay_steps=0, floor=0.0):
-    """A LambdaLR of lr_factor (the lr at optimizer step s is lr x lr_factor(s)); see lr_factor."""
-    if kind not in SCHEDULES:
-        raise ValueError(f"LR schedule must be one of {SCHEDULES}, got {kind!r}")
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, kind, warmup_steps, decay_steps,
-                                                                        floor))
+    """SFT's schedule (and the memory measurement's): the LR multiplier (s + 1) / warmup for the
+    first `warmup_steps` optimizer steps, then 1. The RL run's, which may also decay, is
+    train.lr_factor."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps
+                                             else 1.0)
 
 
 def clip_grad(model, max_norm) -> torch.Tensor:

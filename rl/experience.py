@@ -7,13 +7,6 @@ train.rl_step calls `collect` once per step, on the decoding copy of the policy
 (distributed.gathered). What a row is worth is its task's business (tasks.score_rows, which sees
 the whole row); what enters the advantages here is that reward, plus DAPO's overlong penalty.
 
-The step's plan (`plan_step` -> StepPlan): which rows go into which micro-batch of each forward, at
-what trimmed width, and the global counts every loss term is divided by. Made once per step from
-the rollout's host lengths (logprobs.Packed.lengths), so the forward loops of train.py read nothing
-back from the device until the step's scalars; that is also what lets memory_measure run the same
-loops on fake tensors. Every rank runs as many micro-batches as the rank with the most (FSDP2
-gathers the weights once per forward, a collective).
-
 The step's metrics (`step_metrics`): what an RL step logs (metrics.jsonl), reduced over ranks. The
 monitors are measured on the rollout (pre-update) policy for every algorithm, whatever its
 loss, so GRPO and ERPO runs compare line by line (paper Fig. 1, Table 3): Query-KL (k3, prompt
@@ -25,6 +18,8 @@ train.rl_step: `c` its experience.Collected, `batch` its experience.UpdateBatch.
 
 import hashlib
 import math
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,7 +28,7 @@ import losses
 import rollout
 import tasks
 from modeling import logprobs
-from plumbing import batching, distributed, extension
+from plumbing import distributed, extension
 from plumbing.distributed import all_max, all_sum, all_sums
 from rl import query_reference
 
@@ -54,9 +49,35 @@ def my_prompts(run, step, round_=0) -> list[int]:
     """Training-set indices of this rank's prompts of an RL step (a sampling round of it): a
     function of (seed, step, round), so a resumed run samples what the uninterrupted one would."""
     args = run.args
-    order = batching.step_indices(len(run.data.ids), step if round_ == 0 else step * 7919 + round_,
-                                  args.rollout_batch, args.seed + round_)
-    return batching.rank_share(order, run.dist.rank, run.dist.world, args.rollout_batch, args.update_batch)
+    order = step_indices(len(run.data.ids), step if round_ == 0 else step * 7919 + round_,
+                         args.rollout_batch, args.seed + round_)
+    return rank_share(order, run.dist.rank, run.dist.world, args.rollout_batch, args.update_batch)
+
+
+def step_indices(n_data, step, batch, seed) -> list[int]:
+    """Indices of the problems of step `step`: an epoch-wise shuffle (drop_last), so a run is a
+    function of (seed, step) and resuming needs no data-loader state."""
+    per_epoch = n_data // batch
+    if per_epoch == 0:
+        raise ValueError(f"batch {batch} is larger than the data set ({n_data})")
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n_data, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
+    return perm[k * batch:(k + 1) * batch]
+
+
+def rank_share(order, rank, world, rollout_batch, update_batch):
+    """The entries of a rollout batch's prompt `order` that this rank samples: each update batch is
+    split evenly across ranks, so every optimizer step sees the same global prompts at any world
+    size (what makes 1-process and 2-process runs comparable)."""
+    per = update_batch // world
+    return [order[u + rank * per + i] for u in range(0, rollout_batch, update_batch) for i in range(per)]
+
+
+def update_batches(n, args, world) -> list[slice]:
+    """The rows of each optimizer step among a rank's n: consecutive slices of --update-batch prompts
+    (global, split over `world` ranks) x G responses."""
+    size = args.update_batch // world * args.group_size
+    return [slice(s, min(n, s + size)) for s in range(0, n, size)]
 
 
 def sample_and_score(run, decoder, prompt_idx, step, round_) -> rollout.Graded:
@@ -132,49 +153,6 @@ def trained_rows(valid, ro: rollout.Rollout, algo) -> torch.Tensor:
     return valid * ro.finished.to(valid.dtype).cpu() if algo.mask_truncated else valid
 
 
-@dataclass
-class Group:
-    """One prompt's G rows, as deal_by_length moves them between ranks (on the CPU, trimmed)."""
-    ro: rollout.Rollout
-    rewards: torch.Tensor               # (G,)
-    valid: torch.Tensor                 # (G,)
-    prompt_idx: int
-    tokens: int                         # prompt + response tokens of its G rows: what scoring it costs
-
-
-def deal_by_length(run, c: Collected) -> Collected:
-    """Whole groups dealt to the ranks by length (batching.deal) within each update batch: the same
-    groups make each optimizer step as before, on the same number of rows per rank, but no rank
-    gets all the long responses. One all-gather of the step's groups; nothing on one process. The
-    first sampling round's rewards (reward / train_acc) stay where they were: they are summed."""
-    if run.dist.world == 1:
-        return c
-    world, G = run.dist.world, run.args.group_size
-    ro, per = c.ro.to("cpu"), run.args.update_batch // world       # groups of an update batch, per rank
-    mine = []
-    for k, idx in enumerate(c.prompt_idx):
-        rows = slice(k * G, (k + 1) * G)
-        g = trimmed(ro.take(rows))
-        tokens = int(g.prompt_mask.sum() + g.response_mask.sum())
-        mine.append(Group(g, c.rewards[rows].cpu(), c.valid[rows].cpu(), idx, tokens))
-    everyone = distributed.all_gather_list([mine])                     # [rank][group]
-    kept = []
-    for u in range(0, len(mine), per):                                 # each update batch
-        pool = [g for groups in everyone for g in groups[u:u + per]]
-        kept += [pool[i] for i in batching.deal([g.tokens for g in pool], world)[run.dist.rank]]
-    return replace(c, ro=rollout.cat_rollouts([g.ro for g in kept], run.tokenizer.pad_token_id),
-                   rewards=torch.cat([g.rewards for g in kept]), valid=torch.cat([g.valid for g in kept]),
-                   prompt_idx=[g.prompt_idx for g in kept])
-
-
-def trimmed(ro: rollout.Rollout) -> rollout.Rollout:
-    """Rows without their all-padding columns (prompts are left-padded, responses right-padded)."""
-    left = ro.prompt_ids.shape[1] - int(ro.prompt_mask.sum(1).max())   # padding columns on the left
-    R = int(ro.response_mask.sum(1).max())
-    return rollout.Rollout(ro.prompt_ids[:, left:], ro.prompt_mask[:, left:], ro.response_ids[:, :R],
-                           ro.response_mask[:, :R], ro.logprobs[:, :R], ro.finished)
-
-
 # ----------------------------------------------------------------------------------------------
 # After scoring: pi_old's and the reference's log-probs of the rows, and what the update reads
 
@@ -187,7 +165,8 @@ class OldScores:
     entropy: torch.Tensor               # (B, R)
     ref: torch.Tensor | None            # (B, R) reference response log-probs, if a reference is loaded
     ref_prompt: torch.Tensor | None     # (B, P-1) and its prompt log-probs (--qkl-ref live)
-    fresh: slice                        # rows whose old/prompt/entropy the first update forward fills in
+    fresh: slice | None = None          # the step at scale: rows whose old/prompt/entropy its first
+                                        # update forward fills in (scale_step.on_policy_rows)
 
     @classmethod
     def empty(cls, packed: logprobs.Packed, fresh: slice, has_ref: bool) -> "OldScores":
@@ -242,76 +221,6 @@ def code_query_weights(prompt_logp, prompt_mask, valid, update_rows: list[slice]
     return w
 
 
-# ----------------------------------------------------------------------------------------------
-# The step's plan: its optimizer steps and the micro-batches of each forward, planned on the host
-
-@dataclass
-class UpdatePlan:
-    """One optimizer step: its micro-batches and the global counts its loss is divided by."""
-    micro_batches: list[logprobs.MicroBatch]
-    num_tokens: float                   # valid response tokens of the update batch, all ranks (>= 1)
-    num_seqs: float                     # valid rows of the update batch, all ranks (0: DAPO filler only)
-    num_signal: float | None = None     # of those, rows whose advantage is not ~0 (judge_signal; 0: none)
-
-    def takes_step(self, no_signal: str) -> bool:
-        """An update batch in which every valid row's advantage is ~0 (losses.carries_signal: what the
-        estimator produced, e.g. every group's rewards equal), or of DAPO filler only, takes no
-        optimizer step unless no_signal is "step" (--no-signal; method.md §8.6): its loss would be
-        the KL terms alone, whose gradient is ~0 near the reference, and AdamW would normalise that
-        into a full lr-sized step in every weight. Skipped, the moments, weight decay and the LR
-        schedule wait too. Filler only: nothing in the loss, never a step."""
-        if self.num_signal is None:
-            raise RuntimeError("UpdatePlan.num_signal is set once the advantages exist (judge_signal)")
-        return self.num_seqs > 0 and (self.num_signal > 0 or no_signal == "step")
-
-
-@dataclass
-class StepPlan:
-    """Every host-side decision of a step's forwards."""
-    old: list[logprobs.MicroBatch]      # no-grad pi_old forwards: the rows after the on-policy ones
-    fresh: list[logprobs.MicroBatch]    # the on-policy rows, which the first update forward scores as pi_old
-    ref: list[logprobs.MicroBatch]      # reference forwards, all rows (none without a reference)
-    updates: list[UpdatePlan]           # one per update batch (each PPO epoch repeats them)
-    group: int                          # G where each prompt runs once for its G rows, else 1
-
-
-def micro_batches(args, packed: logprobs.Packed, rows: range) -> list[logprobs.MicroBatch]:
-    """Rows as micro-batches, longest first: <= --micro-batch rows, <= --micro-tokens tokens (the
-    real ones where the full-row forward is packed: --pack without shared prompts; else padded),
-    whole groups if prompts are shared, as many on every rank."""
-    lengths, group = [packed.lengths[i] for i in rows], batching.prompt_group(args)
-    pack = bool(getattr(args, "pack", False)) and group == 1
-
-    def plan(count=0):
-        return batching.microbatch_plan(lengths, args.micro_batch, args.micro_tokens, count, group, pack)
-    most = int(distributed.all_max(torch.tensor(len(plan()))))
-    return [packed.micro_batch([rows.start + i for i in mb], pack) for mb in plan(most)]
-
-
-def plan_step(args, packed: logprobs.Packed, valid: list[float], update_rows: list[slice], fresh: slice,
-              has_ref: bool) -> StepPlan:
-    """The step's plan from the host lengths and validity of its rows: one collective for the
-    global counts, one per forward loop (the most micro-batches any rank runs), one host read
-    (do a group's rows share their prompt?). fresh: the on-policy rows (train.on_policy_rows). Which
-    update batches carry a signal is judged once the advantages exist (judge_signal)."""
-    B, G = len(packed.lengths), args.group_size
-    local = {}
-    for u, rows in enumerate(update_rows):
-        lengths, ok = packed.lengths[rows], valid[rows]
-        local[f"tokens{u}"] = sum(r * v for (_, r), v in zip(lengths, ok))   # valid response tokens
-        local[f"seqs{u}"] = sum(ok)
-    counts = distributed.all_sums(local)
-    updates = [UpdatePlan(micro_batches(args, packed, range(rows.start, rows.stop)),
-                          max(1.0, counts[f"tokens{u}"]), counts[f"seqs{u}"])
-               for u, rows in enumerate(update_rows)]
-    group = batching.prompt_group(args)
-    group = group if group > 1 and logprobs.shares_prompts(packed, G) else 1
-    return StepPlan(old=micro_batches(args, packed, range(fresh.stop, B)),
-                    fresh=micro_batches(args, packed, range(fresh.start, fresh.stop)),
-                    ref=micro_batches(args, packed, range(B)) if has_ref else [],
-                    updates=updates, group=group)
-
-
 def advantages(run, rewards, scores: OldScores, resp_mask, valid) -> tuple[torch.Tensor, torch.Tensor]:
     """A (B,), by the row --adv chooses of losses.ADVANTAGES (its own options from the run's), and
     (B,) bool: the rows whose advantage carries a signal (losses.carries_signal; method.md §8.6).
@@ -328,14 +237,6 @@ def advantages(run, rewards, scores: OldScores, resp_mask, valid) -> tuple[torch
         adv = estimate(losses.kl_penalized_rewards(rewards, scores.old, scores.ref, resp_mask, algo.beta,
                                                    algo.kl))
     return adv, losses.carries_signal(signal, rewards, G)
-
-
-def judge_signal(plan: StepPlan, signal, valid, update_rows: list[slice]):
-    """Each update batch's num_signal: its valid rows (all ranks) whose advantage carries a signal."""
-    ok = (signal.to(valid.dtype) * valid).tolist()
-    counts = distributed.all_sums({f"signal{u}": sum(ok[rows]) for u, rows in enumerate(update_rows)})
-    for u, update in enumerate(plan.updates):
-        update.num_signal = counts[f"signal{u}"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -508,3 +409,74 @@ def premise_r(s: dict) -> float:
     if n < 2 or sxx <= 0 or syy <= 0:
         return None
     return (n * s["premise_xy"] - s["premise_x"] * s["premise_y"]) / math.sqrt(sxx * syy)
+
+# ----------------------------------------------------------------------------------------------
+# The step's clock (Run.timer)
+# Where an RL step's time (and GPU memory) goes: wall seconds per phase (verl logs the same as
+# timing_s/*), and on CUDA each phase's memory.
+#
+#     t = Phases(device)
+#     with t("gen"): ...                  # sampling
+#     with t("reward"): ...               # grading
+#     m.update(t.metrics())               # {"time_gen": s, "time_reward": s, ...}; the clock restarts
+#
+# Phases may repeat within a step (DAPO resampling rounds); their times add up. On CUDA the queue is
+# synchronised at each phase boundary, so kernels are charged to the phase that launched them (the
+# sync costs little next to a phase, which is at least one whole forward pass).
+#
+# On CUDA each phase also records, in GiB, the most of any rank (metrics() reduces over ranks):
+#   mem_alloc_<phase>     the allocator's peak of live tensors in the phase (max_memory_allocated)
+#   mem_reserved_<phase>  its peak of memory held, cached blocks and fragmentation included
+#   mem_used_<phase>      the driver's used memory at the phase's end (total - free: the CUDA context,
+#                         NCCL's buffers, other processes too) -- what no fake-tensor measurement sees
+# These are what --dry-run's plan (plumbing/memory_plan.py) predicts from the code, measured in a run.
+
+
+
+GIB = 2.0**30
+MEMORY = ("alloc", "reserved", "used")
+
+
+class Phases:
+    def __init__(self, device, cuda=torch.cuda):
+        self.is_cuda = torch.device(device).type == "cuda"
+        self.cuda = cuda                                # (a stand-in in the tests)
+        self.seconds: dict[str, float] = {}
+        self.memory: dict[str, float] = {}             # "mem_<kind>_<phase>" -> GiB, this rank
+
+    def _sync(self):
+        if self.is_cuda:
+            self.cuda.synchronize()
+
+    @contextmanager
+    def __call__(self, name):
+        self._sync()
+        if self.is_cuda:
+            self.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            if self.is_cuda:
+                self._record_memory(name)
+
+    def _record_memory(self, name):
+        free, total = self.cuda.mem_get_info()
+        now = {"alloc": self.cuda.max_memory_allocated(), "reserved": self.cuda.max_memory_reserved(),
+               "used": total - free}
+        for kind, b in now.items():                    # a repeated phase: its largest
+            key = f"mem_{kind}_{name}"
+            self.memory[key] = max(self.memory.get(key, 0.0), b / GIB)
+
+    def metrics(self) -> dict[str, float]:
+        """{"time_<phase>": seconds} since the last call (and on CUDA {"mem_<kind>_<phase>": GiB}, the
+        most of any rank: a collective, so every rank calls it), then start afresh."""
+        out = {f"time_{k}": v for k, v in self.seconds.items()}
+        if self.memory:                                 # one collective for all of them
+            keys = sorted(self.memory)
+            most = all_max(torch.tensor([self.memory[k] for k in keys], dtype=torch.float64))
+            out.update(zip(keys, most.tolist()))
+        self.seconds, self.memory = {}, {}
+        return out

@@ -4,7 +4,7 @@
     python bench/memory_check.py   # 12 small CPU configurations, real tensors
 
 plumbing/memory_plan.py says what an RL step should hold, as formulas; this module measures what the code
-holds. measure_step (train.measure_memory) runs the real phases of a step (the FSDP2 decoding copy with the
+holds. measure_memory runs the real phases of a step (the FSDP2 decoding copy with the
 sampler's prefill and one decode step, the no-grad scoring forwards, `train.ppo_update` with its
 micro-batches, gradient sync and optimizer step) under `PhasePeaks`, torch's MemTracker: every
 storage an op creates is followed by a weak reference until it is freed, so the measurement is
@@ -13,7 +13,7 @@ everything alive at once, not a sum of named tensors. Two ways to run it:
 - fake tensors (FakeTensorMode: shapes and dtypes, no data, no arithmetic) with a fake process
   group of N ranks: the paper's widths on a laptop, in seconds. Fake tensors have no values, so
   every host-side decision of the step is planned first from the (small, real) masks
-  (experience.plan_step), and the two reads of values after backward -- the step's scalars
+  (scale_step.plan_step), and the two reads of values after backward -- the step's scalars
   (distributed.read_scalars) and their cross-rank sums (distributed.all_sums) -- are stubbed
   (stub_scalar_reads; tests/test_memory.py lists them). Fake tensors stand for a GPU's: the
   KV cache takes the compute dtype and LeanStep fuses no weights (what CPU tensors would do).
@@ -25,18 +25,17 @@ import json
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from sampler import decode
-from rl import experience
+from rl import experience, run_setup, scale_step
 from sampler import kv_cache
 from modeling import models
 import rollout
-from plumbing import batching, distributed, memory_plan, optimizer, step_guard, timer
+from plumbing import batching, distributed, memory_plan, optimizer, step_guard
 
 
 class PhasePeaks(MemTracker):
@@ -288,7 +287,7 @@ def worst_case_step(a, world: int, vocab: int) -> WorstCase:
     """This rank's share of a worst-case RL step (worst_case_rollout) and its masks."""
     ro = worst_case_rollout(a, a.rollout_batch // world * a.group_size, vocab)
     packed, B = ro.packed(), ro.response_ids.shape[0]
-    update_rows = batching.update_batches(B, a.update_batch // world * a.group_size)[:1]
+    update_rows = experience.update_batches(B, a, world)[:1]
     return WorstCase(ro, packed, update_rows, ro.response_mask.float(), packed.prompt_tok_mask.float(),
                      torch.zeros(B, packed.P - 1))
 
@@ -332,23 +331,14 @@ def autocast_of(dtype_name, device, tensors_on):
 # The step, measured
 
 
-@dataclass
-class StepCode:
-    """The parts of train.py's RL step the measurement runs (train.measure_memory passes its own):
-    memory_measure sits below train.py and cannot import it."""
-    run: Callable                       # train.Run
-    on_policy_rows: Callable            # (run, update_rows) -> slice
-    score_old_and_ref: Callable         # (run, packed, fresh, plan) -> experience.OldScores
-    ppo_update: Callable                # (run, experience.UpdateBatch, plan) -> statistics
-
-
-def measure_step(a, algo, code: StepCode, needs_ref: bool, world=1, fake=True,
-                 max_micro_batches=3) -> Measured:
-    """rl_step's phases on a worst-case rollout of a random model of --model's architecture: fake
-    tensors on `world` fake ranks, or real tensors in the process group this process is in. One
+def measure_memory(a, algo, world=1, fake=True, max_micro_batches=3) -> Measured:
+    """The step's phases (at scale: rl/scale_step.py, what the GPU configs run) on a worst-case
+    rollout of a random model of --model's architecture: fake tensors on `world` fake ranks (the
+    paper's widths on a CPU, in seconds), or real tensors in the process group this process is in. One
     optimizer step, of at most max_micro_batches micro-batches (each of the config's size:
     gradients are sharded/reduced per micro-batch, so more of them hold no more). A step too large
     to plan on this host is not run (`skipped`)."""
+    needs_ref = run_setup.needs_reference_model(a, algo)
     a = memory_plan.as_planned(a, world, needs_ref, "cuda" if fake or torch.cuda.is_available() else "cpu")
     skipped = too_large_to_measure(a, world)                          # (sizes that do not divide: exit)
     if getattr(a, "lora_rank", 0) and not skipped:                     # (random_model has no adapters)
@@ -361,13 +351,13 @@ def measure_step(a, algo, code: StepCode, needs_ref: bool, world=1, fake=True,
         bf16 = distributed.uses_bf16(a.dtype, device)
         m = step_models(a, needs_ref, d.device, bf16, fake, mesh)
         sched = optimizer.warmup_then_constant(m.opt, a.warmup)
-        run = code.run(a, algo, d, m.policy, m.ref, None, m.opt, sched, data=None, qref=None, cache=None,
-                       spec=m.spec, timer=timer.Phases("cpu"),
+        run = run_setup.Run(a, algo, d, m.policy, m.ref, None, m.opt, sched, data=None, qref=None, cache=None,
+                       spec=m.spec, timer=experience.Phases("cpu"),
                        guard=step_guard.StepGuard(a.out, a.max_bad_steps))
         with real_tensors():                                             # the host-side plan: from real masks
             w = worst_case_step(a, d.world, distributed.unwrap(m.policy).config.vocab_size)
-            B, fresh = len(w.ro.finished), code.on_policy_rows(run, w.update_rows)
-            plan = experience.plan_step(a, w.packed, [1.0] * B, w.update_rows, fresh, m.ref is not None)
+            B, fresh = len(w.ro.finished), scale_step.on_policy_rows(run, w.update_rows)
+            plan = scale_step.plan_step(a, w.packed, [1.0] * B, w.update_rows, fresh, m.ref is not None)
             for update in plan.updates:                                  # every row a signal: it steps
                 update.num_signal = update.num_seqs
             for mbs in (plan.old, plan.ref, plan.updates[0].micro_batches):  # the longest come first
@@ -381,10 +371,10 @@ def measure_step(a, algo, code: StepCode, needs_ref: bool, world=1, fake=True,
             with tracker.phase("rollout"):
                 decode_once(m.policy, m.spec, w.ro.prompt_ids.tolist(), a.max_new_tokens)
             with tracker.phase("score"):
-                scores = code.score_old_and_ref(run, w.packed, fresh, plan)
+                scores = scale_step.score_old_and_ref(run, w.packed, fresh, plan)
             batch = experience.UpdateBatch(w.packed, w.resp_mask, w.prompt_mask, valid=torch.ones(B),
                                            scores=scores, qref=w.qref, adv=torch.randn(B),
                                            weights=torch.ones(B), sampler=w.ro.logprobs)
             with tracker.phase("update"):
-                code.ppo_update(run, batch, plan)
+                scale_step.ppo_update(run, batch, plan)
     return Measured(tracker.peaks, d.world, fake, len(plan.updates[0].micro_batches))

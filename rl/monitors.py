@@ -34,9 +34,9 @@ import torch
 import losses
 from evaluation.heldout import heldout_at_temperatures
 from modeling import logprobs
-from plumbing import batching, distributed
+from plumbing import distributed
 from plumbing.distributed import print0
-from rl import experience, query_reference
+from rl import experience, query_reference, scale_step
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,12 +116,11 @@ def term_gradients(run, batch, plan) -> dict:
         return _term_gradients(run, batch, plan or plain_plan(run, batch))
 
 
-def plain_plan(run, batch) -> experience.StepPlan:
+def plain_plan(run, batch) -> scale_step.StepPlan:
     """The plain step's micro-batches (train.rl_step: it plans none) as the monitors read them."""
-    G, world = run.args.group_size, run.dist.world
-    rows = batching.update_batches(len(batch.valid), run.args.update_batch // world * G)
-    plan = experience.plan_step(run.args, batch.packed, batch.valid.tolist(), rows, slice(0, 0), False)
-    experience.judge_signal(plan, batch.signal, batch.valid, rows)
+    rows = experience.update_batches(len(batch.valid), run.args, run.dist.world)
+    plan = scale_step.plan_step(run.args, batch.packed, batch.valid.tolist(), rows, slice(0, 0), False)
+    scale_step.judge_signal(plan, batch.signal, batch.valid, rows)
     return plan
 
 
@@ -179,12 +178,12 @@ def per_prompt_query_kl(logp: list, ref: list) -> torch.Tensor:
 
 def trained_prompts(n_data, steps, rollout_batch, seed, n) -> list[int]:
     """The first `n` distinct training-set indices that the run's first `steps` RL steps sampled
-    (round 0 of each, batching.step_indices: a function of these arguments, so a resumed run draws
+    (round 0 of each, experience.step_indices: a function of these arguments, so a resumed run draws
     the same), in sampling order: a sample of prompts the run has trained on, fixed once `n` are
     reached, fewer before."""
     seen = {}
     for step in range(steps):
-        for i in batching.step_indices(n_data, step, rollout_batch, seed):
+        for i in experience.step_indices(n_data, step, rollout_batch, seed):
             seen.setdefault(i, None)
             if len(seen) == n:
                 return list(seen)

@@ -14,11 +14,11 @@ import torch
 import losses
 from modeling import lora
 from modeling import models
-from rl import controllers, query_reference
+from rl import controllers, experience, query_reference
 import rollout
 import tasks
 from data.prompts import PromptSet
-from plumbing import batching, checkpoints, distributed, extension, memory_plan, optimizer, step_guard, timer
+from plumbing import batching, checkpoints, distributed, extension, memory_plan, optimizer, step_guard
 from plumbing.distributed import print0
 
 
@@ -38,7 +38,7 @@ class Run:
     cache: query_reference.QueryCache | None  # the initial policy's prompt log-probs, where needed:
                                         # --qkl-ref cache, the paper's weights, the monitor
     spec: rollout.SampleSpec
-    timer: timer.Phases                 # seconds per phase of a step (time_gen, time_update, ...)
+    timer: experience.Phases                 # seconds per phase of a step (time_gen, time_update, ...)
     task_names: tuple = ()              # the tasks of the training rows (train_acc per task if > 1)
     guard: step_guard.StepGuard = None  # non-finite steps, idle steps, the trusted checkpoint
     # (policy, dtype) -> a context giving the model the sampler decodes with, freed on exit: a LoRA
@@ -124,9 +124,10 @@ def resolve_grad_ckpt(args, algo, world: int, device) -> bool:
     return bool(args.grad_ckpt)
 
 
-def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
+def setup_rl(args, algo, dist, model, tokenizer, data, state, lr_schedule) -> Run:
     """The reference model (needs_reference_model), the wrapped policy, the Query-KL reference and
-    the cache it or the query weights need, the optimizer."""
+    the cache it or the query weights need, the optimizer and its LR schedule (lr_schedule: optimizer
+    step -> LR multiplier, train.lr_schedule)."""
     resolve_grad_ckpt(args, algo, dist.world, dist.device)
     print0(batching.describe(args, dist.world, len(data)))
     print0(describe_fast_paths(args, distributed.uses_bf16(args.dtype, dist.device)))
@@ -143,14 +144,11 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
         with amp(), phases("qkl_ref"):                                   # Query-KL reference's forward)
             return query_reference.build(distributed.unwrap(policy), data.ids, tokenizer.pad_token_id,
                                      args.temperature, dist.device, args.micro_batch)
-    phases = timer.Phases(dist.device)
+    phases = experience.Phases(dist.device)
     qref, cached = query_reference.for_run(args.qkl_ref, cache, algo.weights, ref is not None, state, args,
                                            score_prompts, dist=dist, prompt_ids=data.ids, tokenizer=tokenizer)
     opt = optimizer.adamw(policy, args.lr, args.weight_decay)
-    per_rl_step = args.rollout_batch // args.update_batch * args.ppo_epochs      # optimizer steps
-    horizon = args.lr_decay_steps or args.steps                          # (0: the run's --steps, resumed too)
-    sched = optimizer.schedule(opt, args.lr_schedule, args.warmup, horizon * per_rl_step,
-                               args.lr_floor)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule)         # train.lr_factor, per optimizer step
     checkpoints.restore(state, policy, opt, sched, args.out)             # on --resume (else state is None)
     if state is not None:                                                # the new --lr, not the saved one
         optimizer.set_hyperparameters(opt, sched, args.lr, args.weight_decay)
@@ -166,6 +164,20 @@ def setup_rl(args, algo, dist, model, tokenizer, data, state) -> Run:
                task_names=tuple(tasks.task_names_in(data.rows)), guard=guard,
                decoding_copy=lora.decoding_copy if args.lora_rank else distributed.gathered,
                controllers=rules, fast=bool(set(fast_paths(args, bf16)) - {"sampler"}))
+
+
+def save(run, step, final):
+    """The run's checkpoint of `step` (<out>/ckpt; the final one also exported where the policy holds
+    LoRA adapters), with what a --resume needs besides the weights and the optimizer."""
+    a, bf16 = run.args, distributed.uses_bf16(run.args.dtype, run.dist.device)
+    extra = {"query_reference": run.qref.state_dict(), "query_cache": run.cache and run.cache.meta,
+             "weight_norm": run.guard.start_norm,                               # (weights_diverged's start)
+             "controllers": extension.state_of(run.controllers)}                # (their coefficients)
+    checkpoints.save_checkpoint(a.out, run.policy, run.tokenizer, run.opt, run.sched, step, final=final,
+                                export_dtype=a.export_dtype, bf16=bf16, extra=extra)
+    if final and lora.is_lora(run.policy):                               # checkpoints hold adapters: the
+        final_export(run, step)                                          # merged model is <out>/hf
+    run.guard.saved()                                                    # trusted at the next finite loss
 
 
 def exportable(run):

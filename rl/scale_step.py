@@ -6,9 +6,9 @@ GPU configs turn on the options that send each step here instead (train.fast_pat
 - scoring (modeling/logprobs.score_tokens): each prompt runs once for its G responses
   (--share-prompts), or each micro-batch's real tokens run packed without padding (--pack), through
   a fused float32 head (hidden states x lm_head in chunks: no (B, L, V) logits in memory);
-- the step's plan (rl/experience.plan_step): micro-batches longest first under a token cap
+- the step's plan (rl/plan_step): micro-batches longest first under a token cap
   (--micro-tokens), as many on every rank (FSDP2 gathers the weights in each forward: --fsdp),
-  trimmed to their own width; groups dealt to the ranks by length (experience.deal_by_length);
+  trimmed to their own width; groups dealt to the ranks by length (deal_by_length);
 - pi_old's forward elided for the first update batch: that update's own first forward IS pi_old's
   (on_policy_rows, is_pi_old_forward);
 - the step's scalars read back from the device once per optimizer step (distributed.read_scalars).
@@ -18,12 +18,16 @@ rewards and counts; losses, KLs and gradient norms within the measured rounding 
 tests/golden/tolerances.json).
 """
 
+from dataclasses import dataclass, replace
+
 import torch
 
 import losses
+import rollout
 from modeling import logprobs
 from plumbing import batching, distributed, faults, optimizer
 from rl import experience, query_reference
+
 
 def rl_step(run, step, before_update=None) -> experience.StepResult:
     """train.rl_step with the fast paths on (module doc); returns what it computed."""
@@ -33,9 +37,9 @@ def rl_step(run, step, before_update=None) -> experience.StepResult:
     packed = ro.packed()                               # [prompt | response] rows
     resp_mask = ro.response_mask.float() * valid[:, None]
     prompt_mask = packed.prompt_tok_mask.float() * valid[:, None]
-    update_rows = batching.update_batches(len(ro.finished), run.args.update_batch // run.dist.world * G)
+    update_rows = experience.update_batches(len(ro.finished), run.args, run.dist.world)
     fresh = on_policy_rows(run, update_rows)
-    plan = experience.plan_step(run.args, packed, collected.valid.tolist(), update_rows, fresh,
+    plan = plan_step(run.args, packed, collected.valid.tolist(), update_rows, fresh,
                                 has_ref=run.ref is not None)
     with run.timer("score"):
         scores = score_old_and_ref(run, packed, fresh, plan)             # pi_old, reference
@@ -43,7 +47,7 @@ def rl_step(run, step, before_update=None) -> experience.StepResult:
                                           scores.ref_prompt, step, packed.input_ids[:, :packed.P])
     qref = run.qref.prompt_logp(prompts)                                 # Query-KL's reference
     adv, signal = experience.advantages(run, collected.rewards.to(dev), scores, resp_mask, valid)  # A
-    experience.judge_signal(plan, signal, valid, update_rows)           # which updates step (§8.6)
+    judge_signal(plan, signal, valid, update_rows)           # which updates step (§8.6)
     w = row_weights(run, collected.prompt_idx, scores.prompt, prompt_mask, valid, update_rows)  # w(q)
     batch = experience.UpdateBatch(packed, resp_mask, prompt_mask, valid, scores, qref, adv, w, ro.logprobs)
     if before_update is not None:                                        # the monitors, at pi_old
@@ -58,7 +62,7 @@ def rollouts(run, step) -> experience.Collected:
     needs the memory), their groups dealt to the ranks by length."""
     with run.decoding_copy(run.policy, run.spec.weights_dtype) as decoder:
         collected = experience.collect(run, decoder, step)
-    return experience.deal_by_length(run, collected)                   # the ranks' work evened out
+    return deal_by_length(run, collected)                   # the ranks' work evened out
 
 
 def on_policy_rows(run, update_rows) -> slice:
@@ -93,7 +97,7 @@ def score_old(run, packed: logprobs.Packed, scores: experience.OldScores, mbs: l
 
 @torch.no_grad()
 def score_old_and_ref(run, packed: logprobs.Packed, fresh: slice,
-                      plan: experience.StepPlan) -> experience.OldScores:
+                      plan: "StepPlan") -> experience.OldScores:
     """No-grad forwards: the policy over the rows after `fresh`, the reference over all rows."""
     scores = experience.OldScores.empty(packed, fresh, has_ref=run.ref is not None)
     score_old(run, packed, scores, plan.old, plan.group)
@@ -118,7 +122,7 @@ def row_weights(run, prompt_idx, prompt_logp, prompt_mask, valid, update_rows):
     return experience.code_query_weights(prompt_logp, prompt_mask, valid, update_rows)
 
 
-def ppo_update(run, batch: experience.UpdateBatch, plan: experience.StepPlan) -> dict:
+def ppo_update(run, batch: experience.UpdateBatch, plan: "StepPlan") -> dict:
     """One optimizer step per global update batch with a signal (UpdatePlan.takes_step), x ppo_epochs
     -> train.ppo_update's record (each applied step's statistics, the counts, the lr). The first
     update forward is pi_old's for the on-policy rows (on_policy_rows):
@@ -141,7 +145,7 @@ def ppo_update(run, batch: experience.UpdateBatch, plan: experience.StepPlan) ->
     return {"applied": applied, "skipped_steps": skipped, "no_signal_steps": no_signal, "lr": lr}
 
 
-def optimizer_step(run, batch: experience.UpdateBatch, update: experience.UpdatePlan, is_pi_old: bool,
+def optimizer_step(run, batch: experience.UpdateBatch, update: "UpdatePlan", is_pi_old: bool,
                    group: int):
     """Gradient of one update batch, clipped, applied if its loss and gradient are finite on every
     rank -> its statistics on the host (this rank's sums; grad_norm global), or None if skipped."""
@@ -155,7 +159,7 @@ def optimizer_step(run, batch: experience.UpdateBatch, update: experience.Update
     return host
 
 
-def accumulate_gradient(run, batch: experience.UpdateBatch, update: experience.UpdatePlan, is_pi_old: bool,
+def accumulate_gradient(run, batch: experience.UpdateBatch, update: "UpdatePlan", is_pi_old: bool,
                         group: int) -> dict[str, torch.Tensor]:
     """Forward + backward of each micro-batch of one optimizer step; -> its loss statistics, summed
     over micro-batches as float64 tensors (no host read here). Every loss term is divided by the
@@ -186,3 +190,123 @@ def accumulate_gradient(run, batch: experience.UpdateBatch, update: experience.U
             stats[key] = stats.get(key, 0.0) + v.detach().double()
     return stats
 
+# ----------------------------------------------------------------------------------------------
+# The step's plan: its optimizer steps and the micro-batches of each forward, planned on the host
+# from the rollout's lengths; and the groups dealt to the ranks by length
+
+@dataclass
+class Group:
+    """One prompt's G rows, as deal_by_length moves them between ranks (on the CPU, trimmed)."""
+    ro: rollout.Rollout
+    rewards: torch.Tensor               # (G,)
+    valid: torch.Tensor                 # (G,)
+    prompt_idx: int
+    tokens: int                         # prompt + response tokens of its G rows: what scoring it costs
+
+
+def deal_by_length(run, c: experience.Collected) -> experience.Collected:
+    """Whole groups dealt to the ranks by length (batching.deal) within each update batch: the same
+    groups make each optimizer step as before, on the same number of rows per rank, but no rank
+    gets all the long responses. One all-gather of the step's groups; nothing on one process. The
+    first sampling round's rewards (reward / train_acc) stay where they were: they are summed."""
+    if run.dist.world == 1:
+        return c
+    world, G = run.dist.world, run.args.group_size
+    ro, per = c.ro.to("cpu"), run.args.update_batch // world       # groups of an update batch, per rank
+    mine = []
+    for k, idx in enumerate(c.prompt_idx):
+        rows = slice(k * G, (k + 1) * G)
+        g = trimmed(ro.take(rows))
+        tokens = int(g.prompt_mask.sum() + g.response_mask.sum())
+        mine.append(Group(g, c.rewards[rows].cpu(), c.valid[rows].cpu(), idx, tokens))
+    everyone = distributed.all_gather_list([mine])                     # [rank][group]
+    kept = []
+    for u in range(0, len(mine), per):                                 # each update batch
+        pool = [g for groups in everyone for g in groups[u:u + per]]
+        kept += [pool[i] for i in batching.deal([g.tokens for g in pool], world)[run.dist.rank]]
+    return replace(c, ro=rollout.cat_rollouts([g.ro for g in kept], run.tokenizer.pad_token_id),
+                   rewards=torch.cat([g.rewards for g in kept]), valid=torch.cat([g.valid for g in kept]),
+                   prompt_idx=[g.prompt_idx for g in kept])
+
+
+def trimmed(ro: rollout.Rollout) -> rollout.Rollout:
+    """Rows without their all-padding columns (prompts are left-padded, responses right-padded)."""
+    left = ro.prompt_ids.shape[1] - int(ro.prompt_mask.sum(1).max())   # padding columns on the left
+    R = int(ro.response_mask.sum(1).max())
+    return rollout.Rollout(ro.prompt_ids[:, left:], ro.prompt_mask[:, left:], ro.response_ids[:, :R],
+                           ro.response_mask[:, :R], ro.logprobs[:, :R], ro.finished)
+
+
+@dataclass
+class UpdatePlan:
+    """One optimizer step: its micro-batches and the global counts its loss is divided by."""
+    micro_batches: list[logprobs.MicroBatch]
+    num_tokens: float                   # valid response tokens of the update batch, all ranks (>= 1)
+    num_seqs: float                     # valid rows of the update batch, all ranks (0: DAPO filler only)
+    num_signal: float | None = None     # of those, rows whose advantage is not ~0 (judge_signal; 0: none)
+
+    def takes_step(self, no_signal: str) -> bool:
+        """An update batch in which every valid row's advantage is ~0 (losses.carries_signal: what the
+        estimator produced, e.g. every group's rewards equal), or of DAPO filler only, takes no
+        optimizer step unless no_signal is "step" (--no-signal; method.md §8.6): its loss would be
+        the KL terms alone, whose gradient is ~0 near the reference, and AdamW would normalise that
+        into a full lr-sized step in every weight. Skipped, the moments, weight decay and the LR
+        schedule wait too. Filler only: nothing in the loss, never a step."""
+        if self.num_signal is None:
+            raise RuntimeError("UpdatePlan.num_signal is set once the advantages exist (judge_signal)")
+        return self.num_seqs > 0 and (self.num_signal > 0 or no_signal == "step")
+
+
+@dataclass
+class StepPlan:
+    """Every host-side decision of a step's forwards."""
+    old: list[logprobs.MicroBatch]      # no-grad pi_old forwards: the rows after the on-policy ones
+    fresh: list[logprobs.MicroBatch]    # the on-policy rows, which the first update forward scores as pi_old
+    ref: list[logprobs.MicroBatch]      # reference forwards, all rows (none without a reference)
+    updates: list[UpdatePlan]           # one per update batch (each PPO epoch repeats them)
+    group: int                          # G where each prompt runs once for its G rows, else 1
+
+
+def micro_batches(args, packed: logprobs.Packed, rows: range) -> list[logprobs.MicroBatch]:
+    """Rows as micro-batches, longest first: <= --micro-batch rows, <= --micro-tokens tokens (the
+    real ones where the full-row forward is packed: --pack without shared prompts; else padded),
+    whole groups if prompts are shared, as many on every rank."""
+    lengths, group = [packed.lengths[i] for i in rows], batching.prompt_group(args)
+    pack = bool(getattr(args, "pack", False)) and group == 1
+
+    def plan(count=0):
+        return batching.microbatch_plan(lengths, args.micro_batch, args.micro_tokens, count, group, pack)
+    most = int(distributed.all_max(torch.tensor(len(plan()))))
+    return [packed.micro_batch([rows.start + i for i in mb], pack) for mb in plan(most)]
+
+
+def plan_step(args, packed: logprobs.Packed, valid: list[float], update_rows: list[slice], fresh: slice,
+              has_ref: bool) -> StepPlan:
+    """The step's plan from the host lengths and validity of its rows: one collective for the
+    global counts, one per forward loop (the most micro-batches any rank runs), one host read
+    (do a group's rows share their prompt?). fresh: the on-policy rows (train.on_policy_rows). Which
+    update batches carry a signal is judged once the advantages exist (judge_signal)."""
+    B, G = len(packed.lengths), args.group_size
+    local = {}
+    for u, rows in enumerate(update_rows):
+        lengths, ok = packed.lengths[rows], valid[rows]
+        local[f"tokens{u}"] = sum(r * v for (_, r), v in zip(lengths, ok))   # valid response tokens
+        local[f"seqs{u}"] = sum(ok)
+    counts = distributed.all_sums(local)
+    updates = [UpdatePlan(micro_batches(args, packed, range(rows.start, rows.stop)),
+                          max(1.0, counts[f"tokens{u}"]), counts[f"seqs{u}"])
+               for u, rows in enumerate(update_rows)]
+    group = batching.prompt_group(args)
+    group = group if group > 1 and logprobs.shares_prompts(packed, G) else 1
+    return StepPlan(old=micro_batches(args, packed, range(fresh.stop, B)),
+                    fresh=micro_batches(args, packed, range(fresh.start, fresh.stop)),
+                    ref=micro_batches(args, packed, range(B)) if has_ref else [],
+                    updates=updates, group=group)
+
+
+def judge_signal(plan: StepPlan, signal, valid, update_rows: list[slice]):
+    """Each update batch's num_signal: its valid rows (all ranks) whose advantage carries a signal."""
+    ok = (signal.to(valid.dtype) * valid).tolist()
+    counts = distributed.all_sums({f"signal{u}": sum(ok[rows]) for u, rows in enumerate(update_rows)})
+    for u, update in enumerate(plan.updates):
+        update.num_signal = counts[f"signal{u}"]

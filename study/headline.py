@@ -44,6 +44,7 @@ sys.path.insert(0, ROOT)
 from study.long_run import cell, commit, golden_digest, interval, jobs_count  # noqa: E402
 from plumbing.errors import OneLineParser  # noqa: E402
 from tests.rounding import KERNELS, kernel_env  # noqa: E402
+from study import RECORDED_FAST_PATHS  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "study", "results", "headline")
 SETS = ("tiny-test", "tiny-ood", "tiny-hard")
@@ -98,7 +99,7 @@ def run_one(run: Run, runs_dir, results, size) -> str:
     # its own Query-KL cache: a shared one, built under other kernels, would hide how these round the
     # reference's prompt log-probs (tests/test_golden.py does the same)
     argv = ["--algo", run.algo, "--seed", str(run.seed), "--out", out, "--overwrite", "--query-cache-dir", "",
-            "--measure-policy-kl", "true", *SIZES[size]]         # every row's Policy-KL is a column
+            "--measure-policy-kl", "true", *RECORDED_FAST_PATHS, *SIZES[size]]   # Policy-KL: a column
     env = {**kernel_env(run.kernels), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", ONE_THREAD, *argv], cwd=ROOT, env=env, capture_output=True,
                        text=True)

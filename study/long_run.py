@@ -92,6 +92,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from study.miniature import ci, subset  # noqa: E402  (the short study's statistics and training set)
 from plumbing.errors import OneLineParser  # noqa: E402
+from study import RECORDED_FAST_PATHS  # noqa: E402
 
 
 def jobs_count(text) -> int:
@@ -241,7 +242,7 @@ def train_argv(spec: RunSpec, arm: Arm, data, out) -> list[str]:
             "--eval-data", "tiny-test", "--eval-every", str(arm.eval_every),
             "--eval-limit", str(arm.eval_limit),
             "--eval-temperatures", *map(str, TEMPS), "--save-every", str(arm.eval_every), "--out", out,
-            "--measure-policy-kl", "true", *arm.train, *spec.flags]   # policy_kl is logged every step
+            "--measure-policy-kl", "true", *RECORDED_FAST_PATHS, *arm.train, *spec.flags]   # policy_kl: every step
 
 
 ONE_THREAD = "import sys, torch; torch.set_num_threads(1); import train; train.main(sys.argv[1:])"

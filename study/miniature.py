@@ -51,6 +51,7 @@ import sys
 import tempfile
 
 from tqdm import tqdm
+from study import RECORDED_FAST_PATHS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -97,7 +98,7 @@ def train_run(out, algo, seed, size, data):
         train.main(["--algo", algo, "--seed", str(seed), "--train-data", data, "--steps", str(size["steps"]),
                     "--eval-data", "tiny-test", data, "--eval-every", str(size["eval_every"]),
                     "--eval-limit", str(size["eval_limit"]), "--save-every", str(size["eval_every"]),
-                    "--out", run, "--measure-policy-kl", "true", *size["train"], *resume])
+                    "--out", run, "--measure-policy-kl", "true", *RECORDED_FAST_PATHS, *size["train"], *resume])
     return run
 
 

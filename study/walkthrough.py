@@ -95,7 +95,7 @@ class Trace:
     """What the wrapped functions of train.py saw in the traced step, and what was measured there."""
     collected: object = None           # experience.Collected
     batch: object = None               # experience.UpdateBatch
-    plan: object = None                # experience.StepPlan
+    plan: object = None                # scale_step.StepPlan
     terms: dict = field(default_factory=dict)   # "erpo" / "grpo" -> Terms
     prop1: dict = field(default_factory=dict)   # Proposition 1: gradients with the responses swapped
     after: dict = field(default_factory=dict)   # "erpo" / "grpo" -> (response, prompt) log-probs after
@@ -145,7 +145,7 @@ def loss_terms(run, algo, batch, plan) -> Terms:
             return algo.alpha * losses.aggregate(qkl[r], None, "seq-mean", num_seqs=update.num_seqs)
         return losses.aggregate(per_token[name][r], mask[r], algo.agg, **denom)
     names = [*per_token, *(["query_kl"] if algo.alpha > 0 else [])]
-    # positions of each prompt's G rows in the micro-batch (experience.plan_step orders rows by length)
+    # positions of each prompt's G rows in the micro-batch (scale_step.plan_step orders rows by length)
     groups = [torch.nonzero(rows // G == g).squeeze(1) for g in range(len(rows) // G)]
     params = [p for p in run.policy.parameters() if p.requires_grad]
     values = {n: term(n, slice(None)) for n in names}
@@ -230,7 +230,7 @@ def trace(folder):
     dtype, amp = distributed.precision(args.dtype, dist.device)
     model, tokenizer = models.load_for_training(args.model, dist.device, dtype)
     _, data = train.load_data(args, tokenizer)
-    run = train.setup_rl(args, algo, dist, model, tokenizer, data, None)
+    run = train.setup_rl(args, algo, dist, model, tokenizer, data, None, train.lr_schedule(args))
     with amp():
         for step in range(TRACED - 1):
             train.logged_step(run, step)

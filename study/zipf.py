@@ -115,6 +115,7 @@ import json
 import os
 import sys
 import time
+from study import RECORDED_FAST_PATHS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -602,7 +603,7 @@ def run_pilot(seed, model, runs, results, args=PILOT_ARGS, summarize=pilot_summa
     started_at = commit()                        # the code the run starts from (the tree may move on)
     out = os.path.join(runs, f"grpo-s{seed}")
     resumed = resume and has_checkpoint(out)
-    argv = [*args, "--model", model, "--seed", str(seed), "--out", out,
+    argv = [*args, *RECORDED_FAST_PATHS, "--model", model, "--seed", str(seed), "--out", out,
             "--resume" if resume else "--overwrite", "--export", os.path.join(out, "final")]
     t0 = time.time()
     r = subprocess.run([sys.executable, "-c", ONE_THREAD, *argv], cwd=ROOT, capture_output=True, text=True,

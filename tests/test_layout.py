@@ -166,10 +166,11 @@ def test_every_option_is_written_once_and_the_parser_is_the_table():
 # it (hooks, monitors, metrics, logging) is outside. The fast paths (rl/scale_step.py, sampler/) are
 # not on this path: each is an option, held equal to it by its own test.
 
-# The budget holds what the plain step reads today (822 lines, 52,779 characters, 11 files; it was 1,905 /
-# 120,546 / 18 before the plain step): issue #49 asks for 800, 48,000 and 8, which the four plumbing files
-# (distributed, optimizer, batching, timer) and the grader keep out of reach for now.
-STEP_LINES, STEP_CHARS, STEP_FILES = 830, 53_000, 11
+# Issue #49 asks for 800 lines, 48,000 characters and 8 files (it was 1,905 / 120,546 / 18 before the
+# plain step). Today: 800 lines and 8 files; the characters are 51,178, the docstrings of the loss terms
+# (their equations) and of the grader being most of the rest, which this budget does not buy by
+# cutting them. It holds today's numbers, so what the default step reads cannot grow unnoticed.
+STEP_LINES, STEP_CHARS, STEP_FILES = 800, 51_200, 8
 
 
 @dataclass

@@ -181,13 +181,18 @@ def test_each_option_trains_two_steps(name, tmp_path, small_data):
 
 
 def test_lr_schedules_by_hand():
-    from plumbing.optimizer import lr_factor
+    from train import lr_factor
     W, D = 2, 10                                                          # 2 warm-up steps, decay to step 10
     assert [lr_factor(s, "constant", W, D) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
     assert [lr_factor(s, "linear", W, D) for s in (0, 1, 2, 6, 10, 12)] == [0.5, 1.0, 1.0, 0.5, 0.0, 0.0]
     assert lr_factor(6, "linear", W, D, floor=0.2) == pytest.approx(0.6)
     cos = [lr_factor(s, "cosine", 0, 8, floor=0.1) for s in (0, 2, 4, 8, 9)]
     assert cos == pytest.approx([1.0, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2, 0.55, 0.1, 0.1])
+    from plumbing import optimizer                                        # SFT's warm-up: the same factors
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    for w in (0, 1, 3):
+        factor = optimizer.warmup_then_constant(opt, w).lr_lambdas[0]
+        assert [factor(s) for s in range(6)] == [lr_factor(s, "constant", w) for s in range(6)]
 
 
 def test_a_decaying_schedule_follows_steps_on_resume(tmp_path, small_data, capsys):

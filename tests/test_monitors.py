@@ -13,7 +13,7 @@ import analysis
 import losses
 import train
 from modeling import models
-from rl import experience, monitors
+from rl import experience, monitors, scale_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM = os.path.join(ROOT, "data", "tinymath", "warmstart")
@@ -206,12 +206,12 @@ def test_the_measured_micro_batch_has_a_policy_gradient():
     def mb(*rows):
         return MicroBatch(torch.tensor(rows), 2, 2)
     adv = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0])
-    skipped = experience.UpdatePlan([mb(5, 6)], 4.0, 2.0, num_signal=0.0)      # no signal: takes no step
-    stepping = experience.UpdatePlan([mb(2, 3), mb(4, 5)], 4.0, 2.0, num_signal=1.0)
-    plan = experience.StepPlan([], [], [], [skipped, stepping], 1)
+    skipped = scale_step.UpdatePlan([mb(5, 6)], 4.0, 2.0, num_signal=0.0)      # no signal: takes no step
+    stepping = scale_step.UpdatePlan([mb(2, 3), mb(4, 5)], 4.0, 2.0, num_signal=1.0)
+    plan = scale_step.StepPlan([], [], [], [skipped, stepping], 1)
     assert monitors.measured_micro_batch(plan, adv, "skip").rows.tolist() == [4, 5]
     assert monitors.measured_micro_batch(plan, adv, "step").rows.tolist() == [5, 6]   # (then it steps)
-    none = experience.StepPlan([], [], [], [stepping], 1)
+    none = scale_step.StepPlan([], [], [], [stepping], 1)
     assert monitors.measured_micro_batch(none, torch.zeros(8), "skip").rows.tolist() == [2, 3]
 
 
@@ -273,8 +273,7 @@ def test_query_kl_cosine_is_null_at_step_1_and_measured_once_the_policy_moved(tm
 def test_trained_prompts_are_the_first_sampled(monkeypatch):
     """trained_prompts: the first n distinct indices of the steps' samples in order, fixed once n
     are reached, all of them before; none before a step."""
-    from plumbing import batching
-    order = [batching.step_indices(50, k, 8, 3) for k in range(4)]
+    order = [experience.step_indices(50, k, 8, 3) for k in range(4)]
     seen = list(dict.fromkeys(i for o in order for i in o))
     assert monitors.trained_prompts(50, 0, 8, 3, 10) == []
     assert monitors.trained_prompts(50, 1, 8, 3, 10) == order[0]                  # 8 of 10: fewer before
@@ -284,9 +283,9 @@ def test_trained_prompts_are_the_first_sampled(monkeypatch):
 
 def test_the_memorisation_metric_scores_prompts_the_run_has_sampled(tmp_path, small_data, monkeypatch):
     """Issue #50: eval_query_kl_trained's prompts, at each evaluation after step s, are a subset of the
-    prompts steps 1..s sampled (batching.step_indices), as many as the held-out set has once there are
+    prompts steps 1..s sampled (experience.step_indices), as many as the held-out set has once there are
     that many; the training set's first rows, which the old eval_query_kl_train scored, are not."""
-    from plumbing import batching, run_dir
+    from plumbing import run_dir
     seen = []
     real = monitors.HeldoutQueryKL.trained_sample
 
@@ -300,7 +299,7 @@ def test_the_memorisation_metric_scores_prompts_the_run_has_sampled(tmp_path, sm
     seed = run_dir.read_config(str(out))["seed"]
     assert [s for s, *_ in seen] == [1, 2, 3] and all("eval_query_kl_trained" in rows[s] for s in (1, 2, 3))
     for steps, idx, n_data, n in seen:
-        sampled = {i for k in range(steps) for i in batching.step_indices(n_data, k, 8, seed)}
+        sampled = {i for k in range(steps) for i in experience.step_indices(n_data, k, 8, seed)}
         assert set(idx) <= sampled and len(idx) == min(n, len(sampled)) == len(set(idx)), steps
     assert seen[1][1] == seen[2][1] and len(seen[1][1]) == 12                       # fixed once 12 are sampled
     assert set(seen[2][1]) != set(range(12))

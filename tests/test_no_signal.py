@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 import train
 from tests.rounding import assert_rounding
@@ -26,9 +27,14 @@ def run(out, *extra, steps=2):
 
 @pytest.fixture
 def optimizer_steps(monkeypatch):
-    """Counts the optimizer steps train.py applies (plumbing.optimizer.step)."""
-    calls, real = [], train.optimizer.step
-    monkeypatch.setattr(train.optimizer, "step", lambda opt, sched: (calls.append(1), real(opt, sched)))
+    """Counts the optimizer steps train.py applies (AdamW's step, which the plain step calls itself
+    and the step at scale through plumbing.optimizer.step)."""
+    calls, real = [], torch.optim.AdamW.step
+
+    def counted(self, *a, **kw):
+        calls.append(1)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
     return calls
 
 
@@ -166,5 +172,6 @@ def test_no_signal_is_judged_on_the_advantages_the_estimator_produced(tmp_path, 
         extension.unregister(losses.ADVANTAGES, "fixed-baseline")
     assert len(optimizer_steps) == 4 and [m["no_signal_steps"] for m in ms] == [0, 0]
     assert all(m["grad_norm"] is not None and m["grad_norm"] > 0 for m in ms)
-    ms = run(tmp_path / "passk", *args, "--adv", "passk")                # pass@k: 0 on constant groups
+    ms = run(tmp_path / "passk", *args, "--adv", "passk", "--passk-k", "2")  # pass@k: 0 on constant groups
+    # (k = G is refused before the run: pass@G is 0 on every group, whatever its rewards)
     assert len(optimizer_steps) == 4 and [m["no_signal_steps"] for m in ms] == [2, 2]

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from modeling import logprobs
 from plumbing import batching
-from rl import experience
+from rl import scale_step
 from tests.rounding import assert_rounding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,13 +196,13 @@ def test_the_plan_counts_real_tokens_against_micro_tokens():
 @pytest.mark.parametrize("pack, share, fsdp, packs", [(True, False, False, True), (True, True, True, True),
                                                       (True, True, False, False), (False, False, False, False)])
 def test_micro_batches_pack_the_full_row_path_only(pack, share, fsdp, packs):
-    """experience.micro_batches: --pack applies where the forward runs full rows (prompts not
+    """scale_step.micro_batches: --pack applies where the forward runs full rows (prompts not
     shared: --share-prompts false, or --fsdp), and the trimmed rows carry it to score_tokens."""
     lengths = [(5, 40), (6, 10), (5, 12), (6, 30), (2, 3), (2, 9), (3, 3), (3, 1)]
     packed = padded_rows(lengths, 100)
     args = SimpleNamespace(pack=pack, share_prompts=share, fsdp=fsdp, grad_ckpt=False, group_size=2,
                            micro_batch=8, micro_tokens=60)
-    mbs = experience.micro_batches(args, packed, range(8))
+    mbs = scale_step.micro_batches(args, packed, range(8))
     assert sorted(i for mb in mbs for i in mb.rows.tolist()) == list(range(8))
     assert all(mb.pack == packs and packed.trimmed(mb)[0].pack == packs for mb in mbs)
     if packs:        # totals 45 16 17 36 5 11 6 4, longest first, <= 60 real tokens (padded: 4 micro-batches)

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from rl.experience import Collected, deal_by_length
+from rl.experience import Collected
+from rl.scale_step import deal_by_length
 from plumbing import batching
 from rollout import Rollout
 

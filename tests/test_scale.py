@@ -333,9 +333,10 @@ def test_the_dry_run_measures_ddp_replicas(capsys):
     rank holds (its gradients are views into the reduction buckets); within 15% of the plan."""
     import train
     from plumbing import memory_plan
+    from rl import memory_measure
 
     args, algo = train.parse_args([*MEMCHECK, "--dtype", "float32", "--fsdp", "false"])
-    measured = train.measure_memory(args, algo, world=8)
+    measured = memory_measure.measure_memory(args, algo, world=8)
     plan = memory_plan.phases(memory_plan.arch_for(args.model), args, 8, train.needs_reference_model(args, algo))
     for phase in memory_plan.PHASES:
         assert measured.peaks[phase] == pytest.approx(plan[phase], rel=0.15), phase

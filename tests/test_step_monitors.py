@@ -124,7 +124,7 @@ class FakeCuda:
 def test_gpu_memory_per_phase_in_gib_on_cuda():
     """Each phase's peak (reset at its start), the reserved peak and the driver's used memory at its
     end; a repeated phase keeps its largest; a CPU run logs none."""
-    from plumbing.timer import Phases
+    from rl.experience import Phases
     cuda, G = FakeCuda(), FakeCuda.GIB
     t = Phases("cuda", cuda=cuda)
     for phase, peak, reserved, free in (("gen", 30, 40, 20), ("update", 50, 60, 10), ("gen", 20, 45, 25)):

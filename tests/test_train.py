@@ -51,7 +51,7 @@ def rl_loss_statistics(algo):
 
 def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeypatch):
     before = {k: v.clone() for k, v in train.models.load_policy(WARM)[0].state_dict().items()}
-    real, real_clip, opt_steps = train.losses.rl_loss, train.optimizer.clip_grad, [{}]
+    real, real_clip, opt_steps = train.losses.rl_loss, torch.nn.utils.clip_grad_norm_, [{}]
 
     def spy(algo, **kw):                       # each optimizer step's clip statistics, micro-batches summed
         loss, st = real(algo, **kw)
@@ -59,11 +59,11 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeyp
             opt_steps[-1][k] = opt_steps[-1].get(k, 0.0) + st[k].item()
         return loss, st
 
-    def next_step(*a):                         # clip_grad: once per optimizer step, after its backwards
+    def next_step(*a, **kw):                   # clipping: once per optimizer step, after its backwards
         opt_steps.append({})
-        return real_clip(*a)
+        return real_clip(*a, **kw)
     monkeypatch.setattr(train.losses, "rl_loss", spy)
-    monkeypatch.setattr(train.optimizer, "clip_grad", next_step)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", next_step)
     ms = run(tmp_path, small_data, "--algo", "erpo", "--lr", "1e-3", "--no-signal", "step",
              "--measure-policy-kl", "true", steps=4)  # 2 x 4 steps; the Policy-KL monitor on
     assert ms[0]["step"] == 0 and "eval_acc" in ms[0]           # evaluation before training
@@ -76,7 +76,7 @@ def test_erpo_end_to_end_writes_metrics_and_learns(tmp_path, small_data, monkeyp
     # every statistic of rl_loss reaches metrics.jsonl; the clip fractions are the second optimizer
     # step's (2 per RL step): the first is on-policy, nothing to clip
     assert all(rl_loss_statistics(train.losses.ALGOS["erpo"]) <= set(m) for m in steps)
-    opt_steps.pop()                            # (opened by the last clip_grad)
+    opt_steps.pop()                            # (opened by the last clipping)
     assert len(opt_steps) == 2 * 4 and all(v == 0 for first in opt_steps[0::2] for v in first.values())
     for m, second in zip(steps, opt_steps[1::2]):
         assert all(m[k] == pytest.approx(second[k], abs=1e-12) for k in losses.SURROGATES['ppo'].stats)
