@@ -1699,6 +1699,11 @@ ISSUE50_MORE = [
          ["--config", "{c}/c.json", *train("{c}/run", 1)],
          Refused("entropy_coef_delta 0.01 cannot act", absent=("run",)),
          write_text("c.json", '{"entropy_coef_delta": 0.01}')),
+    Case("config-loss-knob-idle", "train.py", "a config of grpo's with surrogate sapo and eps_high (SAPO has no "
+         "clip): refused as the flags are (it was accepted and did nothing)",
+         ["--config", "{c}/c.json", *train("{c}/run", 1)],
+         Refused("--config {c}/c.json: eps_high cannot act on --algo grpo as configured", absent=("run",)),
+         write_text("c.json", '{"algo": "grpo", "surrogate": "sapo", "eps_high": 0.5}')),
     Case("extension-option-lr", "train.py", "an extension row's option named lr (it silently read --lr): "
          "refused, naming the row and the flag",
          ["--extensions", "{c}/mine.py", "--adv", "mine", *train("{c}/run", 1)],

@@ -296,9 +296,10 @@ def make_algo(parsed: Parsed):
     except ForeignKnobs as e:
         parsed.error(foreign_knobs_message(src, e.knobs))
     except InertKnobs as e:
-        parsed.error(f"{_flags(e.knobs)} cannot act on --algo {args.algo} as configured "
-                     f"({algo_summary(e.algo)}); "
-                     "e.g. a Policy-KL estimator needs --beta > 0, a Query-KL estimator --alpha > 0")
+        where = f"--config {parsed.config_path}: {', '.join(sorted(e.knobs))}" if e.in_file else _flags(e.knobs)
+        parsed.error(f"{where} cannot act on --algo {args.algo} as configured ({algo_summary(e.algo)}); "
+                     "e.g. a Policy-KL estimator needs --beta > 0, a Query-KL estimator --alpha > 0, the "
+                     f"PPO clip --surrogate ppo{'; or remove the keys' if e.in_file else ''}")
     except ValueError as e:
         parsed.error(str(e))
     for k in dropped:
@@ -336,11 +337,12 @@ class ForeignKnobs(ValueError):
 
 
 class InertKnobs(ValueError):
-    """Knobs given on the command line that cannot act on the algorithm as resolved."""
+    """Knobs given on the command line (in_file: set by the --config file for its own algorithm)
+    that cannot act on the algorithm as resolved."""
 
-    def __init__(self, knobs, algo):
+    def __init__(self, knobs, algo, in_file=False):
         super().__init__(_flags(knobs))
-        self.knobs, self.algo = set(knobs), algo
+        self.knobs, self.algo, self.in_file = set(knobs), algo, in_file
 
 
 @dataclass(frozen=True)
@@ -377,7 +379,8 @@ def resolve_knobs(src: KnobSources) -> tuple[losses.Algo, set]:
       also on the command line whose value is not the row's own is refused (ForeignKnobs), unless
       it acts neither on the row nor with the config's values (then it is dropped);
     - a knob on the command line that cannot act on the algorithm as resolved is refused
-      (InertKnobs), unless its value is the row's own (it changes nothing: `--alpha 0` on grpo).
+      (InertKnobs), unless its value is the row's own (it changes nothing: `--alpha 0` on grpo); so is
+      one the --config file sets for its own algorithm (one rule wherever a value comes from).
     ValueError: values losses.make_algo refuses."""
     own = src.config_algo == src.algo
     foreign = set() if own else {k for k in src.config - src.cli
@@ -394,6 +397,10 @@ def resolve_knobs(src: KnobSources) -> tuple[losses.Algo, set]:
     inert = {k for k in src.cli & losses.unused_fields(algo) if not is_rows_own(src.algo, k, src.given[k])}
     if inert:
         raise InertKnobs(inert, algo)
+    idle = {k for k in (src.config - src.cli - foreign) & losses.unused_fields(algo)
+            if not is_rows_own(src.algo, k, src.given[k])}
+    if idle:
+        raise InertKnobs(idle, algo, in_file=True)
     return algo, foreign
 
 

@@ -201,3 +201,34 @@ def test_an_absurd_length_is_not_modelled_in_host_memory():
     line = time_model.report(args, 8, False, "h100")
     assert line.startswith("time model: not modelled: --max-prompt-len 128 + --max-new-tokens 1,000,000,000")
     assert "\n" not in line
+
+
+def test_an_inert_loss_knob_in_a_config_for_its_own_algorithm_is_refused_as_its_flag_is(tmp_path, capsys):
+    """--surrogate sapo --eps-high 0.5 was refused, the same two keys in a config of grpo's accepted
+    (SAPO has no clip: eps_high did nothing)."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"algo": "grpo", "surrogate": "sapo", "eps_high": 0.5}))
+    line = refused_at_parse(capsys, "--config", str(path))
+    assert f"--config {path}: eps_high cannot act on --algo grpo as configured" in line
+    assert line.endswith("or remove the keys")
+    assert "--eps-high cannot act" in refused_at_parse(capsys, "--algo", "grpo", "--surrogate", "sapo",
+                                                       "--eps-high", "0.5")
+    import train
+    path.write_text(json.dumps({"algo": "grpo", "surrogate": "gspo", "eps_high": 0.5}))   # where it acts
+    assert train.parse_args(["--config", str(path)])[1].eps_high == 0.5
+
+
+def test_a_config_key_the_command_line_leaves_idle_is_said_not_refused(capsys):
+    """The released ERPO config run as GRPO with the loss knobs the foreign-knob message suggests:
+    its qkl_ref live acts in the file (alpha 0.01) but not under --alpha 0 from the command line, so
+    one note says so and the run is parsed (the config stays usable as a base); the same value given
+    as a flag is refused."""
+    import train
+    config = os.path.join(ROOT, "configs", "released_qwen25_7b.json")
+    drop = ["--agg", "token-mean", "--alpha", "0", "--dual-clip", "3", "--eps-high", "0.3", "--weights", "none"]
+    args, algo = train.parse_args(["--config", config, "--algo", "grpo", *drop])
+    assert algo == train.losses.ALGOS["grpo"] and args.qkl_ref == "live"
+    out = capsys.readouterr().out
+    assert "note: --config" in out and "qkl_ref live does not act" in out
+    assert "--qkl-ref live cannot act" in refused_at_parse(capsys, "--config", config, "--algo", "grpo", *drop,
+                                                           "--qkl-ref", "live")
