@@ -240,7 +240,7 @@ def score(model, packed, rows, temperature, with_entropy=False) -> logprobs.Toke
 
 
 @torch.no_grad()
-def score_old(run, packed) -> experience.OldScores:
+def score_old(run, packed) -> experience.RolloutScores:
     """pi_old's log-probs and entropy (the policy before this step's updates), and the reference
     model's log-probs where one is loaded, micro-batch by micro-batch."""
     T, everything = run.args.temperature, slice(0, packed.input_ids.shape[0])
@@ -250,7 +250,7 @@ def score_old(run, packed) -> experience.OldScores:
 
     def cat(parts, field):
         return None if parts is None else torch.cat([getattr(p, field) for p in parts])
-    return experience.OldScores(cat(mine, "response"), cat(mine, "prompt"), cat(mine, "entropy"),
+    return experience.RolloutScores(cat(mine, "response"), cat(mine, "prompt"), cat(mine, "entropy"),
                                 cat(ref, "response"), cat(ref, "prompt"))
 
 
@@ -298,15 +298,15 @@ def ppo_update(run, batch: experience.UpdateBatch, signal) -> dict:
 
 def accumulate_gradient(run, batch: experience.UpdateBatch, rows: slice, num_tokens, num_seqs) -> dict:
     """Forward + backward of each micro-batch of one update batch -> its loss statistics, summed."""
-    args, algo, old, stats = run.args, run.algo, batch.scores, {}
+    args, algo, scores, stats = run.args, run.algo, batch.scores, {}
     parts = micro_batches(run, rows)
     for k, mb in enumerate(parts):
         if run.dist.world > 1:                                           # DDP: reduce at the last only
             run.policy.require_backward_grad_sync = k == len(parts) - 1
         now = score(run.policy, batch.packed, mb, args.temperature, algo.uses_entropy)
         loss, st = losses.rl_loss(                               # PG(A*w) [+ b*PolicyKL] [+ a*QueryKL]
-            algo, logp=now.response, old_logp=old.old[mb],
-            ref_logp=old.ref[mb] if algo.has_policy_kl_loss else None,
+            algo, logp=now.response, old_logp=scores.old[mb],
+            ref_logp=scores.ref[mb] if algo.has_policy_kl_loss else None,
             resp_mask=batch.resp_mask[mb], advantages=batch.adv[mb],
             weights=None if batch.weights is None else batch.weights[mb],
             prompt_logp=now.prompt, prompt_ref_logp=batch.qref[mb], prompt_mask=batch.prompt_mask[mb],

@@ -1,7 +1,7 @@
 """One RL step's experience: this rank's prompts, G responses to each from the rollout policy,
 graded by their tasks, and (DAPO) more sampling rounds where groups carry no signal (`collect` ->
 Collected); then, once train.py has scored the rows, the rollout policy's and the reference's
-log-probs (OldScores) and everything the PPO update reads (UpdateBatch).
+log-probs (RolloutScores) and everything the PPO update reads (UpdateBatch).
 
 train.rl_step calls `collect` once per step, on the decoding copy of the policy
 (distributed.gathered). What a row is worth is its task's business (tasks.score_rows, which sees
@@ -158,8 +158,9 @@ def trained_rows(valid, ro: rollout.Rollout, algo) -> torch.Tensor:
 
 
 @dataclass
-class OldScores:
-    """The rollout policy's log-probs over the rollout rows (B rows), before any update."""
+class RolloutScores:
+    """The rollout rows' log-probs before any update (B rows): the rollout policy's (PPO's pi_old:
+    old, prompt, entropy) and, where one is loaded, the reference model's (ref, ref_prompt)."""
     old: torch.Tensor                   # (B, R) response log-probs of the rollout policy (PPO's pi_old)
     prompt: torch.Tensor                # (B, P-1) its prompt log-probs (Query-KL monitor, code weights)
     entropy: torch.Tensor               # (B, R)
@@ -169,7 +170,7 @@ class OldScores:
                                         # update forward fills in (scale_step.on_policy_rows)
 
     @classmethod
-    def empty(cls, packed: logprobs.Packed, fresh: slice, has_ref: bool) -> "OldScores":
+    def empty(cls, packed: logprobs.Packed, fresh: slice, has_ref: bool) -> "RolloutScores":
         B, P, R = packed.input_ids.shape[0], packed.P, packed.input_ids.shape[1] - packed.P
 
         def zeros(n):
@@ -190,7 +191,7 @@ class UpdateBatch:
     resp_mask: torch.Tensor             # (B, R) response tokens of valid rows
     prompt_mask: torch.Tensor           # (B, P-1) prompt tokens of valid rows
     valid: torch.Tensor                 # (B,)
-    scores: OldScores                   # old, ref (B, R); the first update forward fills in rows scores.fresh
+    scores: RolloutScores               # pi_old's and the reference's log-probs of the rows
     qref: torch.Tensor                  # (B, P-1) the Query-KL reference's prompt log-probs
     adv: torch.Tensor                   # (B,)
     weights: torch.Tensor | None        # (B,) query weights
@@ -221,7 +222,7 @@ def code_query_weights(prompt_logp, prompt_mask, valid, update_rows: list[slice]
     return w
 
 
-def advantages(run, rewards, scores: OldScores, resp_mask, valid) -> tuple[torch.Tensor, torch.Tensor]:
+def advantages(run, rewards, scores: RolloutScores, resp_mask, valid) -> tuple[torch.Tensor, torch.Tensor]:
     """A (B,), by the row --adv chooses of losses.ADVANTAGES (its own options from the run's), and
     (B,) bool: the rows whose advantage carries a signal (losses.carries_signal; method.md §8.6).
     RLOO's KL penalty in the reward (R - beta sum_t KL_t) is a regularizer, not a signal: the

@@ -38,7 +38,7 @@ class Run:
     cache: query_reference.QueryCache | None  # the initial policy's prompt log-probs, where needed:
                                         # --qkl-ref cache, the paper's weights, the monitor
     spec: rollout.SampleSpec
-    timer: experience.Phases                 # seconds per phase of a step (time_gen, time_update, ...)
+    timer: experience.Phases            # seconds per phase of a step (time_gen, time_update, ...)
     task_names: tuple = ()              # the tasks of the training rows (train_acc per task if > 1)
     guard: step_guard.StepGuard = None  # non-finite steps, idle steps, the trusted checkpoint
     # (policy, dtype) -> a context giving the model the sampler decodes with, freed on exit: a LoRA

@@ -84,7 +84,7 @@ def is_pi_old_forward(epoch: int, u: int, fresh: slice) -> bool:
 
 
 @torch.no_grad()
-def score_old(run, packed: logprobs.Packed, scores: experience.OldScores, mbs: list[logprobs.MicroBatch],
+def score_old(run, packed: logprobs.Packed, scores: experience.RolloutScores, mbs: list[logprobs.MicroBatch],
               group):
     """pi_old's log-probs and entropy of the rows of `mbs` (no grad, the unwrapped policy)."""
     for mb in mbs:
@@ -97,9 +97,9 @@ def score_old(run, packed: logprobs.Packed, scores: experience.OldScores, mbs: l
 
 @torch.no_grad()
 def score_old_and_ref(run, packed: logprobs.Packed, fresh: slice,
-                      plan: "StepPlan") -> experience.OldScores:
+                      plan: "StepPlan") -> experience.RolloutScores:
     """No-grad forwards: the policy over the rows after `fresh`, the reference over all rows."""
-    scores = experience.OldScores.empty(packed, fresh, has_ref=run.ref is not None)
+    scores = experience.RolloutScores.empty(packed, fresh, has_ref=run.ref is not None)
     score_old(run, packed, scores, plan.old, plan.group)
     for mb in plan.ref:
         part, prompt_cols, resp_cols = packed.trimmed(mb)
@@ -166,7 +166,7 @@ def accumulate_gradient(run, batch: experience.UpdateBatch, update: "UpdatePlan"
     GLOBAL count of its update batch (tokens or sequences over all micro-batches and ranks), so the
     gradient equals that of one big batch at any micro-batch size and world size (DDP averages
     over ranks, hence the `* world`). is_pi_old: this forward is pi_old's too (record it)."""
-    args, algo, old, stats = run.args, run.algo, batch.scores, {}
+    args, algo, scores, stats = run.args, run.algo, batch.scores, {}
     for k, mb in enumerate(update.micro_batches):
         part, pcols, rcols = batch.packed.trimmed(mb)                    # rows mb.rows, fewer columns
         rows = mb.rows
@@ -174,10 +174,10 @@ def accumulate_gradient(run, batch: experience.UpdateBatch, update: "UpdatePlan"
             now = logprobs.score_tokens(run.policy, part, args.temperature, is_pi_old or algo.uses_entropy,
                                         group, checked=True, entropy_grad=algo.entropy_coef > 0)
             if is_pi_old:
-                old.record(rows, pcols, rcols, now)
+                scores.record(rows, pcols, rcols, now)
             loss, st = losses.rl_loss(                           # PG(A*w) [+ b*PolicyKL] [+ a*QueryKL]
-                algo, logp=now.response, old_logp=old.old[rows, rcols],
-                ref_logp=old.ref[rows, rcols] if algo.has_policy_kl_loss else None,
+                algo, logp=now.response, old_logp=scores.old[rows, rcols],
+                ref_logp=scores.ref[rows, rcols] if algo.has_policy_kl_loss else None,
                 resp_mask=batch.resp_mask[rows, rcols], advantages=batch.adv[rows],
                 weights=None if batch.weights is None else batch.weights[rows],
                 prompt_logp=now.prompt, prompt_ref_logp=batch.qref[rows, pcols],
