@@ -296,7 +296,8 @@ def make_algo(parsed: Parsed):
     except ForeignKnobs as e:
         parsed.error(foreign_knobs_message(src, e.knobs))
     except InertKnobs as e:
-        where = f"--config {parsed.config_path}: {', '.join(sorted(e.knobs))}" if e.in_file else _flags(e.knobs)
+        keys = ', '.join(sorted(e.knobs))
+        where = f"--config {parsed.config_path}: {keys}" if e.in_file else _flags(e.knobs)
         parsed.error(f"{where} cannot act on --algo {args.algo} as configured ({algo_summary(e.algo)}); "
                      "e.g. a Policy-KL estimator needs --beta > 0, a Query-KL estimator --alpha > 0, the "
                      f"PPO clip --surrogate ppo{'; or remove the keys' if e.in_file else ''}")
