@@ -249,7 +249,8 @@ def alternated(sides, repeats, tmp):
     for k in range(repeats):
         for name, fn in sides.items():
             print(f"running {name} ({k + 1}/{repeats}) ...", flush=True)
-            runs[name].append(fn(os.path.join(tmp, f"{name.split()[0].replace(',', '')}_{len(runs[name])}")))
+            folder = "".join(c if c.isalnum() else "_" for c in name)          # one per side and run
+            runs[name].append(fn(os.path.join(tmp, f"{folder}_{len(runs[name])}")))
     return {name: merged(rs) for name, rs in runs.items()}
 
 
