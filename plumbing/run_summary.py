@@ -98,7 +98,8 @@ def evaluate_commands(out, ckpt, eval_sets, template) -> list[str]:
 
     like = LIKE_THE_RUN
     return [f"{base} --n 1 --temperatures {' '.join(f'{t:g}' for t in temps)} --out {out}/eval   "
-            f"# quick, the run's own held-out check: {count(1, temps)}",
+            f"# quick, the run's held-out sets at its size, other samples than its own evaluation (at n = 1 "
+            f"expect the summary's figures within ~5 points): {count(1, temps)}",
             f"{base} --n {like['n']} --k {' '.join(map(str, like['k']))} --temperatures "
             f"{' '.join(f'{t:g}' for t in like['temperatures'])} --out {out}/eval   "
             f"# sized like the run, adds to the quick one: {count(like['n'], like['temperatures'])}",
