@@ -1,6 +1,8 @@
-"""How the tiny world's step takes a shared CPU: the default thread settings against the others, on
-free cores and beside one busy process (another run, a test suite, a browser). Ratios from one
-invocation on one machine, the settings alternated so that a drift of the machine hits all alike.
+"""The tiny world's step under thread settings, on free cores and beside one busy process.
+
+The default thread settings against the others, beside one busy process standing for another run,
+a test suite or a browser. Ratios from one invocation on one machine, the settings alternated so
+that a drift of the machine hits all alike.
 
     python bench/bench_threads.py                  # 4 RL steps a run, 2 runs a setting and load
     python bench/bench_threads.py --steps 3 --repeats 1

@@ -29,6 +29,7 @@ COMMANDS = {
     "bench/bench_rl.py": [["--help"]],
     "bench/bench_monitors.py": [["--help"]],
     "bench/bench_sampler.py": [["--help"]],
+    "bench/bench_threads.py": [["--help"]],
     "bench/bench_grader_pool.py": [["--help"]],
     "bench/bench_grader_timing.py": [["--help"]],
     "bench/gpu_check.py": [["--help"]],
