@@ -302,7 +302,8 @@ def test_derived_sizes_and_bad_input(capsys, tmp_path, small_data):
 
 def test_loss_knobs_are_flags_and_inert_ones_are_errors(capsys, tmp_path):
     """Every losses.Algo field is a flag; one that cannot act on the algorithm is an argparse
-    error (exit 2) when given on the command line, but a config file may set it."""
+    error (exit 2), given on the command line or set by a config file for its own algorithm (one
+    rule wherever a value comes from, issue #50)."""
     for argv, inert in ((["--algo", "erpo", "--kl", "k2"], "--kl"),
                         (["--algo", "grpo", "--weight-clip", "0.5", "1.5"], "--weight-clip"),
                         (["--algo", "grpo", "--qkl-estimator", "k2"], "--qkl-estimator"),
@@ -318,9 +319,13 @@ def test_loss_knobs_are_flags_and_inert_ones_are_errors(capsys, tmp_path):
     _, algo = train.parse_args(["--algo", "dapo", "--overlong-cache", "8", "--dual-clip", "0"])
     assert algo.overlong_cache == 8 and algo.dual_clip is None
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"algo": "erpo", "kl": "k2", "weight_clip": [0.5, 1.5], "steps": 3}))
-    args, algo = train.parse_args(["--config", str(cfg), "--algo", "erpo"])   # defaults: fine
-    assert args.steps == 3 and algo.kl == "k2" and algo.beta == 0
+    cfg.write_text(json.dumps({"algo": "erpo", "kl": "k2", "beta": 0.02, "weight_clip": [0.5, 1.5], "steps": 3}))
+    args, algo = train.parse_args(["--config", str(cfg), "--algo", "erpo"])
+    assert args.steps == 3 and algo.kl == "k2" and algo.beta == 0.02 and algo.weight_clip == (0.5, 1.5)
+    cfg.write_text(json.dumps({"algo": "erpo", "kl": "k2", "steps": 3}))      # k2 without beta: inert
+    with pytest.raises(SystemExit):
+        train.parse_args(["--config", str(cfg)])
+    assert f"--config {cfg}: kl cannot act on --algo erpo as configured" in capsys.readouterr().err
     cfg.write_text('{"steps": 3,}')
     with pytest.raises(SystemExit):
         train.parse_args(["--config", str(cfg)])
