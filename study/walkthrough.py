@@ -6,15 +6,15 @@
 
 Nothing here re-implements the step. `trace` runs train.py's own code on `argv()`: `train.parse_args`,
 `train.load_data`, `run_setup.setup_rl`, then `train.logged_step` for steps 1..TRACED + 1, with two
-of the step's functions wrapped to keep what they are given in the traced step: `rollouts` (the
-graded experience) and `ppo_update` (the UpdateBatch and the plan of the update). It traces the step
-at scale (rl/scale_step.py, with the fast paths it documents on: FAST), whose plan names each
-micro-batch; tests/test_golden.py holds it equal to the plain train.rl_step. The wrapped
-update runs the real one (ERPO's optimizer step, what train.py logs), then, from the weights before
-it, splits the micro-batch's loss into its terms with losses.py's functions for ERPO and for GRPO
-(each term's gradient alone, by autograd), checks Proposition 1 and runs GRPO's real update from
-the same weights too, so "what changed" compares the two algorithms on one batch; it puts ERPO's
-weights back before rl_step goes on. The numbers of the document are this trace's:
+of the step's functions wrapped to keep what they are given in the traced step: `experience.collect`
+(the graded experience) and `train.ppo_update` (the UpdateBatch and the rows' signal). It traces the
+plain default step, `train.rl_step` (train.py's defaults: no fast path on), the step a reader reads.
+The wrapped update runs the real one (ERPO's optimizer step, what train.py logs), then, from the
+weights before it, splits the loss of the first update batch's first micro-batch (`train.micro_batches`)
+into its terms as `train.accumulate_gradient` builds it, with `train.score` and losses.py's functions
+for ERPO and for GRPO (each term's gradient alone, by autograd), checks Proposition 1 and runs GRPO's
+real update from the same weights too, so "what changed" compares the two algorithms on one batch;
+it puts ERPO's weights back before rl_step goes on. The numbers of the document are this trace's:
 `walkthrough_doc.render` prints each through `Doc.num` (4 significant figures; study/
 walkthrough_numbers.py), and tests/test_walkthrough.py regenerates the document, compares its text
 exactly and each number within a tolerance measured across CPU kernel variants (as the golden
@@ -38,7 +38,7 @@ import losses
 from modeling import models
 import train
 from plumbing import distributed
-from rl import scale_step
+from rl import experience
 from study import walkthrough_doc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,12 +58,7 @@ def argv(data, out):
     return ["--algo", "erpo", "--train-data", data, "--out", out, "--steps", str(TRACED + 1),
             "--rollout-batch", "4", "--update-batch", "4", "--group-size", "4", "--micro-batch", "16",
             "--max-new-tokens", "48", "--eval-every", "0", "--save-every", "0", "--seed", str(SEED),
-            "--query-cache-dir", "", "--measure-policy-kl", "true",   # the traced step's Policy-KL
-            *FAST]
-
-
-# The fast paths the traced step runs (rl/run_setup.FAST_PATHS): its plan shares each prompt's forward
-FAST = ("--sampler", "kv", "--share-prompts", "true")
+            "--query-cache-dir", "", "--measure-policy-kl", "true"]   # the traced step's Policy-KL
 
 
 def write_subset(folder) -> str:
@@ -95,7 +90,8 @@ class Trace:
     """What the wrapped functions of train.py saw in the traced step, and what was measured there."""
     collected: object = None           # experience.Collected
     batch: object = None               # experience.UpdateBatch
-    plan: object = None                # scale_step.StepPlan
+    mb: slice = None                   # the rows of the micro-batch whose loss is split into terms
+    counts: dict = field(default_factory=dict)  # its update batch's num_tokens and num_seqs
     terms: dict = field(default_factory=dict)   # "erpo" / "grpo" -> Terms
     prop1: dict = field(default_factory=dict)   # Proposition 1: gradients with the responses swapped
     after: dict = field(default_factory=dict)   # "erpo" / "grpo" -> (response, prompt) log-probs after
@@ -123,43 +119,50 @@ def flat_grad(term, params):
     return torch.cat(flat).double()
 
 
-def loss_terms(run, algo, batch, plan) -> Terms:
+def first_micro_batch(run, batch) -> tuple[slice, dict]:
+    """The rows of the first update batch's first micro-batch (experience.update_batches,
+    train.micro_batches), and what train.ppo_update divides its loss terms by: the update batch's
+    global response tokens and rows."""
+    rows = experience.update_batches(len(batch.valid), run.args, run.dist.world)[0]
+    n = distributed.all_sums({"tokens": batch.resp_mask[rows], "seqs": batch.valid[rows]})
+    return train.micro_batches(run, rows)[0], {"num_tokens": max(1.0, n["tokens"]), "num_seqs": n["seqs"]}
+
+
+def loss_terms(run, algo, batch, mb, counts) -> Terms:
     """The micro-batch's loss as train.accumulate_gradient builds it, one term at a time."""
-    args, G, update = run.args, run.args.group_size, plan.updates[0]
-    mb = update.micro_batches[0]
-    part, pcols, rcols = batch.packed.trimmed(mb)
-    rows = mb.rows
-    now = train.logprobs.score_tokens(run.policy, part, args.temperature, False, plan.group, checked=True)
-    old, ref = batch.scores.old[rows, rcols], batch.scores.ref[rows, rcols]
-    mask, pmask, qref = batch.resp_mask[rows, rcols], batch.prompt_mask[rows, pcols], batch.qref[rows, pcols]
-    weights = None if algo.weights == "none" else batch.weights[rows]
-    denom = dict(num_tokens=update.num_tokens, num_seqs=update.num_seqs, max_len=args.max_new_tokens)
-    adv = batch.adv[rows] * (1.0 if weights is None else weights)
-    per_token = {"pg": losses.surrogate_loss(algo, now.response, old, adv, mask).loss}
+    args, G = run.args, run.args.group_size
+    now = train.score(run.policy, batch.packed, mb, args.temperature, algo.uses_entropy)
+    old, ref, sampler = batch.scores.old[mb], batch.scores.ref[mb], batch.sampler[mb]
+    mask, pmask, qref = batch.resp_mask[mb], batch.prompt_mask[mb], batch.qref[mb]
+    weights = None if algo.weights == "none" else batch.weights[mb]
+    denom = dict(**counts, max_len=args.max_new_tokens)
+    adv = batch.adv[mb] * (1.0 if weights is None else weights)
+    per_token = {"pg": losses.surrogate_loss(algo, now.response, old, adv, mask, sampler).loss}
     if algo.has_policy_kl_loss:
-        per_token["policy_kl"] = algo.beta * losses.policy_kl(now.response, ref, algo.kl, clamp=algo.kl_clamp)
+        per_token["policy_kl"] = algo.beta * losses.policy_kl(now.response, ref, algo.kl or "k3",
+                                                              clamp=algo.kl_clamp, old_logp=old)
     qkl = losses.query_kl(now.prompt, qref, pmask, algo.qkl_estimator, algo.kl_clamp)   # (B,)
 
     def term(name, r):                                                   # rows r of one term
         if name == "query_kl":
-            return algo.alpha * losses.aggregate(qkl[r], None, "seq-mean", num_seqs=update.num_seqs)
+            return algo.alpha * losses.aggregate(qkl[r], None, "seq-mean", num_seqs=counts["num_seqs"])
         return losses.aggregate(per_token[name][r], mask[r], algo.agg, **denom)
     names = [*per_token, *(["query_kl"] if algo.alpha > 0 else [])]
-    # positions of each prompt's G rows in the micro-batch (scale_step.plan_step orders rows by length)
-    groups = [torch.nonzero(rows // G == g).squeeze(1) for g in range(len(rows) // G)]
+    groups = [slice(k, k + G) for k in range(0, len(qkl), G)]           # each prompt's G consecutive rows
     params = [p for p in run.policy.parameters() if p.requires_grad]
     values = {n: term(n, slice(None)) for n in names}
     loss, _ = losses.rl_loss(algo, logp=now.response, old_logp=old,
                              ref_logp=ref if algo.has_policy_kl_loss else None, resp_mask=mask,
-                             advantages=batch.adv[rows], weights=weights, prompt_logp=now.prompt,
-                             prompt_ref_logp=qref, prompt_mask=pmask, **denom)
+                             advantages=batch.adv[mb], weights=weights, prompt_logp=now.prompt,
+                             prompt_ref_logp=qref, prompt_mask=pmask, sampler_logp=sampler,
+                             entropy=now.entropy, **denom)
     parts = {n: [term(n, g) for g in groups] for n in names}
     return Terms({n: v.item() for n, v in values.items()},
                  {n: flat_grad(v, params) for n, v in values.items()},
                  {n: [x.item() for x in xs] for n, xs in parts.items()},
                  {n: [flat_grad(x, params).norm().item() for x in xs] for n, xs in parts.items()},
                  loss.item(),
-                 torch.stack([qkl.detach()[g[0]] for g in groups]))
+                 torch.stack([qkl.detach()[g.start] for g in groups]))
 
 
 def swap_responses(packed, shift):
@@ -171,51 +174,50 @@ def swap_responses(packed, shift):
     return replace(packed, input_ids=ids, attention_mask=mask, lengths=None)
 
 
-def proposition_1(run, batch, plan) -> dict:
-    """Gradients of ERPO's alpha * Query-KL and PG terms from full [prompt | response] rows (one
-    forward per row, group 1), with the sampled responses and with each prompt given another
-    prompt's responses. The Query-KL gradient is the same (method.md §3, Proposition 1)."""
-    algo, args, update = run.algo, run.args, plan.updates[0]
-    mb = update.micro_batches[0]                    # every row of the step (one micro-batch)
-    sampled, pcols, _ = batch.packed.trimmed(mb)
-    swapped = swap_responses(batch.packed, args.group_size).trimmed(mb)[0]
-    qref, pmask = batch.qref[mb.rows, pcols], batch.prompt_mask[mb.rows, pcols]
-    adv = batch.adv[mb.rows] * batch.weights[mb.rows]
+def proposition_1(run, batch, mb, counts) -> dict:
+    """Gradients of ERPO's alpha * Query-KL and PG terms from train.score's forward over [prompt |
+    response] rows, with the sampled responses and with each prompt given another prompt's
+    responses. The Query-KL gradient is the same (method.md §3, Proposition 1)."""
+    algo, args = run.algo, run.args
+    swapped = swap_responses(batch.packed, args.group_size)
+    qref, pmask = batch.qref[mb], batch.prompt_mask[mb]
+    adv = batch.adv[mb] * batch.weights[mb]
     params = [p for p in run.policy.parameters() if p.requires_grad]
     out = {}
-    for name, rows in (("sampled", sampled), ("swapped", swapped)):
-        s = train.logprobs.score_tokens(run.policy, rows, args.temperature)             # group 1: full rows
+    for name, packed in (("sampled", batch.packed), ("swapped", swapped)):
+        s = train.score(run.policy, packed, mb, args.temperature)
         qkl = losses.query_kl(s.prompt, qref, pmask, algo.qkl_estimator, algo.kl_clamp)
-        mask = rows.attention_mask[:, rows.P:].float()
+        mask = packed.attention_mask[mb, packed.P:].float()
         pg = losses.aggregate(losses.ppo_surrogate(s.response, s.response.detach(), adv, mask, algo).loss,
                               mask, algo.agg, num_tokens=mask.sum(), num_seqs=len(mask))
-        q = algo.alpha * losses.aggregate(qkl, None, "seq-mean", num_seqs=update.num_seqs)
+        q = algo.alpha * losses.aggregate(qkl, None, "seq-mean", num_seqs=counts["num_seqs"])
         out[name] = {"query_kl": flat_grad(q, params), "pg": flat_grad(pg, params)}
     return out
 
 
 @torch.no_grad()
-def rescore(run, batch, group):
+def rescore(run, batch):
     """(response, prompt) log-probs of the step's rows under the current weights."""
-    s = train.logprobs.score_tokens(run.policy, batch.packed, run.args.temperature, group=group)
+    s = train.score(run.policy, batch.packed, slice(0, len(batch.valid)), run.args.temperature)
     return s.response.clone(), s.prompt.clone()
 
 
 def traced_update(trace, real_update):
     """train.ppo_update, recording: the real ERPO update, then (from the weights before it) the
     loss terms of both algorithms, Proposition 1 and GRPO's real update; ERPO's weights go back."""
-    def update(run, batch, plan):
-        trace.batch, trace.plan = batch, plan
+    def update(run, batch, signal):
+        trace.batch = batch
+        trace.mb, trace.counts = first_micro_batch(run, batch)
         before = snapshot(run)
-        trace.updates["erpo"] = real_update(run, batch, plan)             # the step train.py takes
-        trace.after["erpo"], erpo = rescore(run, batch, plan.group), snapshot(run)
+        trace.updates["erpo"] = real_update(run, batch, signal)          # the step train.py takes
+        trace.after["erpo"], erpo = rescore(run, batch), snapshot(run)
         restore(run, before)
-        trace.terms["erpo"] = loss_terms(run, run.algo, batch, plan)
-        grpo_batch = replace(batch, weights=None, scores=copy.deepcopy(batch.scores))  # its own pi_old
-        trace.terms["grpo"] = loss_terms(run, GRPO, grpo_batch, plan)
-        trace.prop1 = proposition_1(run, batch, plan)
-        trace.updates["grpo"] = real_update(replace(run, algo=GRPO), grpo_batch, plan)
-        trace.after["grpo"] = rescore(run, batch, plan.group)
+        trace.terms["erpo"] = loss_terms(run, run.algo, batch, trace.mb, trace.counts)
+        grpo_batch = replace(batch, weights=None)                        # the same pi_old, A and rows
+        trace.terms["grpo"] = loss_terms(run, GRPO, grpo_batch, trace.mb, trace.counts)
+        trace.prop1 = proposition_1(run, batch, trace.mb, trace.counts)
+        trace.updates["grpo"] = real_update(replace(run, algo=GRPO), grpo_batch, signal)
+        trace.after["grpo"] = rescore(run, batch)
         restore(run, erpo)
         return trace.updates["erpo"]
     return update
@@ -235,17 +237,17 @@ def trace(folder):
         for step in range(TRACED - 1):
             train.logged_step(run, step)
     t = Trace()
-    real_rollouts, real_update = scale_step.rollouts, scale_step.ppo_update
+    real_collect, real_update = experience.collect, train.ppo_update     # as rl_step calls them
 
-    def rollouts(run, step):
-        t.collected = real_rollouts(run, step)
+    def collect(run, decoder, step):
+        t.collected = real_collect(run, decoder, step)
         return t.collected
-    scale_step.rollouts, scale_step.ppo_update = rollouts, traced_update(t, real_update)
+    experience.collect, train.ppo_update = collect, traced_update(t, real_update)
     try:
         with amp():
             t.metrics = train.logged_step(run, TRACED - 1)
     finally:
-        scale_step.rollouts, scale_step.ppo_update = real_rollouts, real_update
+        experience.collect, train.ppo_update = real_collect, real_update
     with amp():                                      # the next step: on the weights the trace put back
         t.next_metrics = train.logged_step(run, TRACED)
     return t, run
@@ -297,12 +299,13 @@ def generate(out) -> dict:
 
 
 def measure_tolerances():
-    """The walkthrough under each CPU kernel variant of tests/rounding.py, in fresh interpreters:
-    SAFETY x the worst difference of each number from the native kernels' (rounding.tolerance), or
-    the committed tolerance where that is larger (measured on another CPU kind: never shrinks)."""
-    from tests.rounding import KERNELS, kernel_env, tolerance
+    """The walkthrough under each CPU kernel variant of tests/rounding.py this CPU can run, in fresh
+    interpreters: SAFETY x the worst difference of each number from the native kernels'
+    (rounding.tolerance), or the committed tolerance where that is larger (measured on another CPU
+    kind, or under a variant this one cannot run: never shrinks)."""
+    from tests.rounding import KERNELS, kernel_env, runnable_kernels, tolerance
     runs = {}
-    for variant in KERNELS:
+    for variant in runnable_kernels():                                   # (no AVX-512: those left out)
         with tempfile.TemporaryDirectory() as tmp:
             subprocess.run([sys.executable, "-m", "study.walkthrough", "--out", tmp, "--record",
                             os.path.join(tmp, "record.json")], check=True, cwd=ROOT, env=kernel_env(variant))
@@ -318,10 +321,13 @@ def measure_tolerances():
     tol = [max(tolerance(w, v), atol) for w, v, atol in zip(worst, native["values"], native["atols"])]
     # never below what an earlier machine measured (another CPU kind's rounding: issue #40)
     before = json.load(open(TOLERANCES)) if os.path.exists(TOLERANCES) else {}
-    if before.get("numbers") == len(tol):
+    kept = before.get("numbers") == len(tol)
+    if kept:
         tol = [max(t, b) for t, b in zip(tol, before["tolerance"])]
+    measured = set(runs) | set(before.get("kernels", []) if kept else [])   # the variants behind tol
     with open(TOLERANCES, "w") as f:
-        json.dump({"numbers": len(tol), "kernels": list(KERNELS), "tolerance": tol}, f, indent=0)
+        json.dump({"numbers": len(tol), "kernels": [k for k in KERNELS if k in measured], "tolerance": tol},
+                  f, indent=0)
         f.write("\n")
     print(f"wrote {TOLERANCES}: {len(tol)} tolerances, {sum(w > 0 for w in map(max, worst))} numbers moved")
 

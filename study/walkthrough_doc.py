@@ -140,7 +140,8 @@ def intro(d, v, setup):
       "Every number below comes from one run of the training code. `python -m study.walkthrough` "
       f"runs the training code's own functions (`run_setup.setup_rl`, then `train.rl_step` for steps 1-"
       f"{setup['traced'] + 1}) and traces RL step {setup['traced']}: what went into each tensor, and "
-      "what came out. Nothing "
+      f"what came out. The step is {code('train.rl_step', 'train.py')} as it reads, the one `train.py` "
+      "takes by default (the GPU configs' fast paths are options, all off here). Nothing "
       "is typed by hand, and `tests/test_walkthrough.py` regenerates this page and checks it against "
       "this copy, number by number.",
       "",
@@ -170,7 +171,8 @@ def batch_section(d, v):
       "",
       f"{code('experience.collect', 'rl/experience.py')} ({cite('§5')}) picks this step's {v.groups} "
       "prompts (a function of seed and step), samples G responses to each from the rollout policy "
-      f"({code('rollout.sample_with', 'rollout.py')}) and grades them with the task's verifier "
+      f"({code('rollout.generate', 'rollout.py')}: HF generate, each token drawn at the row's own "
+      "seeded uniform) and grades them with the task's verifier "
       f"({code('tasks.score_rows', 'tasks/task.py')} → `reward.py`: the last `\\boxed{{}}` against "
       "the gold answer). A response is cut at the token limit if it has not ended.",
       "")
@@ -198,7 +200,8 @@ def advantages_section(d, v):
     R, A = t.collected.rewards.view(v.groups, G), t.batch.adv.view(v.groups, G)
     d("## 2. Advantages: each response against its group",
       "",
-      f"GRPO's advantage ({cite('§8.2')}; {code('losses.group_advantages', 'losses.py')}) compares each "
+      f"GRPO's advantage ({cite('§8.2')}; {code('losses.group_advantages', 'losses.py')} via "
+      f"{code('experience.advantages', 'rl/experience.py')}) compares each "
       "response with the other answers to the same prompt: A_i = (R_i − mean R) / (std R + ε), the "
       f"std unbiased (÷ (G − 1)), ε = {f'{v.run.algo.adv_eps:g}'.replace('e-0', 'e-')}. ERPO uses the "
       "same advantages; what it "
@@ -236,7 +239,7 @@ def weights_section(d, v):
     d("## 3. Query weights: typical questions count more",
       "",
       f"ERPO multiplies each response's advantage by its prompt's weight ({cite('§4')}; "
-      f"{code('losses.query_weights', 'losses.py')} via {code('train.row_weights', 'train.py')}): "
+      f"{code('losses.query_weights', 'losses.py')} via {code('train.query_weights', 'train.py')}): "
       f"w(q) = clip(s̄ / s(q), {v.run.algo.weight_clip[0]:g}, {v.run.algo.weight_clip[1]:g}), where "
       "s(q) = −l_ref(q) is the prompt's negative log-likelihood "
       "under the reference model, read from the Query-KL cache built before step 1 "
@@ -267,11 +270,12 @@ def kl_section(d, v) -> dict:
       f"**Query-KL** ({cite('§2')}, estimator {cite('§3')}; {code('losses.query_kl', 'losses.py')}) "
       f"compares how the policy and the reference score the *prompt*. For prompt {g + 1}, each token "
       "x_t after the first has log p_ref (the cache) and log p_θ (the rollout policy, i.e. the weights "
-      "before this update: the same forward that scores the responses gives the prompt's log-probs), "
+      f"before this update, scored by {code('train.score_old', 'train.py')}: the same forward of "
+      f"{code('train.score', 'train.py')} that scores the responses gives the prompt's log-probs), "
       "δ = log p_ref − log p_θ and the k3 estimate e^δ − 1 − δ ≥ 0 (clamped at 10). The prompt's "
       "Query-KL is the mean over its tokens. (Tokens the model is sure of, log p near 0, show δ and "
       "k3 at float32's resolution: a log-prob is resolved to ~1e-6 and k3 to ~1e-7, so values of "
-      "that size are rounding, not learning.)",
+      "that size, a k3 even below 0, are rounding, not learning.)",
       "",
       "| t | token | log p_ref | log p_θ | δ | k3 |",
       "|---|---|---|---|---|---|")
@@ -314,14 +318,18 @@ def kl_section(d, v) -> dict:
 
 def loss_section(d, v):
     e, g_ = v.t.terms["erpo"], v.t.terms["grpo"]
-    a = v.run.args
-    upd = v.t.plan.updates[0]
+    a, n = v.run.args, v.t.counts
     d("## 5. The loss, term by term: GRPO and ERPO on the same batch",
       "",
-      f"{code('losses.rl_loss', 'losses.py')} builds the loss from three kinds of term "
-      f"({cite('§8.3')}, {cite('§8.5')}): the PPO-clipped policy gradient PG, averaged over the "
-      f"batch's {int(upd.num_tokens)} response tokens (token mean); GRPO's β · Policy-KL over the same "
-      f"tokens; ERPO's α · Query-KL, averaged over the batch's {int(upd.num_seqs)} rows. The weights "
+      f"{code('train.ppo_update', 'train.py')} takes one optimizer step per update batch (here all "
+      f"{len(v.t.batch.valid)} rows), and {code('train.accumulate_gradient', 'train.py')} scores each of "
+      f"its micro-batches (here one, rows {v.t.mb.start + 1}-{v.t.mb.stop}) with "
+      f"{code('train.score', 'train.py')} and hands the log-probs to {code('losses.rl_loss', 'losses.py')}, "
+      f"which builds the loss from three kinds of term ({cite('§8.3')}, {cite('§8.5')}): the PPO-clipped "
+      f"policy gradient PG, averaged over the update batch's N = {int(n['num_tokens'])} response tokens "
+      "(token mean; `ppo_update` counts them over the whole update batch, so every micro-batch divides "
+      f"by the same N); GRPO's β · Policy-KL over the same tokens; ERPO's α · Query-KL, averaged over "
+      f"the update batch's {int(n['num_seqs'])} rows. The weights "
       "are the rollout policy's, so every ratio r_t = π_θ(o_t)/π_old(o_t) is 1 and nothing is clipped: "
       "PG = −(1/N) Σ_i Σ_t A_i w_i r_t has the value −(1/N) Σ_i A_i w_i |o_i| and the gradient "
       "−(1/N) Σ_i A_i w_i Σ_t ∇log π_θ(o_t). Each term's gradient was taken alone (autograd), then "
@@ -354,14 +362,14 @@ def loss_section(d, v):
       f"- ERPO's whole gradient and GRPO's: {d.num(cosine(ge, gg))}.",
       "",
       f"`--grad-clip {a.grad_clip:g}` then scales the gradient to norm ≤ {a.grad_clip:g} "
-      f"({code('optimizer.clip_grad', 'plumbing/optimizer.py')}): ERPO's {d.num(ge.norm())} "
+      f"(torch's `clip_grad_norm_`, in `train.ppo_update`): ERPO's {d.num(ge.norm())} "
       f"{'is scaled down' if ge.norm() > a.grad_clip else 'is left as it is'}, before AdamW's step.",
       "")
 
 
 def shares_section(d, v):
     """Each prompt's part of each term of §5, and the followed prompt's Query-KL part worked out."""
-    e, g_, upd = v.t.terms["erpo"], v.t.terms["grpo"], v.t.plan.updates[0]
+    e, g_, num_seqs = v.t.terms["erpo"], v.t.terms["grpo"], int(v.t.counts["num_seqs"])
     d("Each prompt's part of each term, from the rows of its G responses (the parts add up to the "
       "terms above), and in brackets the gradient norm of that part alone (norms do not add up: the "
       "parts' gradients point in different directions):",
@@ -385,8 +393,8 @@ def shares_section(d, v):
       "regularizers act on every prompt and response, rewarded or not. Prompt "
       f"{f + 1}, followed since §1: its weight {d.num(v.t.batch.weights[f * v.G], WEIGHT)} scaled its "
       f"responses' advantages (§3); its Query-KL {d.num(qkl_f, K3)} (§4) enters once per row, so its "
-      f"part of α · Query-KL is α · G · Query-KL(q) / {int(upd.num_seqs)} = "
-      f"{v.run.algo.alpha:g} · {v.G} · {d.num(qkl_f, K3)} / {int(upd.num_seqs)} = "
+      f"part of α · Query-KL is α · G · Query-KL(q) / {num_seqs} = "
+      f"{v.run.algo.alpha:g} · {v.G} · {d.num(qkl_f, K3)} / {num_seqs} = "
       f"{d.num(e.shares['query_kl'][f], K3 * 0.01)}.",
       "")
 
@@ -398,9 +406,9 @@ def proposition_section(d, v):
       "",
       f"The Query-KL gradient flows only through the prompts' log-likelihoods l_θ(q) ({cite('§2')}): "
       "the responses never enter it. To see it, the two ERPO terms' gradients were recomputed "
-      "from full [prompt | response] rows (one forward per row: the prompt's log-probs come out of "
-      "the same forward as the response's), once with the sampled responses and once with each "
-      f"prompt given another prompt's responses (rows shifted by G = {v.G}):",
+      f"with {code('train.score', 'train.py')}'s forward over [prompt | response] rows (the prompt's "
+      "log-probs come out of the same forward as the response's), once with the sampled responses and "
+      f"once with each prompt given another prompt's responses (rows shifted by G = {v.G}):",
       "",
       "| term | gradient norm g, sampled responses | g′, responses swapped | ‖g − g′‖ / ‖g‖ |",
       "|---|---|---|---|",
@@ -409,9 +417,10 @@ def proposition_section(d, v):
       f"{d.num(rel_diff(p['sampled']['pg'], p['swapped']['pg']))} |",
       "",
       "The Query-KL gradient is the same (within float32 rounding; the driver requires ≤ 1e-6) whatever "
-      "the responses, the policy gradient is not. Training computes each prompt once for its G "
-      f"responses ({code('logprobs.shared_prompt_scores', 'modeling/logprobs.py')}); that gradient differs from "
-      f"the full rows' by {d.num(rel_diff(qs, e.grads['query_kl']), ROUNDING)} (relative): the same math.",
+      "the responses, the policy gradient is not. With the sampled responses this is the forward "
+      "training runs (`train.accumulate_gradient` calls `train.score` on the same rows): its Query-KL "
+      f"gradient and §5's differ by {d.num(rel_diff(qs, e.grads['query_kl']), ROUNDING)} (relative): "
+      "the same computation.",
       "")
 
 
@@ -422,7 +431,7 @@ def after_section(d, v) -> dict:
              for k, (r, p) in t.after.items()}
     d("## 6. After the optimizer step",
       "",
-      f"{code('train.optimizer_step', 'train.py')} ({cite('§5')}) applied ERPO's gradient (AdamW, lr "
+      f"{code('train.ppo_update', 'train.py')} ({cite('§5')}) applied ERPO's gradient (AdamW, lr "
       f"{v.run.args.lr:g}). From the same weights, GRPO's update was run on the same batch too. The "
       "change of each sampled response's log-likelihood log π(o|q) = Σ_t log π(o_t | q, o_<t):",
       "",
