@@ -27,7 +27,6 @@ from typing import Callable, NamedTuple
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 WEIGHT_KINDS = ("none", "paper", "code")
 KL_PLACEMENTS = ("loss", "reward")
 K3_CLAMP = 10.0  # EasyR1 "low_var_kl" and the released ERPO code clamp per-token k3 to [-10, 10]
@@ -60,7 +59,6 @@ def k3(log_r):
 
 
 KL_ESTIMATORS = {"k1": k1, "k2": k2, "k3": k3}
-KL_KINDS = KL_ESTIMATORS                  # the Query-KL's choices (--qkl-estimator)
 
 
 class _PolicyKLKinds:
@@ -79,20 +77,28 @@ class _PolicyKLKinds:
 POLICY_KL_KINDS = _PolicyKLKinds()
 
 
-def policy_kl(logp, ref_logp, kind="k3", clamp=None, old_logp=None):
-    """Per-token KL_ESTIMATORS[kind] of log r = ref_logp - logp, each (...) tensors of the sampled
-    tokens' log-probs under pi_theta / pi_ref; the same shape back.
-    clamp: None, or c > 0 to bound k3 to [-c, c] (EasyR1's low_var_kl and the released code: 10), its
-    log r then bounded to [-20, 20] so exp() cannot overflow. Only k3 is clamped (method.md §10).
-    kind "k3-ratio": k3_ratio_kl, which also reads old_logp (pi_old's log-probs of the tokens)."""
-    if kind == "k3-ratio":
-        return k3_ratio_kl(logp, ref_logp, old_logp, clamp)
+def token_kl(logp, ref_logp, kind="k3", clamp=None):
+    """Per-token KL_ESTIMATORS[kind] of log r = ref_logp - logp, each (...) tensors of the scored
+    tokens' log-probs under pi_theta / pi_ref; the same shape back: the Policy-KL's (response tokens)
+    and the Query-KL's (prompt tokens). clamp: None, or c > 0 to bound k3 to [-c, c] (EasyR1's
+    low_var_kl and the released code: 10), its log r then bounded to [-20, 20] so exp() cannot
+    overflow. Only k3 is clamped (method.md §10)."""
     if kind not in KL_ESTIMATORS:
-        raise ValueError(f"policy_kl kind must be one of {tuple(POLICY_KL_KINDS)}, got {kind!r}")
+        raise ValueError(f"KL estimator must be one of {tuple(KL_ESTIMATORS)}, got {kind!r}")
     log_r = ref_logp - logp
     if kind != "k3" or clamp is None:
         return KL_ESTIMATORS[kind](log_r)
     return k3(log_r.clamp(-20.0, 20.0)).clamp(-clamp, clamp)
+
+
+def policy_kl(logp, ref_logp, kind="k3", clamp=None, old_logp=None):
+    """Per-response-token Policy-KL: token_kl, or kind "k3-ratio": k3_ratio_kl, which also reads
+    old_logp (pi_old's log-probs of the tokens)."""
+    if kind == "k3-ratio":
+        return k3_ratio_kl(logp, ref_logp, old_logp, clamp)
+    if kind not in POLICY_KL_KINDS:
+        raise ValueError(f"policy_kl kind must be one of {tuple(POLICY_KL_KINDS)}, got {kind!r}")
+    return token_kl(logp, ref_logp, kind, clamp)
 
 
 def k3_ratio_kl(logp, ref_logp, old_logp, clamp=None):
@@ -102,18 +108,18 @@ def k3_ratio_kl(logp, ref_logp, old_logp, clamp=None):
     if old_logp is None:
         raise ValueError("policy_kl kind 'k3-ratio' needs old_logp (pi_old's log-probs of the tokens)")
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))           # pi_theta / pi_old, with grad
-    return ratio * policy_kl(logp, ref_logp, "k3", clamp)
+    return ratio * token_kl(logp, ref_logp, "k3", clamp)
 
 
 def query_kl(logp, ref_logp, mask, kind="k3", clamp=K3_CLAMP):
     """Per-prompt Query-KL, ERPO's regularizer R_query = KL(rho_theta || rho_theta0) (method.md §2-3):
-    the per-token estimate `kind` (k3 in the paper, clamped as in the released code) of the prompt
-    tokens' log-probs logp (B, T), from the SAME forward that scores the responses, against the
-    reference's ref_logp (B, T), averaged over each row's mask (prompt tokens after the first) -> (B,).
+    the per-token estimate `kind` (token_kl; the paper's: k3) of the prompt tokens' log-probs logp
+    (B, T), from the SAME forward that scores the responses, against the reference's ref_logp (B, T),
+    averaged over each row's mask (prompt tokens after the first) -> (B,).
     Proposition 1 (structural decoupling): the gradient flows only through the prompt
     log-likelihoods; a causal LM's prompt log-probs do not see the response, so changing the responses
     leaves this term's gradient unchanged (tests/test_losses.py, with a tiny Qwen2)."""
-    kl = policy_kl(logp, ref_logp, kind, clamp=clamp)
+    kl = token_kl(logp, ref_logp, kind, clamp=clamp)
     mask = mask.to(kl.dtype)
     return (kl * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
 
@@ -144,10 +150,9 @@ def _groups(x, group_size):
 
 def group_advantages(rewards, group_size, kind="grpo", eps=1e-6, valid=None, reduce=None, options=None):
     """Advantages by the row `kind` of ADVANTAGES (--adv; method.md §8.2): rewards (B,), B = n_groups * G
-    -> (B,). eps: Algo.adv_eps; options: the row's own (its OPTIONS' defaults where absent). A batch=True
-    row gets the mean and Bessel std of the rows `valid` marks (not DAPO's filler; None: all) on every
-    rank (`reduce` sums over ranks; None: one process). A group of equal rewards gets exactly 0 where
-    the row says so (all here: round-off in R - mean over a ~0 std would give small nonzero values)."""
+    -> (B,). eps: Algo.adv_eps; options: the row's own (its OPTIONS' defaults where absent); valid,
+    reduce: a batch row's (batch_moments). A group of equal rewards gets exactly 0 (where the row says
+    so: all here), not the round-off of R - mean over a ~0 std."""
     if kind not in ADVANTAGES:
         raise ValueError(f"advantage kind must be one of {tuple(ADVANTAGES)}, got {kind!r}")
     if group_size < 2:
@@ -267,8 +272,8 @@ def carries_signal(advantages, rewards, group_size):
 
 
 def batch_moments(x, valid=None, reduce=None):
-    """Mean and Bessel std of x (B,) over the rows `valid` marks, on every rank (`reduce` sums a
-    tensor over ranks; None: this process only)."""
+    """Mean and Bessel std of x (B,) over the rows `valid` marks (not DAPO's filler; None: all), on
+    every rank (`reduce` sums a tensor over ranks; None: this process only): a batch=True row's."""
     w = torch.ones_like(x) if valid is None else valid.to(x.dtype)
     sums = torch.stack([w.sum(), (w * x).sum(), (w * x * x).sum()]).double()
     n, s, ss = (sums if reduce is None else reduce(sums)).tolist()
@@ -277,9 +282,8 @@ def batch_moments(x, valid=None, reduce=None):
 
 
 def nonconstant_groups(rewards, group_size):
-    """(B,) -> (n_groups,) bool: True for groups whose rewards are not all equal. DAPO's dynamic
-    sampling keeps only these (an all-equal group has zero advantage everywhere and contributes no
-    gradient, only dilutes the token-mean)."""
+    """(B,) -> (n_groups,) bool: True for groups whose rewards are not all equal (an all-equal group
+    has zero advantage: no gradient; DAPO's dynamic sampling keeps only the others)."""
     r = _groups(rewards, group_size)
     return (r != r[:, :1]).any(dim=1)
 
@@ -320,40 +324,47 @@ def query_weights(nll, mean_nll=None, clip=None):
 
 
 # -----------------------------------------------------------------------------
-# Loss aggregation (method.md §8.5)
+# Loss aggregation (method.md §8.5): per-token values -> this micro-batch's share of the loss, a SUM
+# over the micro-batch divided by a count of the WHOLE optimizer batch (num_tokens, num_seqs: all
+# micro-batches and ranks; None: this call's own), so the micro-batches' losses add up to the
+# one-big-batch loss and gradient (DDP averages over ranks: the caller multiplies by their number).
+# Each mode (--agg) is a function of v (the values, 0 off the mask), m (the mask) and those counts.
 
-def aggregate(values, mask=None, mode="token-mean", num_tokens=None, num_seqs=None, max_len=None):
-    """Reduce per-token (B, T) or per-sequence (B,) values to this micro-batch's share of the loss
-    (method.md §8.5): a SUM over the micro-batch divided by a count of the WHOLE optimizer batch (all
-    micro-batches and ranks: num_tokens, num_seqs), so the micro-batches' losses add up to the
-    one-big-batch loss and gradient (DDP averages over ranks: the caller multiplies by their number).
-      "token-mean":              sum(v*m) / num_tokens                       (DAPO, EasyR1 default)
-      "seq-mean-token-mean":     sum_i (sum_t v*m / sum_t m) / num_seqs      (original GRPO)
-      "seq-mean-token-sum-norm": sum(v*m) / (num_seqs * max_len)             (Dr.GRPO and TRL's dr_grpo;
-                                 max_len, the configured limit, required; verl divides by max_len only)
-      "seq-mean" ((B,) values):  sum(v*m) / num_seqs                         (e.g. query_kl's output)
-    Without num_tokens / num_seqs: this call's own counts, right only where it sees the whole batch."""
-    if values.dim() == 1:
-        if mode != "seq-mean":
-            raise ValueError(f"per-sequence (B,) values are aggregated with mode='seq-mean', got {mode!r}")
-        m = torch.ones_like(values) if mask is None else mask.to(values.dtype)
-        n = m.sum().clamp_min(1.0) if num_seqs is None else num_seqs
-        return torch.where(m.bool(), values, 0.0).sum() / n
-    if mode not in AGG_MODES:
-        raise ValueError(f"aggregate mode for (B, T) values must be one of {AGG_MODES}, got {mode!r}")
-    if mask is None:
-        mask = torch.ones_like(values)
-    m = mask.to(values.dtype)
-    v = torch.where(m.bool(), values, 0.0)               # where, not *, so junk in padding cannot leak
-    if mode == "token-mean":
-        n = m.sum().clamp_min(1.0) if num_tokens is None else num_tokens
-        return v.sum() / n
-    n_seqs = values.shape[0] if num_seqs is None else num_seqs
-    if mode == "seq-mean-token-mean":
-        return (v.sum(-1) / m.sum(-1).clamp_min(1.0)).sum() / n_seqs
+def token_mean(v, m, num_tokens, num_seqs, max_len):
+    """sum(v*m) / num_tokens: every token weighs the same (DAPO; EasyR1's default)."""
+    return v.sum() / (m.sum().clamp_min(1.0) if num_tokens is None else num_tokens)
+
+
+def seq_mean_token_mean(v, m, num_tokens, num_seqs, max_len):
+    """sum_i (sum_t v*m / sum_t m) / num_seqs: each response's token mean, then their mean (the
+    original GRPO)."""
+    return (v.sum(-1) / m.sum(-1).clamp_min(1.0)).sum() / (v.shape[0] if num_seqs is None else num_seqs)
+
+
+def seq_mean_token_sum_norm(v, m, num_tokens, num_seqs, max_len):
+    """sum(v*m) / (num_seqs * max_len), max_len the configured response limit (Dr.GRPO and TRL's
+    dr_grpo; verl divides by max_len only)."""
     if max_len is None:
         raise ValueError("mode 'seq-mean-token-sum-norm' needs max_len (the configured max response length)")
-    return v.sum() / (n_seqs * max_len)
+    return v.sum() / ((v.shape[0] if num_seqs is None else num_seqs) * max_len)
+
+
+AGGREGATIONS = {"token-mean": token_mean, "seq-mean-token-mean": seq_mean_token_mean,
+                "seq-mean-token-sum-norm": seq_mean_token_sum_norm}
+AGG_MODES = tuple(AGGREGATIONS)
+
+
+def aggregate(values, mask=None, mode="token-mean", num_tokens=None, num_seqs=None, max_len=None):
+    """Per-token (B, T) values, reduced by AGGREGATIONS[mode] (above); per-sequence (B,) values
+    (query_kl's) with mode "seq-mean": sum_i v_i m_i / num_seqs."""
+    m = torch.ones_like(values) if mask is None else mask.to(values.dtype)
+    v = torch.where(m.bool(), values, 0.0)               # where, not *, so junk in padding cannot leak
+    if values.dim() == 1 and mode == "seq-mean":
+        return v.sum() / (m.sum().clamp_min(1.0) if num_seqs is None else num_seqs)
+    if values.dim() == 1 or mode not in AGGREGATIONS:
+        raise ValueError(f"aggregate mode for (B, T) values must be one of {AGG_MODES}, and for per-sequence "
+                         f"(B,) values 'seq-mean'; got {mode!r} for {values.dim()}-D values")
+    return AGGREGATIONS[mode](v, m, num_tokens, num_seqs, max_len)
 
 
 # =============================================================================
@@ -371,10 +382,8 @@ def ppo_loss(logp, old_logp, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.
                              a huge ratio on a bad token; c > 1, None disables)
     Returns (loss_tok (B, T), clipped (B, T) bool): clipped marks tokens where a clip was active,
     i.e. whose gradient was cut to zero; its masked mean is the usual "clip fraction"."""
-    if advantages.dim() == logp.dim() - 1:
-        advantages = advantages.unsqueeze(-1)
-    # the log-ratio is bounded only to keep exp() finite; any clip decision is made far inside it
-    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    advantages = _per_token(advantages, logp)                 # (B, 1) or (B, T)
+    ratio = _ratio(logp, old_logp)                            # r
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(pg1, pg2)
@@ -392,8 +401,7 @@ def clip_masks(ratio, advantages, eps_low=0.2, eps_high=0.3, dual_clip=3.0) -> d
     left the clip range, for the statistics: "low" r < 1 - eps_low, "high" r > 1 + eps_high,
     "dual" A < 0 and the PPO loss |A| max(r, clip(r)) above dual_clip * |A| (ppo_loss bounded it
     there)."""
-    if advantages.dim() == ratio.dim() - 1:
-        advantages = advantages.unsqueeze(-1)
+    advantages = _per_token(advantages, ratio)
     masks = {"low": ratio < 1.0 - eps_low, "high": ratio > 1.0 + eps_high}
     bounded = torch.maximum(ratio, ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
     if dual_clip is None:
@@ -434,9 +442,8 @@ def _per_token(advantages, like):
 
 
 def _clip_stats(clipped, ratio, advantages, algo) -> dict:
-    """Where a clip was active (the gradient cut), where the ratio left [1 - eps_low, 1 + eps_high]
-    whatever the advantage's sign (the released ERPO code's clip_frac_low / _high), and where
-    dual-clip bound the loss."""
+    """clip_frac: where a clip was active (the gradient cut); clip_masks' low and high (the released
+    ERPO code's clip_frac_low / _high, whatever the advantage's sign) and dual."""
     masks = clip_masks(ratio, advantages, algo.eps_low, algo.eps_high, algo.dual_clip)
     return {"clip_frac": clipped, "clip_frac_low": masks["low"], "clip_frac_high": masks["high"],
             "dual_clip_frac": masks["dual"]}
@@ -517,16 +524,19 @@ def truncated_is_weights(old_logp, sampler_logp, cap):
 
 
 def surrogate_loss(algo, logp, old_logp, advantages, mask, sampler_logp=None) -> Surrogate:
-    """The policy-gradient term per token: algo.surrogate's row, its loss weighted by truncated
-    importance sampling when algo.tis_cap > 0 (whatever the surrogate; sampler_logp required then),
-    whose statistics tis_weight / tis_capped_frac join the row's."""
+    """The policy-gradient term per token: algo.surrogate's row, with truncated importance sampling
+    where algo.tis_cap > 0 (truncated_is)."""
     sur = SURROGATES[algo.surrogate].fn(logp, old_logp, advantages, mask, algo)
-    if algo.tis_cap <= 0:
-        return sur
+    return sur if algo.tis_cap <= 0 else truncated_is(sur, old_logp, sampler_logp, algo.tis_cap)
+
+
+def truncated_is(sur: Surrogate, old_logp, sampler_logp, cap) -> Surrogate:
+    """Any surrogate's per-token loss weighted by truncated_is_weights (sampler_logp required), its
+    statistics tis_weight / tis_capped_frac joining the surrogate's."""
     if sampler_logp is None:
         raise ValueError("algo.tis_cap > 0: sampler_logp (the sampler's log-probs) is required")
-    tis = truncated_is_weights(old_logp, sampler_logp, algo.tis_cap)
-    stats = {**sur.stats, "tis_weight": tis, "tis_capped_frac": tis >= algo.tis_cap}
+    tis = truncated_is_weights(old_logp, sampler_logp, cap)
+    stats = {**sur.stats, "tis_weight": tis, "tis_capped_frac": tis >= cap}
     return Surrogate(sur.loss * tis, sur.ratio, stats)
 
 
@@ -556,7 +566,7 @@ class Algo:
                        KL_PLACEMENTS)
     kl_clamp: float = _knob(K3_CLAMP, "per-token clamp [-c, c] of k3 estimators (Policy- and Query-KL)")
     alpha: float = _knob(0.0, "Query-KL coefficient (0 = no Query-KL term)")
-    qkl_estimator: str = _knob("k3", "per-token estimator of the Query-KL", KL_KINDS)
+    qkl_estimator: str = _knob("k3", "per-token estimator of the Query-KL", KL_ESTIMATORS)
     weights: str = _knob("none", "query reweighting (method.md §4)", WEIGHT_KINDS)
     weight_clip: tuple[float, float] = _knob((0.0, 2.0), "clip range of the paper query weights")
     surrogate: str = _knob("ppo", "policy-gradient surrogate (SURROGATES)",
@@ -727,15 +737,14 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights, p
         raise ValueError(f"algo.weights={algo.weights!r} but weights is "
                          f"{'None' if weights is None else 'given'}")
     denom = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
-    adv = (advantages if weights is None
-           else advantages * (weights if advantages.dim() == 1 else weights[:, None]))
+    adv = advantages if weights is None else advantages * _per_token(weights, advantages)
 
-    sur = surrogate_loss(algo, logp, old_logp, adv, resp_mask, sampler_logp)  # PPO-clip, GSPO, ...
     if algo.uses_entropy and entropy is None:
         raise ValueError("entropy_coef / top_entropy_quantile: the policy's token entropy is required")
-    kept = 1.0 if algo.top_entropy_quantile >= 1 else high_entropy_tokens(entropy, resp_mask,
-                                                                          algo.top_entropy_quantile)
-    pg = aggregate(sur.loss * kept, resp_mask, algo.agg, **denom)                  # PG(A * w)
+    sur = surrogate_loss(algo, logp, old_logp, adv, resp_mask, sampler_logp)  # PPO-clip, GSPO, ...
+    if algo.top_entropy_quantile < 1:                                      # the high-entropy tokens only
+        sur = sur._replace(loss=sur.loss * high_entropy_tokens(entropy, resp_mask, algo.top_entropy_quantile))
+    pg = aggregate(sur.loss, resp_mask, algo.agg, **denom)                         # PG(A * w)
     loss = pg
     stats = {"pg_loss": pg.detach(), **{k: aggregate(v.float(), resp_mask, "token-mean", num_tokens).detach()
                                         for k, v in sur.stats.items()}}      # the surrogate's, as token means
@@ -760,12 +769,17 @@ def rl_loss(algo, *, logp, old_logp, ref_logp, resp_mask, advantages, weights, p
                          "prompt_logp, prompt_ref_logp, prompt_mask are required")
 
     if algo.entropy_coef > 0:
-        ent = aggregate(entropy, resp_mask, algo.agg, **denom)
-        loss = loss - algo.entropy_coef * ent                                      # - c * H (a bonus)
-        stats["entropy_bonus"] = ent.detach()
+        loss, stats["entropy_bonus"] = entropy_bonus(loss, algo, entropy, resp_mask, denom)  # - c * H
 
     stats["loss"] = loss.detach()
     return loss, stats
+
+
+def entropy_bonus(loss, algo, entropy, mask, denom):
+    """loss - c * H, H the policy's token entropy (with grad) aggregated as the PG term is (verl's
+    entropy_coeff) -> (that loss, H detached)."""
+    ent = aggregate(entropy, mask, algo.agg, **denom)
+    return loss - algo.entropy_coef * ent, ent.detach()
 
 
 def high_entropy_tokens(entropy, mask, q):

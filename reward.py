@@ -371,8 +371,6 @@ def shutdown():
 def _grade_fast(pred, gold):
     """(is_correct, outcome) decided without math-verify, or None if math-verify is needed.
     outcome: "correct" | "wrong" | "rejected"."""
-    if not isinstance(pred, str) or not isinstance(gold, str):
-        raise ValueError(f"expected two str, got {type(pred).__name__}, {type(gold).__name__}")
     pred, gold = pred.strip(), gold.strip()
     if not pred:
         return False, "wrong"
@@ -391,8 +389,8 @@ def _grade_fast(pred, gold):
 
 
 def _grade_many(preds, golds, timeout):
-    """Outcome per (pred, gold): "correct" | "wrong" | "rejected" | "timeout" | "error", and
-    whether math-verify was needed. Identical pairs (common within a GRPO group) are verified once."""
+    """grade_completions' outcome per (pred, gold), and whether it needed math-verify, which verifies
+    identical pairs (common within a GRPO group) once, distinct ones in parallel."""
     outcomes, used_mv = [None] * len(preds), [False] * len(preds)
     slow = {}   # (gold, pred) -> indices needing math-verify
     for i, (pred, gold) in enumerate(zip(preds, golds)):
@@ -414,6 +412,8 @@ def _grade_many(preds, golds, timeout):
 
 def grade(pred: str, gold: str) -> bool:
     """True iff the predicted answer equals the gold answer (strings, numbers, then math-verify)."""
+    if not isinstance(pred, str) or not isinstance(gold, str):
+        raise ValueError(f"expected two str, got {type(pred).__name__}, {type(gold).__name__}")
     return _grade_many([pred], [gold], DEFAULT_TIMEOUT)[0][0] == "correct"
 
 
@@ -437,11 +437,10 @@ def grade_completions(completions: list[str], answers: list[str],
     """The outcome of each completion's last boxed answer against its gold answer ("correct",
     "wrong", "no_answer", "rejected", "timeout" or "error") and how many needed math-verify."""
     if len(completions) != len(answers):
-        raise ValueError(f"score_batch: {len(completions)} completions but {len(answers)} answers")
-    for c, a in zip(completions, answers):
-        if not isinstance(c, str) or not isinstance(a, str):
-            raise ValueError(f"score_batch expects str completions and answers, got "
-                             f"{type(c).__name__} and {type(a).__name__}")
+        raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
+    bad = [type(a).__name__ for a in answers if not isinstance(a, str)]
+    if bad:                                                  # (extract_boxed checks the completions)
+        raise ValueError(f"gold answers must be str, got {bad[0]}")
     preds = [extract_boxed(c) for c in completions]
     try:
         outcomes, used_mv = _grade_many(preds, answers, timeout)
@@ -460,8 +459,7 @@ class Scored:
 
 def grade_rows(completions: list[str], rows: list[dict], timeout: float = DEFAULT_TIMEOUT):
     """The math task's scorer (tasks/math.py): each completion against its row's "answer", all at
-    once -- the verifier's pool grades distinct (gold, answer) pairs once, in parallel. ->
-    ([Scored], {"math_verify": completions that needed the slow path})."""
+    once (grade_completions) -> ([Scored], {"math_verify": completions that needed the slow path})."""
     outcomes, math_verify = grade_completions(completions, [r["answer"] for r in rows], timeout)
     return [Scored(float(o == "correct"), o) for o in outcomes], {"math_verify": math_verify}
 

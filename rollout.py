@@ -227,8 +227,7 @@ _FNV_OFFSET, _FNV_PRIME, _M64 = 1469598103934665603, 1099511628211, 0xFFFFFFFFFF
 
 def row_seed(*parts) -> int:
     """A 62-bit sampling seed named by its parts (FNV-1a over 64-bit words), the same on every
-    rank and in every process: training rollouts seed a row by (seed, step, round, prompt,
-    sample), evaluate.py a sample by (salt, benchmark, problem id, temperature, index). A str part
+    rank and in every process (training rollouts: seed, step, round, prompt, sample). A str part
     enters as the FNV-1a hash of its UTF-8 bytes."""
     h = _FNV_OFFSET
     for x in parts:
@@ -456,9 +455,15 @@ def _check_sample_args(prompts, max_new_tokens, temperature, top_p, seeds, sampl
 
 
 def sample_with(model, prompts, spec: SampleSpec, *, temperature, seeds, top_p=1.0) -> Rollout:
-    """Seeded rows: the plain sampler (`generate`), or --sampler kv's one pass (`sample`)."""
+    """Seeded rows: the plain sampler (`generate`), or `sample_by_spec` (--sampler kv's one pass)."""
     if spec.sampler == "hf" and seeds is not None and temperature > 0:
         return generate(model, prompts, seeds, spec, temperature, top_p)
+    return sample_by_spec(model, prompts, spec, temperature, seeds, top_p)
+
+
+def sample_by_spec(model, prompts, spec: SampleSpec, temperature, seeds, top_p) -> Rollout:
+    """`sample` with the spec's sizes: --sampler kv's one pass; greedy (temperature 0) or unseeded rows
+    for either sampler."""
     return sample(model, prompts, max_new_tokens=spec.max_new_tokens, eos_ids=spec.eos_ids,
                   pad_id=spec.pad_id, temperature=temperature, top_p=top_p, seeds=seeds, sampler=spec.sampler,
                   batch_size=spec.rows_per_call(max(map(len, prompts))), compile_decode=spec.compile_decode)

@@ -203,9 +203,9 @@ BEFORE_OPTION = {o.name: o.before for o in OPTIONS if getattr(o, "before", NEW) 
 def rl_step(run, step, before_update=None) -> experience.StepResult:
     """One RL step, returning what it computed (the loop logs it): this rank's prompts, G responses
     each, graded -> pi_old's log-probs -> advantages A and query weights w -> --ppo-epochs passes of
-    PPO updates. With a fast path on (fast_paths), the step at scale does the same in other kernels."""
+    PPO updates."""
     if run.fast:
-        return scale_step.rl_step(run, step, before_update)             # rl/scale_step.py
+        return scale_step.rl_step(run, step, before_update)     # a fast path on: rl/scale_step.py
     G, dev = run.args.group_size, run.dist.device
     with run.decoding_copy(run.policy, run.spec.weights_dtype) as decoder:
         collected = experience.collect(run, decoder, step)              # G responses per prompt, graded
@@ -263,9 +263,8 @@ def score_old(run, packed) -> experience.RolloutScores:
 
 
 def query_weights(run, prompt_idx, prompt_logp, prompt_mask, valid):
-    """Per-row query weights w(q) (method.md §4), or None. paper: the cached reference NLL against
-    the dataset's mean, clipped to algo.weight_clip. code: the current policy's NLL (no grad) against
-    the mean over each global update batch, unclipped."""
+    """Per-row query weights w(q) by algo.weights (losses.query_weights, method.md §4: paper, from the
+    cached reference NLLs; code, the policy's over each update batch), or None."""
     algo, G = run.algo, run.args.group_size
     if algo.weights == "paper":
         w = losses.query_weights(run.cache.nll[torch.tensor(prompt_idx)], mean_nll=run.cache.nll_mean,
@@ -332,8 +331,7 @@ def lr_factor(s, kind="constant", warmup_steps=0, decay_steps=0, floor=0.0) -> f
     """The LR multiplier of optimizer step s (0-based): (s + 1) / warmup_steps during the warm-up;
     then 1 ("constant"), or decaying from 1 at the warm-up's end to `floor` at step decay_steps, and
     `floor` after: linear, or cosine, floor + (1 - floor) (1 + cos(pi t)) / 2 with t the fraction of
-    the decay done (as transformers' get_linear / get_cosine_schedule_with_warmup, with a floor).
-    Why constant by default, and the horizon on --resume: plumbing/optimizer.py."""
+    the decay done. Why constant by default, and the horizon on --resume: plumbing/optimizer.py."""
     if s < warmup_steps:
         return (s + 1) / warmup_steps
     if kind == "constant":

@@ -46,8 +46,8 @@ class Collected:
 
 
 def my_prompts(run, step, round_=0) -> list[int]:
-    """Training-set indices of this rank's prompts of an RL step (a sampling round of it): a
-    function of (seed, step, round), so a resumed run samples what the uninterrupted one would."""
+    """Training-set indices of this rank's prompts of an RL step (a sampling round of it), a function
+    of (seed, step, round) (step_indices)."""
     args = run.args
     order = step_indices(len(run.data.ids), step if round_ == 0 else step * 7919 + round_,
                          args.rollout_batch, args.seed + round_)
@@ -67,8 +67,7 @@ def step_indices(n_data, step, batch, seed) -> list[int]:
 
 def rank_share(order, rank, world, rollout_batch, update_batch):
     """The entries of a rollout batch's prompt `order` that this rank samples: each update batch is
-    split evenly across ranks, so every optimizer step sees the same global prompts at any world
-    size (what makes 1-process and 2-process runs comparable)."""
+    split evenly across ranks, so every optimizer step sees the same global prompts at any world size."""
     per = update_batch // world
     return [order[u + rank * per + i] for u in range(0, rollout_batch, update_batch) for i in range(per)]
 
@@ -445,20 +444,17 @@ class Phases:
         self.seconds: dict[str, float] = {}
         self.memory: dict[str, float] = {}             # "mem_<kind>_<phase>" -> GiB, this rank
 
-    def _sync(self):
-        if self.is_cuda:
-            self.cuda.synchronize()
-
     @contextmanager
     def __call__(self, name):
-        self._sync()
         if self.is_cuda:
+            self.cuda.synchronize()
             self.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
+            if self.is_cuda:
+                self.cuda.synchronize()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
             if self.is_cuda:
                 self._record_memory(name)

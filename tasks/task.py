@@ -148,7 +148,7 @@ def prompt_set(set_name: str, tokenizer, template: str, default_task: str, **loa
 def score_rows(completions: list[str], rows: list[dict], timeout: float = 1.0,
                format_reward: bool = False) -> tuple[list[float], list[bool], dict]:
     """Score completion i against rows[i] by the row's task -> (rewards, correct, counts).
-    format_reward: 0.9 * reward + 0.1 * the task's format check (--reward acc+format).
+    format_reward: with format_bonus (--reward acc+format).
     counts: total, one count per outcome, "format_ok", the batch scorers' extras, and per task
     "total/<task>" and "correct/<task>" (per-task accuracy of runs that mix tasks)."""
     if len(completions) != len(rows):
@@ -159,7 +159,7 @@ def score_rows(completions: list[str], rows: list[dict], timeout: float = 1.0,
     scored: list[Scored | None] = [None] * len(rows)
     counts = {"total": len(rows), "format_ok": 0}
     for name, idx in by_task.items():
-        task = get(name)
+        task = TASKS[name]                                   # (checked as its rows loaded)
         for o in task.outcomes:
             counts.setdefault(o, 0)
         if task.score_batch is not None:
@@ -172,14 +172,19 @@ def score_rows(completions: list[str], rows: list[dict], timeout: float = 1.0,
             scored[i] = s
         counts[f"total/{name}"] = len(idx)
         counts[f"correct/{name}"] = sum(s.outcome == "correct" for s in got)
-    rewards, correct = [], []
-    for i, s in enumerate(scored):
+    for s in scored:
         counts[s.outcome] = counts.get(s.outcome, 0) + 1
-        fmt = format_reward and _format_ok(rows[i], completions[i])
-        counts["format_ok"] += fmt
-        rewards.append(0.9 * s.reward + 0.1 * fmt if format_reward else float(s.reward))
-        correct.append(s.outcome == "correct")
-    return rewards, correct, counts
+    rewards = [float(s.reward) for s in scored]
+    if format_reward:                                          # --reward acc+format
+        rewards = format_bonus(scored, completions, rows, counts)
+    return rewards, [s.outcome == "correct" for s in scored], counts
+
+
+def format_bonus(scored: list[Scored], completions, rows, counts) -> list[float]:
+    """--reward acc+format: 0.9 * reward + 0.1 * the row's task's format check; counts "format_ok"."""
+    formats = [_format_ok(row, c) for row, c in zip(rows, completions)]
+    counts["format_ok"] = sum(formats)
+    return [0.9 * s.reward + 0.1 * f for s, f in zip(scored, formats)]
 
 
 def _safe_score(task, completion, row) -> Scored:
