@@ -43,13 +43,9 @@ import os
 import sys
 from collections import Counter, defaultdict
 
-# OpenMP's threads spin between parallel regions, and a step of a small model is thousands of short
-# ones: beside another busy process the spinning threads hold the cores the working one waits for (a
-# tiny-world step 3.3x as long as on free cores). A short spin, then sleep: as fast on free cores,
-# 2.3x beside a busy process (bench/bench_threads.py; docs/speed.md). Set before torch loads;
-# an OMP_WAIT_POLICY or GOMP_SPINCOUNT of the user's wins.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+from plumbing import threads
+
+os.environ.update(threads.short_spin(os.environ))  # OpenMP's threads: a short spin, then sleep (before torch)
 
 from tqdm import tqdm
 

@@ -266,6 +266,27 @@ def test_one_default_rl_step_reads_in_an_afternoon(tmp_path):
         f"{lines} lines, {chars} characters in {len(spans)} files:\n{table}"
 
 
+def test_each_entry_script_sets_the_thread_wait_before_torch_loads():
+    """plumbing/threads.short_spin's setting acts only before libgomp loads: each entry script calls it before it
+    imports anything but the standard library (torch comes in with the project's modules)."""
+    for script in sorted(ENTRY):
+        tree = ast.parse(open(os.path.join(ROOT, f"{script}.py")).read())
+        call = min(n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and
+                   getattr(n.func, "attr", None) == "short_spin")
+        before = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno < call]
+        names = {a.name.split(".")[0] for n in before if isinstance(n, ast.Import) for a in n.names} | \
+            {n.module.split(".")[0] for n in before if isinstance(n, ast.ImportFrom)
+             and (n.module, [a.name for a in n.names]) != ("plumbing", ["threads"])}
+        assert names <= set(sys.stdlib_module_names), f"{script}: imports {names - set(sys.stdlib_module_names)} first"
+    assert imports_of(os.path.join(ROOT, "plumbing", "threads.py")) <= set(sys.stdlib_module_names)
+
+
+def test_the_short_spin_leaves_a_users_setting():
+    from plumbing.threads import SPIN, short_spin
+    for env, want in (({}, {"GOMP_SPINCOUNT": SPIN}), ({"GOMP_SPINCOUNT": "7"}, {}), ({"OMP_WAIT_POLICY": "PASSIVE"}, {})):
+        assert short_spin(env) == want, env
+
+
 def test_spans_count_a_nested_function_once():
     def outer():
         def inner():
