@@ -11,7 +11,6 @@ config and options; no constant is fitted to a configuration. A step's phases pe
     score      the same, less the rollout's + one no-grad micro-batch's forward (FSDP2: the
                gathered root and two layers)
     update     + the gradients, the micro-batch's saved activations, lm_head's backward in blocks
-               (DDP under bf16 autocast: + the bf16 gradients of the cached weight casts)
     optimizer  weights, Adam state, reference, gradients + foreach AdamW's temporaries
 
 rl/memory_measure.py measures the same phases by running the step's code (real tensors on a CPU, or
@@ -207,12 +206,8 @@ def weight_terms(arch: Arch, a, gpus, needs_ref, p: Precision) -> list[Term]:
     if p.mixed and not fsdp:  # autocast casts each float32 matmul weight once per region (the step)
         matmul = P if arch.tied else P - arch.vocab * arch.hidden          # the input embedding is a lookup
         out.append(Term("autocast copies", matmul * 2, ALL,
-                        "bf16 copies of the matmul weights, kept until the optimizer step"))
-        if not rank:  # (LoRA: the frozen base's casts take no gradient)
-            layers = arch.layers * (arch.layer_params() - 2 * arch.hidden)         # the layers' nn.Linear
-            out.append(Term("autocast copy grads", layers * 2, ("update",),
-                            "bf16 gradients of the decoder layers' cached casts, all held to the end of "
-                            "each backward (their casts, made at the rollout, run their backward last)"))
+                        "bf16 copies of the matmul weights, made anew by each micro-batch's forward (their "
+                        "gradients freed layer by layer: plumbing/optimizer.step)"))
     if fsdp:
         gathered = (arch.embedding_params() + arch.hidden + 2 * arch.layer_params()) * p.compute
         out.append(Term("gathered layers", gathered, ("score", "update"),

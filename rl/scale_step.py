@@ -170,6 +170,7 @@ def accumulate_gradient(run, batch: experience.UpdateBatch, update: "UpdatePlan"
     for k, mb in enumerate(update.micro_batches):
         part, pcols, rcols = batch.packed.trimmed(mb)                    # rows mb.rows, fewer columns
         rows = mb.rows
+        torch.clear_autocast_cache()      # bf16-mixed: cast the weights anew (plumbing/optimizer.py)
         with distributed.grad_sync(run.policy, k == len(update.micro_batches) - 1):
             now = logprobs.score_tokens(run.policy, part, args.temperature, is_pi_old or algo.uses_entropy,
                                         group, checked=True, entropy_grad=algo.entropy_coef > 0)

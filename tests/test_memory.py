@@ -68,14 +68,18 @@ def test_dry_run_measures_the_paper_step_on_fake_tensors(capsys):
     assert "no activation checkpointing (--grad-ckpt auto" in out and "reference  " not in out
 
 
-def assert_plan_within_15_percent(out):
-    """--dry-run's table: every phase's plan within 15% of its measurement."""
+def plan_table(out) -> dict[str, tuple[float, float]]:
+    """--dry-run's table: {phase: (planned GiB, measured GiB)}."""
     lines = out.splitlines()
     table = lines[next(i for i, ln in enumerate(lines) if ln.split()[:3] == ["phase", "plan", "GiB"]) + 1:][:4]
     assert [ln.split()[0] for ln in table] == list(memory_plan.PHASES)
-    for row in table:
-        planned, measured = map(float, row.split()[1:3])
-        assert abs(planned / measured - 1) <= 0.15, row
+    return {ln.split()[0]: tuple(map(float, ln.split()[1:3])) for ln in table}
+
+
+def assert_plan_within_15_percent(out):
+    """--dry-run's table: every phase's plan within 15% of its measurement."""
+    for phase, (planned, measured) in plan_table(out).items():
+        assert abs(planned / measured - 1) <= 0.15, (phase, planned, measured)
 
 
 def test_dry_run_of_the_one_gpu_config(capsys):
@@ -93,6 +97,11 @@ def test_dry_run_of_the_one_gpu_config(capsys):
     for key in ("measured_update_gib_per_gpu", "measured_rollout_gib_per_gpu"):
         assert float(fields[key]) <= memory_plan.CARD_GIB["h100"], key
     assert_plan_within_15_percent(out)
+    # DDP under bf16 autocast: each micro-batch casts the weights anew, so every layer's bf16 weight
+    # gradient is freed as its backward ends (plumbing/optimizer.step). Reusing the casts held all of
+    # them to the end of each backward: 30.95 GiB measured against 28.17 planned (now 28.97).
+    planned, measured = plan_table(out)["update"]
+    assert measured <= 1.05 * planned, (planned, measured)
 
 
 def test_the_fake_measurement_stubs_only_the_two_scalar_reads():
