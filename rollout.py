@@ -38,7 +38,7 @@ the same per-row seeds: pass `seeds` in distributed runs.
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -107,16 +107,26 @@ class SampleSpec:
     weights_dtype: torch.dtype | None = None  # of the gathered decoding copy of a sharded policy
     kv_budget: int = 0                 # KV-cache positions (rows at once x (prompt + new)); 0 = no cap
     compile_decode: bool = False       # the one pass's decode step compiled (decode.CapturedStep)
+    kv_fits: bool = False              # kv_budget is what fits (--kv-budget 0 on CUDA): `refit` per pass
 
     @classmethod
     def make(cls, model, tokenizer, max_new_tokens, sampler, batch_size, kv_budget, bf16, opt=None,
              compile_decode=False):
         """The spec of a training run: stop ids from the model and tokenizer; on CUDA a kv_budget
         of 0 means what fits in the free GPU memory (kv_budget_that_fits), on CPU no cap."""
-        if kv_budget == 0 and next(model.parameters()).is_cuda:
+        fits = kv_budget == 0 and next(model.parameters()).is_cuda
+        if fits:
             kv_budget = kv_cache.kv_budget_that_fits(model, opt, bf16, batch_size, max_new_tokens)
         return cls(max_new_tokens, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, sampler,
-                   batch_size, torch.bfloat16 if bf16 else None, kv_budget, compile_decode)
+                   batch_size, torch.bfloat16 if bf16 else None, kv_budget, compile_decode, fits)
+
+    def refit(self, decoder) -> "SampleSpec":
+        """The budget sized again from the memory free now beside `decoder` (made): the set-up's figure
+        goes stale (Adam's state arrives at the first step, the allocator fragments, an evaluation)."""
+        if not self.kv_fits:
+            return self
+        return replace(self, kv_budget=kv_cache.kv_budget_that_fits(   # (bf16: weights_dtype, as make)
+            decoder, None, self.weights_dtype is not None, self.batch_size, self.max_new_tokens))
 
     def rows_per_call(self, longest_prompt) -> int | None:
         """Rows decoded at once (sampler/kv_cache.py's slots; chunks where the one pass does not apply):
@@ -463,7 +473,8 @@ def sample_with(model, prompts, spec: SampleSpec, *, temperature, seeds, top_p=1
 
 def sample_by_spec(model, prompts, spec: SampleSpec, temperature, seeds, top_p) -> Rollout:
     """`sample` with the spec's sizes: --sampler kv's one pass; greedy (temperature 0) or unseeded rows
-    for either sampler."""
+    for either sampler. --kv-budget 0 on CUDA: the budget of the memory free now (SampleSpec.refit)."""
+    spec = spec.refit(model)
     return sample(model, prompts, max_new_tokens=spec.max_new_tokens, eos_ids=spec.eos_ids,
                   pad_id=spec.pad_id, temperature=temperature, top_p=top_p, seeds=seeds, sampler=spec.sampler,
                   batch_size=spec.rows_per_call(max(map(len, prompts))), compile_decode=spec.compile_decode)

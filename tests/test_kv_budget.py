@@ -6,6 +6,7 @@ torch.cuda.mem_get_info, is replaced by a card of a given size and free memory.
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -113,6 +114,28 @@ def test_a_lora_run_reserves_its_merged_decoding_copy(warm):
 def test_the_cpu_has_no_cap(warm):
     model, tok = warm
     assert rollout.SampleSpec.make(model, tok, 96, "kv", 256, 0, bf16=False).kv_budget == 0
+
+
+def test_each_pass_sizes_the_budget_from_the_memory_free_then(warm, monkeypatch):
+    """--kv-budget 0 on CUDA: every one pass (sample_by_spec) re-derives the budget from the memory free
+    when it starts, beside the decoding copy already made -- not the set-up's figure, which reserved
+    Adam's state that arrives later and cannot see fragmentation or what an evaluation holds. The rows
+    it decodes at once follow: less free memory, fewer slots. A fixed --kv-budget stays as given."""
+    model, tok = warm
+    got = []
+    monkeypatch.setattr(rollout, "sample", lambda *a, batch_size, **kw: got.append(batch_size))
+    spec = rollout.SampleSpec(96, [0], 0, "kv", 256, torch.bfloat16, kv_budget=10 ** 6, kv_fits=True)
+    edge, MIB = int(memory_plan.KV_MARGIN * CARD), 2 ** 20               # (a slot: 128 positions, 128 KiB)
+    prompts = [[1] * 32] * 300
+    for free in (100 * GIB, edge + 40 * MIB, edge + 20 * MIB):
+        gpu(monkeypatch, free)
+        rollout.sample_by_spec(model, prompts, spec, 1.0, None, 1.0)
+        want = kv_cache.kv_budget_that_fits(model, None, True, 256, 96)   # (the decoder: no optimizer)
+        assert got[-1] == min(256, max(1, want // (32 + 96)))
+    assert got[0] == 256 and 1 <= got[2] < got[1] < 256
+    fixed = replace(spec, kv_budget=128 * 40, kv_fits=False)
+    rollout.sample_by_spec(model, prompts, fixed, 1.0, None, 1.0)
+    assert got[-1] == 40
 
 
 def test_the_budget_is_sized_after_the_allocator_s_cache_is_released(qwen7b, monkeypatch):
