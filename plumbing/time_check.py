@@ -20,8 +20,9 @@ from plumbing.time_model import GPUS, plan_lengths, slots_for, step_terms
 
 CHECK_STEPS = 3                 # the run's first steps it reads: step 1 warms up, steps 2..3 are measured
 # The model's phases against the run's timer (rl/experience.py, train.rl_step): the sampler's time_gen
-# holds its prefill and its decode; step_time also holds what the model leaves out (grading,
-# time_reward; the Query-KL reference; monitors), so the step's ratio is the one a user's hours follow.
+# holds its prefill and its decode; step_time also holds the host work the model's `host` term counts
+# (grading, time_reward; FSDP2's decoding copy; the length deal) and what it leaves out (the Query-KL
+# reference; monitors), so the step's ratio is the one a user's hours follow.
 MEASURED = {"gen": "time_gen", "score": "time_score", "update": "time_update", "step": "step_time"}
 
 
@@ -163,7 +164,7 @@ def format_check(check: dict) -> str:
            else f"the plan's {slots['planned']} slots")
     lines = [f"time model vs this run on {GPUS[check['gpu']].name} (measured: the mean of {which}{ranks}; "
              f"modelled at the run's lengths, {check['lengths']}; decoding in {got})"]
-    what = {"gen": "decode + prefill (time_gen)", "step": "step (step_time; grading etc. not modelled)"}
+    what = {"gen": "decode + prefill (time_gen)", "step": "step (step_time; with the host term)"}
     for name, p in check["phases"].items():
         ratio = "-" if p["ratio"] is None else f"{p['ratio']:.2f}"
         lines.append(f"  {what.get(name, name):44s} modelled {p['modelled']:9.3g} s   measured "

@@ -21,13 +21,15 @@ schedule on sampled lengths against them):
              queue drains, each row holding its slot for its length plus the wait for a refill, then
              the last rows finish. Each step reads the bf16 weights and every slot's KV cache up to
              the longest slot's column (memory-bound), or is bound by launching its eager kernels
-    prefill  each distinct prompt once, left-padded in groups of PREFILL_TOKENS (2 N FLOPs per token)
+    prefill  each distinct prompt once, left-padded in groups of PREFILL_TOKENS (2 N FLOPs per token;
+             N = matmul_params, all but the input embedding)
     score    pi_old's no-grad forward over the rows (and the reference's, where one is loaded), in the
              micro-batches batching.microbatch_plan makes: longest first, each padded to its longest
              prompt + its longest response
     update   forward + backward over the same micro-batches (6 N FLOPs per token, 8 N with activation
              checkpointing; LoRA: 2 N less), and under FSDP2 the weights gathered twice and the gradients
-             reduce-scattered per micro-batch
+             reduce-scattered per micro-batch (packed: next-fit's count, as many on every rank)
+    host     what the GPU phases leave out: grading, FSDP2's decoding copy, the length-dealing gather
 """
 
 import json
@@ -61,17 +63,25 @@ CONSTANTS = {"decode_bw_fraction": (0.7, 0.85, 0.55),   # of HBM bandwidth an ea
              "launch_us": (8.0, 5.0, 15.0),            # host microseconds per eager kernel of a decode step
              "update_mfu": (0.3, 0.4, 0.25),           # 6N MFU of the training and scoring forwards
              "exposed_comm": (0.3, 0.1, 0.6),          # of FSDP2's gathers + reduce-scatters prefetch leaves
-             "slowest_rank": (1.08, 1.04, 1.13)}       # the slowest rank's decode over the modelled mean
+             "slowest_rank": (1.08, 1.04, 1.13),       # the slowest rank's decode over the modelled mean
+             "verify_ms": (20.0, 6.0, 50.0)}           # ms a math-verify runner takes an answer (CPU, here)
 CENTRAL = {k: v[0] for k, v in CONSTANTS.items()}
 MFU = CENTRAL["update_mfu"]            # (named: bench/gpu_check.py scales by it)
 PREFILL_MFU = 0.5          # of the prefill (large dense matmuls, no backward)
 KERNELS_PER_LAYER = 43     # eager kernels of one decoder layer's decode step (~1,200 at 28 layers, on CPU)
 LINK_EFFICIENCY = 0.7      # of NVLink's bandwidth an all-gather / reduce-scatter reaches
+# The host's work (host_seconds; docs/gpus.md cites each): grading, the FSDP2 decoding copy, the deal
+VERIFY_FRACTION = 0.3      # of the responses reward.py's exact paths leave to math-verify (assumed)
+VERIFY_RUNNERS = 4         # math-verify runners a rank grades on (mathverify_pool: min(4, its CPUs))
+GATHER_US = 100.0          # a decoding copy's per-tensor cost beside its bytes: a collective, an alloc
+TENSORS_PER_LAYER = 12     # a Qwen2 decoder layer's parameter tensors (q, k, v + biases, o, MLP x3, norms x2)
+PICKLE_GBS = 1.0           # GB/s of all_gather_object's round trip: pickle, to GPU, back, unpickle
 # sampler/kv_cache.py's schedule (plumbing may not import the sampler; a test holds them equal)
 CHECK_EVERY, REFILL_FRACTION, COMPACT_FRACTION, PREFILL_TOKENS = 8, 8, 4, 1024
 GRID = 64                  # decode steps per segment of the modelled pass
 MAX_SEGMENTS = 2000        # more (absurd --max-new-tokens): longer segments, ages in blocks (coarser)
 AGE_BINS = 4096            # ages of a segment in at most this many blocks (exact below 4,096 tokens)
+PACKED_ROWS = 1 << 16      # more rows a forward (absurd batches): next-fit walked over this many, scaled
 REVIEW = os.path.join(memory_plan.ROOT, "configs", "lengths", "review_issue42.json")
 # The lengths are distributions over 0 .. --max-new-tokens, held as float64 arrays (about a dozen at
 # once: ~100 bytes a token, measured). Past this many tokens a row (no model has as many positions)
@@ -177,15 +187,22 @@ def _longest_column(prompt: Lengths, age, csum, t: int, first_alive: float, S: i
     return Lengths(np.convolve(blocks, now), "").expected_max(S) * b + 1
 
 
+def matmul_params(arch) -> int:
+    """The model's N: the parameters a token is multiplied by (a forward is 2N FLOPs a token, forward +
+    backward 6N; a decode step reads them), all but the input embedding, a lookup (tied: counted once,
+    as lm_head)."""
+    return arch.params() - (0 if arch.tied else arch.vocab * arch.hidden)
+
+
 def decode_seconds(arch, gpu: GPU, segments, captured=False, k=None) -> tuple[float, float, float]:
     """-> (seconds, steps, seconds per step at the fullest segment) of a decode schedule: each step
     the slowest of reading the weights and KV, launching its kernels (none when a CUDA graph
     replays them: --compile-decode), and its 2N FLOPs per slot (at PREFILL_MFU: dense matmuls; the
     bound a few hundred slots reach; none for a GPU of 0 TFLOP/s)."""
     k = k or CENTRAL                    # (the constants: decode_bw_fraction, launch_us)
-    weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
+    weights = 2 * matmul_params(arch)
     launch = 0.0 if captured else KERNELS_PER_LAYER * arch.layers * k["launch_us"] * 1e-6
-    flops = 2 * arch.params() / (gpu.bf16_tflops * 1e12 * PREFILL_MFU) if gpu.bf16_tflops else 0.0
+    flops = 2 * matmul_params(arch) / (gpu.bf16_tflops * 1e12 * PREFILL_MFU) if gpu.bf16_tflops else 0.0
 
     def step_s(seg):
         bandwidth = gpu.hbm_tbs * 1e12 * k["decode_bw_fraction"]
@@ -208,7 +225,8 @@ def planned_tokens(resp: Lengths, prompt: Lengths, n: int, group: int, size: int
     longest first, at most `size` rows and max_tokens padded tokens each, a micro-batch as wide as
     its longest response (the first row's, at its rank among the n) + the longest of its distinct
     prompts. -> (padded tokens, micro-batches). Not modelled: --share-prompts' whole groups, and
-    FSDP2's splitting to the most micro-batches any rank needs (more forwards, the same tokens)."""
+    FSDP2's splitting to the most micro-batches any rank needs (more forwards, the same tokens;
+    packed_tokens models it for the packed plan, the default)."""
     total = Lengths(np.convolve(prompt.pmf, resp.pmf), "")          # a row's prompt + response
     prompts_in, j, tokens, micro = max(1.0, n / group), 0, 0.0, 0
     while j < n:
@@ -222,24 +240,54 @@ def planned_tokens(resp: Lengths, prompt: Lengths, n: int, group: int, size: int
     return tokens, micro
 
 
-def packed_tokens(resp: Lengths, prompt: Lengths, n: int, size: int, max_tokens: int) -> tuple[float, int]:
+def packed_tokens(resp: Lengths, prompt: Lengths, n: int, size: int, max_tokens: int,
+                  ranks: int = 1) -> tuple[float, float]:
     """The same n rows packed (--pack: the full-row path's forwards take the rows' real tokens, no
-    padding): at most `size` rows and max_tokens real tokens a micro-batch. -> (real tokens,
-    micro-batches: the more of the two caps asks, + 1 for the first-fit's leftovers)."""
+    padding) as batching.microbatch_plan packs them: longest first (prompt + response), NEXT-FIT, a
+    micro-batch closed at `size` rows or where the next row would pass max_tokens real tokens.
+    Walked on the rows' lengths by rank, as planned_tokens walks them: the j-th longest of n at the
+    (j + 0.5) / n quantile of prompt + response. Sorted rows are locally alike, so the rows a
+    micro-batch of consecutive ranks takes are about what their quantiles say (perfect packing,
+    tokens / max_tokens + 1, counted 4-21% fewer than tests/test_time_model.py's replays: next-fit
+    leaves each micro-batch's gap unfilled, and a row over half the cap goes alone).
+    ranks > 1: every rank runs as many as the rank that needs the most (microbatch_plan's count=):
+    the expected most of `ranks` counts, each ~ normal around the mean, its spread what is left once
+    deal_by_length has evened the tokens per rank (a count is a sum over rows of 1 / their
+    micro-batch's rows: its part linear in the row's tokens is what dealing evens out).
+    -> (real tokens, micro-batches)."""
     tokens = n * (prompt.mean() + resp.mean())
-    micro = math.ceil(n / size)
-    if max_tokens:
-        micro = max(micro, math.ceil(tokens / max_tokens) + (tokens > max_tokens))
+    total = Lengths(np.convolve(prompt.pmf, resp.pmf), "")          # a row's prompt + response
+    m = min(n, PACKED_ROWS)
+    u = (np.arange(m) + 0.5) / m                                    # the rows, longest first
+    rows = np.searchsorted(-total.sf(), -(u + 1e-12)).astype(float)  # = total.top(u), at once
+    share, start, used = np.empty(m), 0, 0.0                       # a row's 1 / its micro-batch's rows
+    for j, x in enumerate(rows):
+        if j > start and (j - start == size or (max_tokens and used + x > max_tokens)):
+            share[start:j], start, used = 1 / (j - start), j, 0.0
+        used += x
+    share[start:] = 1 / (m - start)
+    micro = float(share.sum()) * n / m
+    if ranks > 1 and rows.var() > 0:
+        evened = np.mean((share - share.mean()) * (rows - rows.mean())) ** 2 / rows.var()
+        micro += _normal_max(ranks) * math.sqrt(max(0.0, n * (share.var() - evened)))
     return tokens, micro
 
 
-def forward_tokens(a, resp: Lengths, prompt: Lengths, n: int) -> tuple[float, int]:
-    """Tokens and micro-batches of a training forward over n rows: packed where --pack applies
-    (getattr(a, "pack", True): the option's default, before and after it exists; the full-row path,
-    batching.prompt_group 1), else padded as batching.microbatch_plan pads them."""
+def _normal_max(k: int) -> float:
+    """E[the largest of k independent standard normals] (1.42 for 8): -10 + the integral of
+    1 - Phi(x)^k from -10 (midpoints)."""
+    x = np.arange(-10.0, 10.0, 0.01) + 0.005
+    phi = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    return float(-10.0 + np.sum(1 - phi ** k) * 0.01)
+
+
+def forward_tokens(a, resp: Lengths, prompt: Lengths, n: int, ranks: int = 1) -> tuple[float, float]:
+    """Tokens and micro-batches of a training forward over n rows on each of `ranks`: packed where
+    --pack applies (getattr(a, "pack", True): the option's default, before and after it exists; the
+    full-row path, batching.prompt_group 1), else padded as batching.microbatch_plan pads them."""
     cap = getattr(a, "micro_tokens", 0)
     if packs(a):
-        return packed_tokens(resp, prompt, n, a.micro_batch, cap)
+        return packed_tokens(resp, prompt, n, a.micro_batch, cap, ranks)
     return planned_tokens(resp, prompt, n, a.group_size, a.micro_batch, cap)
 
 
@@ -273,7 +321,7 @@ def decode_terms(arch, a, gpus, gpu: GPU, lengths) -> list[Term]:
 
 def step_terms(arch, a, gpus, gpu: GPU, needs_ref, old_rows, resp: Lengths, prompt: Lengths,
                k=None) -> list[Term]:
-    """The step's four phases over these lengths: one column of the report. k: the constants
+    """The step's four phases and its host work over these lengths: one column of the report. k: the constants
     (CENTRAL; `constants` reads measured ones); decode is the slowest rank's (k["slowest_rank"])."""
     k = k or CENTRAL
     N, n_p, G = a.rollout_batch // gpus * a.group_size, a.rollout_batch // gpus, a.group_size
@@ -283,20 +331,22 @@ def step_terms(arch, a, gpus, gpu: GPU, needs_ref, old_rows, resp: Lengths, prom
     segs = (worst_schedule if worst else decode_schedule)(R if worst else resp, prompt, N, n_p, S)
     dec_s, steps, step_s = decode_seconds(arch, gpu, segs, getattr(a, "compile_decode", False), k)
     dec_s *= k["slowest_rank"]
-    Nf, flops = arch.params(), gpu.bf16_tflops * 1e12
+    Nf, flops = matmul_params(arch), gpu.bf16_tflops * 1e12
     refills = 0 if N <= S else (N - S) / max(1, S // REFILL_FRACTION)
     prefill = (n_p + refills) * prompt.expected_max(2)              # a refill's distinct prompts
     update = a.rollout_batch // a.update_batch * a.ppo_epochs, a.update_batch // gpus * G
     old = round(old_rows * N)
     score = forward_tokens(a, resp, prompt, old)[0] if old else 0.0
     score += forward_tokens(a, resp, prompt, N)[0] if needs_ref else 0.0
-    upd, micro = forward_tokens(a, resp, prompt, update[1])
+    upd, micro = forward_tokens(a, resp, prompt, update[1], gpus)        # as many on every rank
     train_flops = 8 if a.grad_ckpt else 6
     rank = getattr(a, "lora_rank", 0)
     adapters = memory_plan.lora_params(arch, rank) if rank else 0
     per_token = (train_flops - 2) * Nf + 6 * adapters if rank else train_flops * Nf
-    comm = (3 * 2 * Nf * (gpus - 1) / gpus) / (gpu.link_gbs * 1e9 * LINK_EFFICIENCY) if a.fsdp else 0.0
+    comm = (3 * 2 * arch.params() * (gpus - 1) / gpus) / (gpu.link_gbs * 1e9 * LINK_EFFICIENCY) if a.fsdp \
+        else 0.0                                                     # (bf16 bytes of every parameter)
     real = update[1] * (prompt.mean() + resp.mean())
+    most = f" (the most of {gpus} ranks)" if gpus > 1 and packs(a) else ""     # FSDP2's count=
     return [Term("decode", (dec_s,), f"{steps:,.0f} steps of {N} rows in {S} slots, "
                  f"{step_s * 1e3:.1f} ms at the fullest"),
             Term("prefill", (2 * Nf * prefill / (flops * PREFILL_MFU),), f"{prefill:,.0f} prompt tokens"),
@@ -304,7 +354,29 @@ def step_terms(arch, a, gpus, gpu: GPU, needs_ref, old_rows, resp: Lengths, prom
             Term("update", (update[0] * (per_token * upd / (flops * k["update_mfu"])
                                          + micro * comm * k["exposed_comm"]),),
                  f"{update[0]} x {upd:,.0f} tokens ({'packed: ' if packs(a) else ''}{upd / real:.2f}x the "
-                 f"real) in {micro} micro-batches")]
+                 f"real) in {micro:.1f} micro-batches{most}"),
+            Term("host", *host_seconds(arch, a, gpus, gpu, resp, prompt, k))]
+
+
+def host_seconds(arch, a, gpus, gpu: GPU, resp: Lengths, prompt: Lengths, k) -> tuple[tuple, str]:
+    """The step's host work, which no GPU phase holds (step_time does: rl/experience.py's time_reward
+    and no timer): grading the rank's N responses (reward.py decides most by string and number; the
+    rest, VERIFY_FRACTION, on the rank's math-verify pool, k["verify_ms"] each on one of VERIFY_RUNNERS);
+    under FSDP2 the decoding copy rebuilt every rollout (distributed.gathered_copy: every float32
+    parameter all-gathered, tensor by tensor; a LoRA policy's merged copy: not modelled, on-device); over
+    several ranks the length-dealing all-gather (scale_step.deal_by_length: each group trimmed to its
+    prompt + its longest response, 16 bytes a prompt position and 20 a response's, gathered to all).
+    -> ((seconds,), the note)."""
+    N, G = a.rollout_batch // gpus * a.group_size, a.group_size
+    grade = N * VERIFY_FRACTION * k["verify_ms"] * 1e-3 / VERIFY_RUNNERS
+    copy = 0.0
+    if a.fsdp and gpus > 1 and not getattr(a, "lora_rank", 0):
+        gathered = 4 * arch.params() * (gpus - 1) / gpus / (gpu.link_gbs * 1e9 * LINK_EFFICIENCY)
+        copy = gathered + (TENSORS_PER_LAYER * arch.layers + 3) * GATHER_US * 1e-6
+    dealt = gpus * N * (16 * prompt.mean() + 20 * resp.expected_max(G)) if gpus > 1 else 0.0
+    deal = dealt / (PICKLE_GBS * 1e9)
+    return (grade + copy + deal,), (f"grading {grade:.1f} s + decoding copy {copy:.1f} s + deal {deal:.1f} s "
+                                    f"({dealt / 1e6:,.0f} MB)")
 
 
 def _flops_note(arch, a, gpu, k) -> str:
@@ -338,7 +410,7 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
     ends = [sum(t.seconds[0] for t in step_terms(arch, a, gpus, gpu, needs_ref, old_rows, resp, prompt, e))
             for e in (fast, slow)]
     launch = KERNELS_PER_LAYER * arch.layers
-    weights = 2 * (arch.params() - (0 if arch.tied else arch.vocab * arch.hidden))
+    weights = 2 * matmul_params(arch)
     captured = getattr(a, "compile_decode", False)
     budget = (f"--kv-budget 0: {a.kv_budget:,} positions fit the {gpu.memory_gib:g} GiB card less "
               f"{memory_plan.KV_MARGIN:.0%}" if not given.kv_budget else f"--kv-budget {a.kv_budget:,}")
@@ -352,7 +424,10 @@ def report(a, gpus: int, needs_ref: bool, gpu_name: str, old_rows=1.0) -> str:
              "score": f"pi_old over {old_rows:.0%} of the rows"
                       f"{' + the reference over all' if needs_ref else ' (no reference model loaded)'}, "
                       f"{'packed' if packs(a) else 'padded'}, no grad, at {k['update_mfu']:.0%} MFU",
-             "update": _flops_note(arch, a, gpu, k)}
+             "update": _flops_note(arch, a, gpu, k),
+             "host": f"{VERIFY_FRACTION:.0%} of the answers to math-verify at {k['verify_ms']:g} ms on "
+                     f"{VERIFY_RUNNERS} runners; FSDP2's copy all-gathers float32 weights + {GATHER_US:g} "
+                     f"us a tensor; the deal at {PICKLE_GBS:g} GB/s"}
     lines = [f"time model of one RL step on {gpus} x {gpu.name} (a model from the config, not a measurement; "
              f"--plan-gpu): REALISTIC / worst case (every response to --max-new-tokens {R})",
              f"  responses: mean {resp.mean():.0f} tokens, {resp.truncated():.1%} cut at {R} ({resp.source}; "
