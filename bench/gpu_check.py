@@ -6,21 +6,51 @@
     python bench/gpu_check.py --minutes 5                      # no GPU: the host side at toy widths
 
 --minutes N (5): no item starts that would not end in the budget (on a GPU by its estimated seconds,
-EST_S); the timing items (decode-pass, update-mfu) run first, the correctness gates after. Then one
-line per phase of the time model's paper step (plumbing/time_model.step_terms on 8 of this GPU; an
-H100 without one): "model X s / measured: Y s / ratio: Y/X" -- decode scaled by decode-pass's ms per
-step over the model's at the same shape, score and update by time_model.MFU over update-mfu's MFU;
-"measured: n/a (no GPU)" on a CPU -- and the hours they imply. One JSON file (--json) holds the items'
-lines, the raw measurements, the phases and the measured constants `train.py --plan-constants` reads.
+EST_S). The timing items run first and measure the time model's constants at the paper run's own shapes
+(configs/paper_qwen7b.json on 8 of this card, as `train.py --dry-run` plans it); then one line per phase
+of that step (plumbing/time_model.step_terms): "model X s / measured: Y s / ratio: Y/X", the measured
+being the same step_terms replayed with the measured constants and slots ("measured: n/a (no GPU)" on a
+CPU), and the hours they imply; the JSON (--json) is written then, and again after the correctness gates.
+It holds the items' lines, the raw measurements, the phases and the measured `constants` that
+`train.py --plan-constants` reads (None: not measured, the assumed value kept).
 
-For ONE NVIDIA GPU of 141 GB (H200; on an 80 GB one update-memory SKIPs, the rest fits), random
-weights, no download. Each line is `PASS <item> <figures>`, `FAIL <item> <why>` or `SKIP <item>
-<why>`; the exit status is 1 if any item failed. Every item runs in its own try/except, so an API
-difference (another transformers, no flash-attn, an OOM) costs that item a FAIL or SKIP line, not
-the run. The items, in the order they run, with their --items name and the GPU seconds each is
-estimated to take on one H200 (from its FLOPs and bytes, not measured: no GPU has run this file
-yet), ~165 s in all, plus start-up:
+For ONE NVIDIA H100 of 80 GB (141 GB for update-memory, which SKIPs on 80), random weights, no download.
+Each line is `PASS <item> <figures>`, `FAIL <item> <why>` or `SKIP <item> <why>`; the exit status is 1
+if any item failed. Every item runs in its own try/except, so an API difference (another transformers,
+no flash-attn, an OOM) costs that item a FAIL or SKIP line, not the run. The items, in the order they
+run, with their --items name and the seconds each is estimated to take on one H100 (EST_S: from FLOPs
+and bytes, not measured: no GPU has run this file yet), ~180 s in all, plus start-up:
 
+0. The timing items, the time model's constants at the run's shapes (they run first):
+   fp32-matmul (matmul, ~2 s): the fused head's float32-output GEMM of bf16 operands (torch.mm out_dtype,
+   which exists only on CUDA: logprobs._Gemm), forward and backward through logprobs._TokenLogprob under
+   bf16 autocast over float32 leaves at small shapes, against float64 of the same bf16-rounded operands
+   (MATMUL_TOL); the GEMM alone must beat a bf16-output GEMM's error by 10x. SKIP on a CPU.
+   decode-grid (decode-grid, ~20 s): the full-depth bf16 decoder (built once, shared with kv-budget and
+   decode-pass) at 3 slot counts x 3 column counts taken from the time model's decode schedule of the
+   paper step (time_model.decode_schedule: the busy phase, ~229 slots reading ~1,030 columns on 8 H100s,
+   and the tail, ~52 slots at ~2,750; the busy phase's first columns): a kv_cache.slot_cache of each
+   shape, decode.LeanStep + rollout._choose (one step of the run's pass). Per point: device ms per step
+   (CUDA events over back-to-back steps), wall ms, and the host's enqueue ms (one step issued from an
+   idle GPU: launching its kernels), beside the time model's per-step figure (decode_seconds on one
+   segment of that shape), its bandwidth bound (weights + KV at the card's HBM) and launch bound
+   (KERNELS_PER_LAYER x layers x launch_us); the ops a step dispatches (not views) beside the model's
+   kernel count. Derives decode_bw_fraction (bound / device, median over the points the host issues in
+   under HOST_SHARE of their device time) and launch_us (enqueue / the model's kernel count).
+   kv-budget (kv-budget, ~2 s): the slots --kv-budget 0 would give on this card
+   (kv_cache.kv_budget_from_memory beside the resident decoding copy, less the plan's other rollout-phase
+   bytes of a rank of the paper run; time_model.slots_for) against the plan's (memory_plan.as_planned);
+   the replayed phases use them. SKIP on a CPU, with the plan's figure.
+   decode-pass (decode-pass, ~10 s): item 5 below, at the plan's slots (229 on an H100).
+   update-fit (update-fit, ~15 s): the update's forward + backward as train.py runs it on the paper's
+   micro-batch: logprobs.packed_row_scores over 4,096 packed tokens (4 rows of the mean prompt, 144, +
+   880), the attention models.attention_for gives train.py, bf16 autocast over float32 master weights,
+   activation checkpointing only where the plan has it (--grad-ckpt auto: off at 4,096 tokens on 8 H100s),
+   at 2 and 4 layers with the full vocabulary (fit_layers), then the no-grad scoring forward at the same
+   shapes; fitted as seconds = a + b x layers, extrapolated to 28 layers: MFU in the time model's own
+   FLOPs (6N a token, 8N checkpointed; 2N the forward) and its N (time_model.matmul_params: all but the
+   input embedding, a lookup; the constant then replays exactly), beside the time model's seconds at its
+   assumed MFU. update_mfu is the update's.
 1. ragged-score/<attn>/<precision> and ragged-sample/<attn>/<precision> (ragged, ~25 s): left-padded
    prompts of different lengths with right-padded responses through `logprobs.token_logprobs`
    (forward and backward) and through our sampler (`rollout.sample`: sampler/kv_cache.py's one pass); attn
@@ -67,30 +97,25 @@ yet), ~165 s in all, plus start-up:
    with a budget of 2.5 rows, the rows are decoded in ONE pass (one cache, sampler/kv_cache.py) of 2 slots
    holding <= budget positions and exactly slots x capacity x memory_plan.Arch.kv_bytes_per_position
    bytes. On CUDA also the default budget (a share of free memory) is reported.
-4. update-mfu (mfu, ~15 s): one ERPO optimizer step (bf16 autocast over fp32 master weights, as
-   train.py: forward and backward inside one autocast region; activation checkpointing, token
-   micro-batches, after a small warm-up step) of the preset's widths with the full vocabulary and
-   --layers layers (at most what the plan fits in 75% of the GPU): tokens/s, peak memory, MFU = 6 x
-   parameters x tokens / seconds / the GPU's dense bf16 peak (recomputation not counted).
-   update-memory (update-memory, ~15 s): the same code at FULL depth (28 layers) and vocabulary on
+4. update-memory (update-memory, ~15 s): the same code at FULL depth (28 layers) and vocabulary on
    one update micro-batch of the paper config's shape (configs/paper_qwen7b.json: --micro-tokens
    16384 = 4 rows of the longest 1,024 + 3,072 tokens; activation checkpointing, as the config):
    torch.cuda.max_memory_allocated around its forward (logprobs.score_tokens, entropy on, as the
    first update's pi_old forward) + ERPO loss + backward, against memory_plan's update phase for
-   that micro-batch on one GPU without FSDP2, LESS its Adam state. Why that: what an unsharded 7B
-   update holds in train.py's precision (bf16-mixed) is float32 master weights (28.4 GiB) + their
-   float32 gradients (28.4) + autocast's bf16 weight copies (13.2) + the micro-batch's saved
-   activations and lm_head's backward (9.0): 78.9 GiB planned, within an H200's 131 GiB; Adam's
-   56.7 GiB more would not fit, and a forward + backward does not touch it (bf16 weights instead
-   would test a precision train.py does not train in). FAIL if measured > plan x 1.2 + 256 MiB;
+   that micro-batch on one GPU without FSDP2, LESS its Adam state (SKIP on an 80 GB card). Why that:
+   what an unsharded 7B update holds in train.py's precision (bf16-mixed) is float32 master weights
+   (28.4 GiB) + their float32 gradients (28.4) + autocast's bf16 weight copies (13.2) + the
+   micro-batch's saved activations and lm_head's backward (9.0): 78.9 GiB planned, within an H200's
+   131 GiB; Adam's 56.7 GiB more would not fit, and a forward + backward does not touch it (bf16 weights
+   instead would test a precision train.py does not train in). FAIL if measured > plan x 1.2 + 256 MiB;
    SKIP where the plan does not fit 90% of the GPU. On the CPU the peak is the live tensor bytes
    torch's MemTracker sees (memory_measure.PhasePeaks) against the plan's CPU figures.
-5. decode-pass (decode-pass, ~15 s): decode throughput at the real widths and depth (all 28
-   layers, bf16 weights: the decoding copy; train.py's attention) through train.py's path
-   (`rollout.sample` under autocast -> kv_cache.decode_pass -> decode.LeanStep), with the paper
-   config's rows per pass (memory_plan.kv_rows on 8 GPUs: 128 slots; G = 8 rows per prompt;
-   prompts of 7/8 to 1x its --max-prompt-len, 1,024 tokens): a pass of --pass-steps decode steps
-   (256) after a warm-up pass, the clock started once the prefill (kv_cache.admit, one for all
+5. decode-pass (decode-pass, runs with the timing items): decode throughput at the real widths and
+   depth (decode-grid's decoder: all 28 layers, bf16 weights, train.py's attention) through train.py's
+   path (`rollout.sample` under autocast -> kv_cache.decode_pass -> decode.LeanStep), with the paper
+   run's slots on this card (time_model.slots_for of the plan, whole groups: 224 on an H100; G = 8
+   rows per prompt; prompts of 7/8 to 1x its --max-prompt-len, 1,024 tokens): a pass of --pass-steps
+   decode steps (256) after a warm-up pass, the clock started once the prefill (kv_cache.admit, one for all
    the slots) has returned. Reports tokens/s, ms per step, the bound of reading once per step the
    bf16 weights (all but the input embedding, a lookup) and the slots' KV cache up to the longest
    slot at the GPU's HBM bandwidth (HBM_TBS by name, --hbm-tbs), measured/bound, and the time
@@ -113,6 +138,7 @@ yet), ~165 s in all, plus start-up:
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import inspect
 import json
@@ -129,7 +155,7 @@ import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from sampler import kv_cache  # noqa: E402
+from sampler import decode, kv_cache  # noqa: E402
 from modeling import logprobs  # noqa: E402
 import losses  # noqa: E402
 from rl import experience  # noqa: E402
@@ -147,23 +173,26 @@ HBM_TBS = {"H100 PCIe": 2.0, "H100 NVL": 3.9, "H100": 3.35, "H200": 4.8, "A100-S
 
 TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096)
-# The run whose shapes items 4-6 take at full depth: the paper config on its 8 GPUs, or its tiny stand-in.
+# The run whose shapes the timing items take: the paper config on 8 of this card (as --dry-run plans it:
+# paper_plan), at the 7b preset's full size or divided by the tiny preset's shape_div.
 PAPER = os.path.join(ROOT, "configs", "paper_qwen7b.json")
 TINY_RUN = dict(rollout_batch=2, group_size=4, gen_batch=8, kv_budget=0, max_prompt_len=32, max_new_tokens=64,
                 micro_batch=16, micro_tokens=384, grad_ckpt=True, fsdp=False)
 PRESETS = {
     # model: a configs/models/ name or a config dict. ragged_layers: item 1 and 3; train_*: item 2;
-    # layers, rows, prompt_len, new_tokens, micro_tokens: item 4's update-mfu; decode_*: decode-speed;
-    # run, gpus: the run items 4-6 take their shapes from; pass_steps: decode-pass's timed steps;
-    # gap_prompts, gap_new: sampler-gap's prompts (x G rows) and new tokens.
+    # fit_layers: update-fit's depths; shape_div: the paper's decode and micro-batch shapes divided by it;
+    # layers, prompt_len, decode_*: decode-speed; run, gpus: the run update-memory, sampler-gap (and the
+    # tiny decode-pass) take their shapes from; pass_steps: decode-pass's timed steps; gap_prompts,
+    # gap_new: sampler-gap's prompts (x G rows) and new tokens.
     "7b": dict(model="Qwen2.5-Math-7B", ragged_layers=2, train_layers=4, train_new_tokens=512, train_prompts=8,
-               train_group=8, layers=8, rows=32, prompt_len=256, new_tokens=2048, micro_tokens=16384,
-               decode_rows=64, decode_new=256, run=PAPER, gpus=8, pass_steps=256, gap_prompts=4, gap_new=256),
+               train_group=8, fit_layers=(2, 4), shape_div=1, layers=8, prompt_len=256, decode_rows=64,
+               decode_new=256, run=PAPER, gpus=8, pass_steps=256, gap_prompts=4, gap_new=256),
     "tiny": dict(model=TINY, ragged_layers=2, train_layers=2, train_new_tokens=32, train_prompts=4, train_group=4,
-                 layers=2, rows=8, prompt_len=16, new_tokens=32, micro_tokens=256, decode_rows=8,
-                 decode_new=64, run=TINY_RUN, gpus=1, pass_steps=64, gap_prompts=2, gap_new=48),
+                 fit_layers=(1, 2), shape_div=16, layers=2, prompt_len=16, decode_rows=8, decode_new=64,
+                 run=TINY_RUN, gpus=1, pass_steps=64, gap_prompts=2, gap_new=48),
 }
-ITEMS = ("ragged", "train", "kv", "mfu", "update-memory", "decode-pass", "decode", "sampler-gap")
+ITEMS = ("matmul", "decode-grid", "kv-budget", "decode-pass", "update-fit", "ragged", "train", "kv",
+         "update-memory", "decode", "sampler-gap")
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")   # float32 weights; bf16 weights; float32 under bf16 autocast
 # A row of a padded batch vs the row alone: max |log p| difference (nats) of token_logprobs and of
 # the sampler (whose decode steps are sampler/decode.py's own math and, in bf16, a bf16 KV cache), and the
@@ -178,18 +207,46 @@ QKL_STEP1 = {"fp32": 1e-6, "bf16": 1e-3}      # step-1 Query-KL (k3, token mean)
 PROMPT_LENS, RESPONSE_LENS = (96, 70, 33, 5), (40, 64, 1, 17)  # item 1's ragged batch (prompt, response)
 SAMPLE_NEW = 48                                 # item 1's sampled tokens per row (at most: some rows stop)
 WARM_STEPS = 8                                  # decode-pass: tokens per slot of its warm-up pass
+# decode-grid, per point: untimed steps (kernels, cuBLAS heuristics), steps timed one at a time from an
+# idle GPU (the host's enqueue time), steps timed back to back (device and wall ms per step)
+GRID_WARM, GRID_ENQUEUE, GRID_STEPS = 2, 3, 8
+# decode-grid: a point is bandwidth-bound (it measures decode_bw_fraction) where the host issues the
+# step in under this share of its device time: the GPU then never waits for a launch
+HOST_SHARE = 0.8
+FIT_REPS = 3                                    # update-fit: timed forward+backward (and forward) repetitions
+# fp32-matmul's tolerances, float32-output GEMM of bf16 operands against float64 of the same operands:
+# only the summation order differs (~1e-6 relative); the gradient's GEMMs take bf16 operands (the
+# logits' gradient rounded to bf16, as on the GPU path): ~4e-3 relative L2.
+MATMUL_TOL = dict(logp=1e-3, grad=2e-2)
 # sampler-gap's most k3 (nats per token). The same comparison on the CPU (random init, bf16 copy sampling
 # and float32 master scoring under bf16 autocast) gave k3 1.5e-4 (mean |gap| 0.014) at 7B widths with 2
 # layers; at Qwen2.5-0.5B's widths and the same logit spread k3 grew 3.5x from 2 to 24 layers (6.8e-5 ->
 # 2.4e-4): ~5e-4 is expected at 28, and 1e-2 is 20x that. A bug of positions, padding or precision moves
 # log-probs by ~1 nat (k3 >> 1e-2); a 10% temperature mismatch (k3 ~6e-3 here: printed) it does not see.
 GAP_K3_MAX = 1e-2
-# Each item's GPU seconds as the docstring estimates them (per line: ragged's 25 s over its 6 lines;
-# train/fsdp2 holds train/memory and train/reload): --minutes skips an item that would not end in it.
-EST_S = {"ragged-score": 2, "ragged-sample": 2, "train/fsdp2": 60, "kv-cache": 5, "update-mfu": 15,
-         "update-memory": 15, "decode-pass": 15, "decode-speed": 15, "sampler-gap": 15}
+# Each item's seconds on one H100 SXM (989 TFLOP/s dense bf16, 3.35 TB/s), from its FLOPs and bytes, not
+# measured (no GPU has run this file yet); --minutes skips an item that would not end in them. Python
+# building a 7.6B random model is taken as ~10 s (module construction and init, not FLOPs).
+EST_S = {
+    "fp32-matmul": 2,        # a few GEMMs of 10^8 FLOPs and their float64 references: CUDA start-up only
+    # the 7.6B bf16 decoder built (~10 s); 9 points x 13 steps of <= (15.2 GB weights + 36 GB KV) /
+    # (3.35 TB/s x 0.7) = 22 ms (~3 s), each point's cache zeroed (<= 36 GB at ~3 TB/s); one counted step
+    "decode-grid": 20,
+    "kv-budget": 2,          # mem_get_info and the plan's arithmetic (the decoder is decode-grid's)
+    # the decoder shared; a warm-up pass and a timed one: each prefills 229 rows' 29 prompts (~29k
+    # tokens x 2N = 0.45 PFLOP: ~1 s at 50%), then 256 steps x ~12 ms (15.2 GB + 229 x ~1,150 x 57 KB)
+    "decode-pass": 10,
+    # float32 models of 2 and 4 layers at full vocabulary built (~2.0 and 2.5B: ~5 s); 4,096 tokens x
+    # 6N = 38 and 50 TFLOP per forward+backward: 0.13 / 0.17 s at 30% MFU, x (1 warm-up + 3 timed) and
+    # a third of that forward-only: ~2 s; first calls (cuBLAS, flash-attn) ~3 s
+    "update-fit": 15,
+    "ragged-score": 2, "ragged-sample": 2,   # 2-layer models of 7B widths on 4 rows (10 lines: ~20 s)
+    "train/fsdp2": 60,       # train.main's start-up, 2 RL steps of a 4-layer model, the save (train/*)
+    "kv-cache": 5, "update-memory": 15, "decode-speed": 15, "sampler-gap": 15,
+}
 # What the timing items measured, for the phases' lines and the JSON (--plan-constants reads its
-# "constants"): decode-pass's ms per step, its bound and the time model's; update-mfu's MFU.
+# "constants", measured_constants derives them from this): decode-grid's points, kv-budget's slots,
+# update-fit's per-layer fit and MFUs, decode-pass's ms per step.
 MEASURED = {}
 
 
@@ -304,21 +361,10 @@ def planned_peaks(arch, a, needs_ref, device) -> tuple[dict, str]:
 
 
 def update_options(a):
-    """Item 4's update step as train.py options (for the plan): one GPU, bf16-mixed, checkpointing."""
+    """update-memory's micro-batch as train.py options (for the plan): one GPU, bf16-mixed, checkpointing."""
     return SimpleNamespace(max_prompt_len=a.prompt_len, max_new_tokens=a.new_tokens, micro_batch=a.rows,
                            micro_tokens=a.micro_tokens, fsdp=False, grad_ckpt=True, rollout_batch=a.rows // a.group,
                            group_size=a.group, gen_batch=a.rows, kv_budget=0, dtype="bf16-mixed")
-
-
-def layers_that_fit(a, total_bytes) -> int:
-    """The most decoder layers whose planned peak (1 GPU) stays under 75% of the GPU."""
-    cfg = model_config(a.preset, 0).to_dict()
-    best = 1
-    for n in range(1, cfg["num_hidden_layers"] + 1):
-        arch = memory_plan.Arch.from_config({**cfg, "num_hidden_layers": n})
-        peak = max(v for v in planned_peaks(arch, update_options(a), False, "cuda")[0].values() if v)
-        best = n if peak < 0.75 * total_bytes else best
-    return best
 
 
 @contextlib.contextmanager
@@ -357,6 +403,379 @@ def flash_attn_missing() -> str | None:
     except Exception as e:
         return f"flash_attn does not import ({type(e).__name__})"
     return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The timing items (they run first): the time model's constants at the paper run's own shapes
+
+
+class Clock:
+    """Seconds of device work between start() and stop(): CUDA events on the current stream (what
+    the GPU spent, the gaps it waited for a launch included); on a CPU, whose ops run as they are
+    called, perf_counter."""
+
+    def __init__(self, dev):
+        self.cuda = dev.type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            self.events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.events[0].record()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.t0
+        self.events[1].record()
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
+
+
+def card_key(name, cuda) -> str:
+    """time_model.GPUS's key of this card (an H100 without a GPU, or for a card it does not know)."""
+    from plumbing import time_check
+
+    return (time_check.gpu_key(name) if cuda else None) or "h100"
+
+
+@functools.lru_cache(maxsize=None)
+def paper_plan(key) -> SimpleNamespace:
+    """The paper config on 8 of `key`'s card as `train.py --dry-run` plans it (memory_plan.as_planned:
+    --kv-budget 0 the positions that fit, --grad-ckpt auto resolved) with what time_model.step_terms
+    takes beside it: the options `a`, arch, gpus, needs_ref, old_rows, the lengths resp and prompt."""
+    import train
+    from rl.run_setup import needs_reference_model, old_rows
+
+    given, algo = train.parse_args(["--config", PAPER])
+    needs_ref = needs_reference_model(given, algo)
+    a = memory_plan.as_planned(memory_plan._with(given, plan_gpu=key), 8, needs_ref)
+    resp, prompt = time_model.plan_lengths(a)
+    return SimpleNamespace(a=a, arch=memory_plan.arch_for(a.model), gpus=8, needs_ref=needs_ref,
+                           old_rows=old_rows(given, algo), resp=resp, prompt=prompt, key=key)
+
+
+def schedule_shapes(p) -> dict:
+    """The paper step's decode as the time model replays it (time_model.decode_schedule, as step_terms
+    does) -> {"start", "busy", "tail": (slots, columns)}: the first segment; the step-weighted means of
+    the segments whose slots are all full, and of those after (the tail, its slots emptying): their
+    slots, and the column their steps read up to (a segment's KV positions / its slots)."""
+    N, n_p = p.a.rollout_batch // p.gpus * p.a.group_size, p.a.rollout_batch // p.gpus
+    S = min(N, time_model.slots_for(p.a, p.gpus, p.prompt))
+    segs = time_model.decode_schedule(p.resp, p.prompt, N, n_p, S)
+    out = {"start": (segs[0].rows, segs[0].kv / segs[0].rows)}
+    busy = [s for s in segs if s.rows >= S - 1e-6]
+    for name, part in (("busy", busy), ("tail", [s for s in segs if s not in busy])):
+        if part:
+            steps = sum(s.steps for s in part)
+            out[name] = (sum(s.steps * s.rows for s in part) / steps,
+                         sum(s.steps * s.kv / s.rows for s in part) / steps)
+    return out
+
+
+def grid_shapes(a, key) -> tuple[list[int], list[int]]:
+    """decode-grid's (slot counts, column counts): the tail's slots, the busy phase's and their geometric
+    mean, x the columns of the busy phase's start, its mean and the tail's (schedule_shapes; divided by
+    the preset's shape_div)."""
+    sh, div = schedule_shapes(paper_plan(key)), a.p["shape_div"]
+    tail = sh.get("tail", sh["busy"])
+    slots = (tail[0], math.sqrt(tail[0] * sh["busy"][0]), sh["busy"][0])
+    cols = (sh["start"][1], sh["busy"][1], tail[1])
+    return ([max(1, int(round(s / div))) for s in sorted(set(slots))],
+            [max(2, int(round(c / div))) for c in sorted(set(cols))])
+
+
+DECODER = {}       # the full-depth bf16 model decode-grid, kv-budget and decode-pass share: built once
+
+
+def decoder(a, dev):
+    """The decoding copy at full depth: bf16 weights, train.py's attention (the prefill's)."""
+    if "model" not in DECODER:
+        attn = models.attention_for(dev, torch.float32, bf16=True).implementation
+        DECODER["model"] = build(model_config(a.preset, 0), dev, torch.bfloat16, attn)
+    return DECODER["model"]
+
+
+def fp32_matmul(dev):
+    """The fused head's float32-output GEMM of bf16 operands (torch.mm out_dtype, logprobs._Gemm) on
+    the device, forward and backward through logprobs._TokenLogprob under bf16 autocast over float32
+    leaves, as train.py's update runs it, against float64 of the same bf16-rounded operands."""
+    if dev.type != "cuda":
+        raise Skip("torch.mm(out_dtype=float32) of bf16 operands is the CUDA path "
+                   "(logprobs._on_tensor_cores); a CPU upcasts the operands to float32 instead")
+    g = torch.Generator(device=dev).manual_seed(8)
+    B, L, D, V, T = 2, 37, 512, 3001, 0.9                        # odd sizes: blocks with remainders
+    h = (torch.randn(B, L, D, device=dev, generator=g) * 0.5).requires_grad_()
+    w = (torch.randn(V, D, device=dev, generator=g) * 0.05).requires_grad_()
+    targets = torch.randint(0, V, (B, L), device=dev, generator=g)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        gemm = logprobs._Gemm.of(h, w)
+        check(gemm.dtype == torch.bfloat16, f"_Gemm under bf16 autocast takes {gemm.dtype} operands")
+        logp, ent = logprobs._TokenLogprob.apply(h, w, targets, T, 2 ** 16, True, True)   # small blocks
+        (logp.sum() + ent.sum()).backward()
+    check(logp.dtype == ent.dtype == torch.float32, f"log-probs in {logp.dtype}, entropy in {ent.dtype}")
+    hb, wb = (t.detach().bfloat16().double().requires_grad_() for t in (h, w))     # the operands it used
+    z = (hb @ wb.t()) / T
+    ref = z.log_softmax(-1)
+    ref_logp, ref_ent = ref.gather(-1, targets[..., None]).squeeze(-1), -(ref.exp() * ref).sum(-1)
+    (ref_logp.sum() + ref_ent.sum()).backward()
+    d_logp = float((logp.double() - ref_logp).abs().max())
+    d_ent = float((ent.double() - ref_ent).abs().max())
+    d_grad = max(rel_l2([h.grad], [hb.grad]), rel_l2([w.grad], [wb.grad]))
+    a2, b2 = h.detach()[0].bfloat16(), w.detach().t().bfloat16()
+    exact = a2.double() @ b2.double()
+    out32, out16 = torch.mm(a2, b2, out_dtype=torch.float32), torch.mm(a2, b2)     # the GEMM alone
+    err32 = float(((out32.double() - exact).norm() / exact.norm()))
+    err16 = float(((out16.double() - exact).norm() / exact.norm()))
+    tol = MATMUL_TOL
+    figures = (f"bf16 operands ({B}x{L} x {D} x {V}): max|dlogp|={d_logp:.2e} max|dH|={d_ent:.2e} (tol "
+               f"{tol['logp']:g}) grad_rel={d_grad:.2e} (tol {tol['grad']:g}) vs float64; the GEMM alone: "
+               f"float32 output {out32.dtype} rel {err32:.1e}, bf16 output rel {err16:.1e}")
+    check(out32.dtype == torch.float32, f"torch.mm out_dtype gave {out32.dtype}: {figures}")
+    check(max(d_logp, d_ent) <= MATMUL_TOL["logp"], f"log-probs off the float64 reference: {figures}")
+    check(d_grad <= MATMUL_TOL["grad"], f"gradients off the float64 reference: {figures}")
+    check(err32 < err16 / 10, f"the float32 output is rounded like a bf16 one: {figures}")
+    return figures
+
+
+def count_ops(fn) -> int:
+    """Ops fn() dispatches that are not views (a view launches no kernel): about the kernels it
+    launches (some ops launch more than one, a few none)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def decode_step(model, S, C, temperature):
+    """One decode step of the run's pass at S slots each reading C columns, as a function of nothing:
+    decode.LeanStep over a kv_cache.slot_cache of that shape (zeroed: finite, as a pass's unfilled
+    columns), every slot writing its last column, then rollout._choose's sampling. Make it under the
+    autocast and no_grad it runs in (the cache's dtype follows them: kv_cache.kv_dtype)."""
+    dev, V = next(model.parameters()).device, model.config.vocab_size
+    step = decode.LeanStep(model, kv_cache.slot_cache(model, S, C))
+    tok, pos = torch.randint(1, V, (S,), device=dev), torch.full((S,), C - 1, device=dev)
+    keys, t = torch.arange(S, device=dev), torch.zeros(S, dtype=torch.long, device=dev)
+    return lambda: rollout._choose(step(tok, pos, C), temperature, 1.0, keys, t)[0]
+
+
+def decode_grid(a, dev, name):
+    """Per (slots, columns) point of grid_shapes, one decode step of the run (decode.LeanStep over a
+    kv_cache.slot_cache of that shape, every slot reading `columns` columns, then rollout._choose's
+    sampling): device ms (CUDA events over GRID_STEPS steps back to back), wall ms, and the host's
+    enqueue ms (one step issued from an idle GPU: what launching its kernels costs the host), beside
+    the time model's per-step figure for one segment of that shape and its bounds."""
+    cuda, key = dev.type == "cuda", card_key(name, dev.type == "cuda")
+    gpu, slot_counts, col_counts = time_model.GPUS[key], *grid_shapes(a, key)
+    model = decoder(a, dev)
+    check(decode.supports(model), "decode.LeanStep does not implement this model")
+    arch = memory_plan.Arch.from_config(model.config.to_dict())
+    weights = 2 * time_model.matmul_params(arch)                                 # as decode_seconds reads
+    kernels = time_model.KERNELS_PER_LAYER * arch.layers
+    _, amp = precision("bf16-mixed", dev)                       # train.rollouts samples under it
+    mem, clock, points, ops = Mem(dev), Clock(dev), [], None
+    for S in slot_counts:
+        for C in col_counts:
+            with torch.no_grad(), amp():
+                one = decode_step(model, S, C, a.temperature)
+                for _ in range(GRID_WARM):
+                    one()
+                ops = ops or count_ops(one)
+                enqueue = []
+                for _ in range(GRID_ENQUEUE):
+                    mem.sync()
+                    t0 = time.perf_counter()
+                    one()
+                    enqueue.append(time.perf_counter() - t0)
+                mem.sync()
+                w0 = time.perf_counter()
+                clock.start()
+                for _ in range(GRID_STEPS):
+                    one()
+                device = clock.stop() / GRID_STEPS
+                wall = (time.perf_counter() - w0) / GRID_STEPS
+            del one                                 # (its cache: the next point's must not meet it)
+            free_memory()
+            model_s = time_model.decode_seconds(arch, gpu, [time_model.Segment(1, S * C, S)])[0]
+            bound = (weights + S * C * arch.kv_bytes_per_position()) / (gpu.hbm_tbs * 1e12)
+            points.append(dict(slots=S, columns=C, device_ms=device * 1e3 if cuda else None,
+                               wall_ms=wall * 1e3, enqueue_ms=sorted(enqueue)[len(enqueue) // 2] * 1e3,
+                               model_ms=model_s * 1e3, bound_ms=bound * 1e3,
+                               launch_ms=kernels * time_model.CENTRAL["launch_us"] / 1e3))
+    check(all(math.isfinite(p["wall_ms"]) and p["wall_ms"] > 0 for p in points), f"not finite: {points}")
+    MEASURED["decode_grid"] = dict(points=points, layers=arch.layers, model_kernels=kernels, ops_per_step=ops,
+                                   gpu=key, on_gpu=cuda, preset=a.preset)
+    for p in points:
+        dev_s = "n/a (no GPU)" if p["device_ms"] is None else f"{p['device_ms']:.3g}"
+        print(f"  grid {p['slots']:4d} slots x {p['columns']:5d} columns: device {dev_s} / wall "
+              f"{p['wall_ms']:.3g} / enqueue {p['enqueue_ms']:.3g} ms per step; model {p['model_ms']:.3g} ms "
+              f"(bandwidth bound {p['bound_ms']:.3g} at {gpu.hbm_tbs} TB/s, launch bound "
+              f"{p['launch_ms']:.3g})",
+              flush=True)
+    bw, launch = grid_constants(MEASURED["decode_grid"])
+    div = "" if a.p["shape_div"] == 1 else f" / {a.p['shape_div']}"
+    return (f"{len(points)} points ({slot_counts} slots x {col_counts} columns: the paper step's decode "
+            f"schedule on 8 x {gpu.name}{div}), "
+            f"{arch.layers} layers, {ops} ops per step (not views) vs the model's {kernels} kernels; "
+            f"decode_bw_fraction {'n/a' if bw is None else f'{bw:.2f}'}, launch_us "
+            f"{'n/a' if launch is None else f'{launch:.1f}'} (the model assumes "
+            f"{time_model.CENTRAL['decode_bw_fraction']:g}, {time_model.CENTRAL['launch_us']:g})")
+
+
+def grid_constants(grid) -> tuple[float | None, float | None]:
+    """(decode_bw_fraction, launch_us) of decode-grid's points, None where not measured (no GPU, or
+    not the paper's model): the median of bound / device over the points whose host issues a step in
+    under HOST_SHARE of its device time (bandwidth-bound: the GPU never waits for a launch), and the
+    median enqueue time over the model's kernel count (so that time_model's launch bound,
+    KERNELS_PER_LAYER x layers x launch_us, is the measured enqueue time)."""
+    if not grid or not grid["on_gpu"] or grid["preset"] != "7b":
+        return None, None
+    pts = grid["points"]
+    bound = [p["bound_ms"] / p["device_ms"] for p in pts if p["enqueue_ms"] < HOST_SHARE * p["device_ms"]]
+    enqueue = sorted(p["enqueue_ms"] for p in pts)
+    bw = sorted(bound)[len(bound) // 2] if bound else None
+    return bw, enqueue[len(enqueue) // 2] * 1e3 / grid["model_kernels"]
+
+
+def kv_budget(a, dev, name):
+    """--kv-budget 0's slots on this card: the positions kv_cache.kv_budget_from_memory finds (the rule
+    the sampler sizes its cache by) beside the decoding copy (resident: decode-grid's model), less what
+    the plan's rollout phase holds besides on each of the paper run's 8 GPUs (the policy's and Adam's
+    shards, the reference, the prefill's working set), as slots of the rank's longest prompt + new
+    tokens (time_model.slots_for) -- against the plan's figure for the same card."""
+    cuda, key = dev.type == "cuda", card_key(name, dev.type == "cuda")
+    p = paper_plan(key)
+    plan_slots = time_model.slots_for(p.a, p.gpus, p.prompt)
+    others = {t.name: t.bytes for t in memory_plan.terms(p.arch, p.a, p.gpus, p.needs_ref)
+              if "rollout" in t.phases and t.name not in ("KV cache", "decoding copy")}
+    MEASURED["kv_budget"] = dict(plan_positions=p.a.kv_budget, plan_slots=plan_slots, positions=None,
+                                 slots=None, gpu=key)
+    plan = (f"the plan: {p.a.kv_budget:,} positions = {plan_slots} slots on 8 x {time_model.GPUS[key].name} "
+            f"(memory_plan.as_planned; rollout phase besides: "
+            + ", ".join(f"{n} {size(b)}" for n, b in others.items() if b) + ")")
+    if not cuda:
+        raise Skip(f"measured: n/a (no GPU); {plan}")
+    if a.preset != "7b":
+        raise Skip(f"the {a.preset} preset's model is not the plan's; {plan}")
+    model = decoder(a, dev)
+    positions = kv_cache.kv_budget_from_memory(model.config, torch.bfloat16, sum(others.values()))
+    slots = time_model.slots_for(memory_plan._with(p.a, kv_budget=positions), p.gpus, p.prompt)
+    MEASURED["kv_budget"].update(positions=positions, slots=slots)
+    check(positions > 0, f"no position fits; {plan}")
+    free, total = torch.cuda.mem_get_info()
+    copy = sum(t.numel() * t.element_size() for t in model.parameters())
+    return (f"measured {positions:,} positions = {slots} slots ({free / GIB:.1f} of {total / GIB:.1f} GiB "
+            f"free beside the {size(copy)} decoding copy) / {plan}: ratio {slots / plan_slots:.2f}")
+
+
+def packed_micro_batch(a, p, vocab, dev) -> logprobs.Packed:
+    """The paper's update micro-batch, packed: memory_plan.micro_batch_tokens real tokens (4,096) in
+    rows of the mean prompt and the length that fills it (4 x (144 + 880); / shape_div on tiny)."""
+    div = a.p["shape_div"]
+    tokens = memory_plan.micro_batch_tokens(p.a) // div
+    rows = max(1, tokens // max(2, round((p.prompt.mean() + p.resp.mean()) / div)))
+    P = max(2, round(p.prompt.mean() / div))
+    R = tokens // rows - P
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(1, vocab, (rows, P + R), generator=g).to(dev)
+    prompt_tokens = torch.ones(rows, P - 1, dtype=torch.long, device=dev)
+    return logprobs.Packed(ids, torch.ones_like(ids), prompt_tokens, P, [(P, R)] * rows, pack=True)
+
+
+def fit_line(xs, ys) -> tuple[float, float]:
+    """Least squares y = a + b x -> (a, b) (two points: the line through them)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def update_pass(model, packed, amp, temperature):
+    """train.py's update forward + backward on one micro-batch (the loss's own arithmetic is a few
+    (B, L) ops: a sum stands in), forward and backward in one autocast region, as train.py's."""
+    with amp():
+        s = logprobs.packed_row_scores(model, packed, temperature, with_entropy=True)
+        (s.response.sum() + s.prompt.sum()).backward()
+
+
+def scoring_forward(model, packed, amp, temperature):
+    """pi_old's (and the reference's) no-grad scoring forward on the same micro-batch."""
+    with torch.no_grad(), amp():
+        logprobs.packed_row_scores(model, packed, temperature)
+
+
+def update_fit(a, dev, name):
+    """The update's forward + backward (train.py's: logprobs.packed_row_scores on the paper's packed
+    micro-batch, the attention models.attention_for gives it, bf16 autocast over float32 master weights,
+    activation checkpointing only where the plan has it) and the no-grad scoring forward, timed at the
+    depths fit_layers with the full vocabulary, fitted as seconds = a + b x layers and extrapolated to
+    the model's depth; MFU in the time model's own FLOPs (6N a token, 8N checkpointed; 2N the forward)
+    with its N, memory_plan.Arch.params(), beside the same with the input embedding (a lookup) left out."""
+    cuda, key = dev.type == "cuda", card_key(name, dev.type == "cuda")
+    p = paper_plan(key)
+    ckpt = bool(p.a.grad_ckpt)                                  # --grad-ckpt auto as the plan resolves it
+    attn = models.attention_for(dev, torch.float32, bf16=True).implementation
+    _, amp = precision("bf16-mixed", dev)
+    clock, mem, depths = Clock(dev), Mem(dev), []
+    for layers in a.p["fit_layers"]:
+        model = build(model_config(a.preset, layers), dev, torch.float32, attn)
+        model = distributed.wrap_model(model.train(), dev, grad_ckpt=ckpt)
+        packed = packed_micro_batch(a, p, model.config.vocab_size, dev)
+        update = functools.partial(update_pass, model, packed, amp, a.temperature)
+        forward = functools.partial(scoring_forward, model, packed, amp, a.temperature)
+        row = {"layers": layers}
+        for what, fn in (("update", update), ("forward", forward)):
+            fn()                            # warm-up: kernels, cuBLAS heuristics, the gradients allocated
+            mem.reset()
+            clock.start()
+            for _ in range(FIT_REPS):       # gradients accumulate, as over a step's micro-batches
+                fn()
+            row[f"{what}_s"], row[f"{what}_peak"] = clock.stop() / FIT_REPS, mem.peak()
+        grads = [float(q.grad.float().sum()) for q in model.parameters() if q.grad is not None]
+        check(grads and all(map(math.isfinite, grads)), f"no or non-finite gradients at {layers} layers")
+        depths.append(row)
+        del model, update, forward
+        free_memory()
+    full = memory_plan.Arch.from_config(model_config(a.preset, 0).to_dict())
+    xs = [r["layers"] for r in depths]
+    a_u, b_u = fit_line(xs, [r["update_s"] for r in depths])
+    a_f, b_f = fit_line(xs, [r["forward_s"] for r in depths])
+    t_u, t_f = a_u + b_u * full.layers, a_f + b_f * full.layers
+    tokens = sum(pr + rs for pr, rs in packed.lengths)
+    N = time_model.matmul_params(full)
+    per_token = 8 if ckpt else 6                                # time_model.step_terms' train FLOPs
+    card = time_model.GPUS[key].bf16_tflops * 1e12
+    peak = (a.peak_tflops or by_name(PEAK_TFLOPS, name)) if cuda else None
+    mfu = (lambda flops, s: flops * tokens / s / (peak * 1e12)) if peak else (lambda flops, s: None)
+    fit = dict(layers=xs, update_s=[r["update_s"] for r in depths],
+               forward_s=[r["forward_s"] for r in depths],
+               update_peak_bytes=[r["update_peak"] for r in depths], a_s=a_u, b_s_per_layer=b_u,
+               forward_a_s=a_f, forward_b_s_per_layer=b_f, full_layers=full.layers, update_full_s=t_u,
+               forward_full_s=t_f, tokens=tokens, rows=len(packed.lengths), grad_ckpt=ckpt, attention=attn,
+               n_params=N, mfu=mfu(per_token * N, t_u), forward_mfu=mfu(2 * N, t_f),
+               model_update_s=per_token * N * tokens / (card * time_model.CENTRAL["update_mfu"]),
+               model_forward_s=2 * N * tokens / (card * time_model.CENTRAL["update_mfu"]),
+               on_gpu=cuda, preset=a.preset)
+    MEASURED["update_fit"] = fit
+    check(all(math.isfinite(v) and v > 0 for v in fit["update_s"] + fit["forward_s"]), f"not finite: {fit}")
+    pct = lambda v: "n/a (no peak: --peak-tflops)" if v is None else f"{v:.1%}"  # noqa: E731
+    depth_s = ", ".join(f"{r['layers']} layers {r['update_s'] * 1e3:.4g} / {r['forward_s'] * 1e3:.4g} ms"
+                        + (f" (peak {size(r['update_peak'])})" if cuda else "") for r in depths)
+    rows = len(packed.lengths)
+    return (f"{rows} packed rows x {tokens // rows} = {tokens} tokens, attention {attn}, "
+            f"{'' if ckpt else 'no '}checkpointing (the plan's), bf16-mixed; update / forward: {depth_s}; "
+            f"fit {a_u * 1e3:.4g} + {b_u * 1e3:.4g} ms per layer / {a_f * 1e3:.4g} + {b_f * 1e3:.4g}; at "
+            f"{full.layers} layers {t_u * 1e3:.4g} / {t_f * 1e3:.4g} ms (time model at "
+            f"{time_model.CENTRAL['update_mfu']:.0%}: {fit['model_update_s'] * 1e3:.4g} / "
+            f"{fit['model_forward_s'] * 1e3:.4g}); MFU {pct(fit['mfu'])} ({per_token}N, N = "
+            f"{N / 1e9:.3g}B as the time model counts it: no input embedding), forward "
+            f"{pct(fit['forward_mfu'])} (2N)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -781,12 +1200,13 @@ def kv_cache_check(a, dev):
 
 
 # ----------------------------------------------------------------------------------------------
-# Item 4: update MFU and decoding tokens/s
+# Item 4: the update micro-batch's memory, decoding tokens/s
 
 
 def synthetic_rollout(a, vocab, dev, full=False) -> rollout.Rollout:
-    """--rows rows in groups sharing a prompt of --prompt-len/2 to --prompt-len tokens (left-padded),
-    responses of --new-tokens/2 to --new-tokens (right-padded): what a rollout hands the update.
+    """a.rows rows in groups of a.group sharing a prompt of a.prompt_len/2 to a.prompt_len tokens
+    (left-padded), responses of a.new_tokens/2 to a.new_tokens (right-padded): what a rollout hands
+    the update (update-memory's options: micro_batch_options).
     full: every prompt and response at its longest (the rows the memory plan sizes)."""
     g = torch.Generator().manual_seed(4)
     B, P, N = a.rows, a.prompt_len, a.new_tokens
@@ -841,7 +1261,7 @@ def erpo_update(model, ro, qref_logp, a, opt, amp, mem):
 
 
 def update_model(a, dev, layers, ro_full=False):
-    """A float32 model of --layers layers (0: all) for the update, its synthetic rollout and the
+    """A float32 model of `layers` layers (0: all) for the update, its synthetic rollout and the
     Query-KL cache (the prompts' log-probs under the initial weights), wrapped as train.py does on
     one GPU (activation checkpointing) -> (model, rollout, qref, autocast factory)."""
     model = build(model_config(a.preset, layers), dev, torch.float32)
@@ -852,36 +1272,14 @@ def update_model(a, dev, layers, ro_full=False):
     return distributed.wrap_model(model.train(), dev, grad_ckpt=True), ro, qref, amp
 
 
-def update_mfu(a, dev, name):
-    """One timed ERPO optimizer step over --rows responses: tokens/s, MFU, peak memory."""
-    mem, cuda = Mem(dev), dev.type == "cuda"
-    model, ro, qref, amp = update_model(a, dev, a.layers)
-    n_params = sum(p.numel() for p in model.parameters())
-    opt = optimizer.adamw(model, 1e-6, 0.01)
-    warm = argparse.Namespace(**{**vars(a), "rows": a.group})      # a first small step: kernels, Adam state
-    erpo_update(model, ro.take(slice(0, a.group)), qref[:a.group], warm, opt, amp, mem)
-    t0 = time.perf_counter()
-    tokens, n_mb, loop_peak, opt_peak, norm = erpo_update(model, ro, qref, a, opt, amp, mem)
-    t = time.perf_counter() - t0
-    check(norm == norm and norm < float("inf"), f"non-finite grad norm {norm}")
-    peak = a.peak_tflops or by_name(PEAK_TFLOPS, name)
-    MEASURED.update(update_tokens_per_s=tokens / t, update_mfu=6 * n_params * tokens / t / (peak * 1e12) if peak
-                    else None)
-    mfu = (f"MFU={6 * n_params * tokens / t / (peak * 1e12) * 100:.1f}% of {peak} TFLOP/s" if peak
-           else "MFU: unknown peak (--peak-tflops)")
-    mem_s = f" peak GiB: micro-batches {loop_peak / GIB:.1f}, optimizer step {opt_peak / GIB:.1f}" if cuda else ""
-    return (f"{n_params / 1e9:.2f}B params ({model.config.num_hidden_layers} layers) {tokens} tokens in {n_mb} "
-            f"micro-batches {t:.2f} s = {tokens / t:.0f} tok/s {mfu}{mem_s}")
-
-
 def by_name(table, name):
     """The value of the first key of `table` in the device name, or None."""
     return next((v for k, v in table.items() if k in name), None)
 
 
 def paper_run(a) -> tuple[SimpleNamespace, int]:
-    """The options (train.py's names) whose shapes items 4-6 take, and its GPU count: the paper config
-    on 8 GPUs (7b), or its tiny stand-in on one."""
+    """The options (train.py's names) whose shapes update-memory, sampler-gap and the tiny decode-pass
+    take, and its GPU count: the paper config on 8 GPUs (7b), or its tiny stand-in on one."""
     run = a.p["run"]
     if isinstance(run, str):
         with open(run) as f:
@@ -1012,13 +1410,16 @@ def decode_bytes(model, slots_, width, kv_itemsize) -> tuple[int, int]:
 
 
 def decode_pass(a, dev, name):
-    """Item 5: decode steps/s of the full-depth bf16 model through rollout.sample's one pass over the
-    paper config's slots, against reading the weights and the KV cache once per step, and the time
-    model's per-step figure for the same shape."""
+    """Item 5: decode steps/s of the full-depth bf16 model (decode-grid's) through rollout.sample's one
+    pass over the paper run's slots on this card (time_model.slots_for of the plan: whole groups of
+    them), against reading the weights and the KV cache once per step, and the time model's per-step
+    figure for the same shape."""
     run, gpus = paper_run(a)
-    S, G = memory_plan.kv_rows(run, gpus), run.group_size
-    attn = models.attention_for(dev, torch.float32, bf16=True).implementation   # train.py's (the prefill's)
-    model = build(model_config(a.preset, 0), dev, torch.bfloat16, attn)  # every layer: the decoding copy
+    p = paper_plan(card_key(name, dev.type == "cuda"))
+    G = run.group_size
+    S = time_model.slots_for(p.a, p.gpus, p.prompt) if a.preset == "7b" else memory_plan.kv_rows(run, gpus)
+    S = max(G, S // G * G)                          # whole groups: the rows of S // G prompts in S slots
+    model = decoder(a, dev)                         # every layer: the decoding copy
     check(kv_cache.supports(model, lockstep=False), "decode.LeanStep does not implement this model: no one pass")
     _, amp = precision("bf16-mixed", dev)                                # train.rollouts samples under it
     prompts = group_prompts(S // G, G, run.max_prompt_len, model.config.vocab_size, seed=6)
@@ -1118,66 +1519,73 @@ def sampler_gap(a, dev):
 # The time model's phases against what the timing items measured, and the JSON of the results
 
 
-def model_phases(key) -> tuple[dict, int]:
-    """The time model's phases of the paper config's step on 8 x `key`'s card, at --dry-run's lengths
-    (time_model.step_terms, as train.py --dry-run): ({phase: seconds}, its --steps)."""
-    import train
-    from rl.run_setup import needs_reference_model, old_rows
-
-    a, algo = train.parse_args(["--config", PAPER])
-    needs_ref = needs_reference_model(a, algo)
-    plan = memory_plan.as_planned(memory_plan._with(a, plan_gpu=key), 8, needs_ref)
-    resp, prompt = time_model.plan_lengths(plan)
-    terms = time_model.step_terms(memory_plan.arch_for(plan.model), plan, 8, time_model.GPUS[key], needs_ref,
-                                  old_rows(a, algo), resp, prompt)
-    return {t.name: t.seconds[0] for t in terms}, a.steps
+# What each phase of time_model.step_terms rests on that this check measures: a phase is "measured"
+# where one of them was (a phase the table does not name: where the measured inputs moved it).
+PHASE_INPUTS = {"decode": ("decode_bw_fraction", "launch_us", "kv_budget"), "prefill": ("kv_budget",),
+                "score": ("update_mfu",), "update": ("update_mfu", "exposed_comm")}
 
 
-def measured_phases(model) -> dict:
-    """{phase: seconds the measurements imply, or None}: decode as the model's x decode-pass's ms per
-    step over the model's at the same shape; score and update as the model's x time_model.MFU over
-    update-mfu's MFU (the update's traffic scaled with it: not measured apart); prefill not measured."""
-    m = MEASURED
-    dec = m["decode_step_ms"] / m["decode_model_ms"] if m.get("decode_model_ms") else None
-    mfu = time_model.MFU / m["update_mfu"] if m.get("update_mfu") else None
-    return {"decode": dec and model["decode"] * dec, "prefill": None,
-            "score": mfu and model["score"] * mfu, "update": mfu and model["update"] * mfu}
+def step_phases(p, k=None, kv_budget=None) -> dict:
+    """{phase: seconds} of the paper step as `train.py --dry-run` models it (time_model.step_terms on
+    paper_plan `p`), with the constants k (None: CENTRAL) and --kv-budget's positions (None: the plan's)."""
+    a = p.a if kv_budget is None else memory_plan._with(p.a, kv_budget=kv_budget)
+    terms = time_model.step_terms(p.arch, a, p.gpus, time_model.GPUS[p.key], p.needs_ref, p.old_rows, p.resp,
+                                  p.prompt, k=k)
+    return {t.name: t.seconds[0] for t in terms}
 
 
-def measured_constants() -> dict:
-    """The time model's constants this run measured (None: not measured; --plan-constants keeps the
-    assumed value): decode's fraction of HBM bandwidth (the bound over the measured step, at the paper's
-    slots: bandwidth-bound) and the update's MFU."""
-    m = MEASURED
-    bw = m["decode_bound_ms"] / m["decode_step_ms"] if m.get("hbm_tbs") and m.get("decode_step_ms") else None
-    return {"decode_bw_fraction": bw, "update_mfu": m.get("update_mfu"), "launch_us": None, "exposed_comm": None}
+def replayed_phases(p, constants, kv_budget=None) -> dict:
+    """The paper step's phases and the step, each {"model_s", "measured_s", "ratio"}: the model's at the
+    assumed constants (CENTRAL) and the plan's slots, and the same replay with the measured ones --
+    `constants` as measured_constants gives them (None: not measured, the assumed value kept) and the
+    measured --kv-budget 0 positions -- where the phase rests on a measured input (PHASE_INPUTS), else
+    None. The measured step is the whole replay's (its unmeasured phases at the model's constants)."""
+    got = {n: v for n, v in constants.items() if v is not None}
+    inputs = set(got) | ({"kv_budget"} if kv_budget else set())
+    model = step_phases(p)
+    replay = step_phases(p, {**time_model.CENTRAL, **got}, kv_budget) if inputs else model
+    out = {}
+    for ph, mod in model.items():
+        rests = inputs & set(PHASE_INPUTS[ph]) if ph in PHASE_INPUTS else replay[ph] != mod
+        out[ph] = {"model_s": mod, "measured_s": replay[ph] if rests else None}
+    out["step"] = {"model_s": sum(model.values()), "measured_s": sum(replay.values()) if inputs else None}
+    for v in out.values():
+        meas = v["measured_s"]
+        v["ratio"] = meas / v["model_s"] if meas is not None and v["model_s"] > 0 else None
+    return out
+
+
+def measured_constants(m=None) -> dict:
+    """The time model's constants this run measured, from MEASURED (or a dict like it; None: not
+    measured, --plan-constants keeps the assumed value): decode-grid's decode_bw_fraction and launch_us
+    (grid_constants), update-fit's update_mfu at the model's depth; only on a GPU at the 7b preset (the
+    run's model and shapes). FSDP2's exposed communication needs 8 GPUs: never."""
+    m = MEASURED if m is None else m
+    bw, launch = grid_constants(m.get("decode_grid"))
+    fit = m.get("update_fit") or {}
+    mfu = fit.get("mfu") if fit.get("on_gpu") and fit.get("preset") == "7b" else None
+    return {"decode_bw_fraction": bw, "update_mfu": mfu, "launch_us": launch, "exposed_comm": None}
 
 
 def phase_lines(name, cuda) -> dict:
     """Print one "model / measured / ratio" line per phase, then the step and the hours; -> the same
-    as a dict for the JSON. No GPU: "measured: n/a (no GPU)" (the model on an H100)."""
-    from plumbing import time_check
-
-    key = (time_check.gpu_key(name) if cuda else None) or "h100"
-    model, steps = model_phases(key)
-    got = measured_phases(model) if cuda else dict.fromkeys(model)
+    as a dict for the JSON. No GPU: "measured: n/a (no GPU)" (the model on 8 H100s)."""
+    key = card_key(name, cuda)
+    p = paper_plan(key)
+    kv = (MEASURED.get("kv_budget") or {}).get("positions") if cuda else None
+    out = replayed_phases(p, measured_constants(), kv)
     why = "n/a (no GPU)" if not cuda else "n/a (not measured)"
-    out = {}
-    for phase in (*model, "step"):
-        mod = sum(model.values()) if phase == "step" else model[phase]
-        if phase == "step":                              # the measured phases, the model's where none
-            meas = sum(v if v is not None else model[k] for k, v in got.items()) if any(got.values()) else None
-        else:
-            meas = got[phase]
-        ratio = meas / mod if meas is not None and mod > 0 else None
-        out[phase] = {"model_s": mod, "measured_s": meas, "ratio": ratio}
-        print(f"phase {phase:8s} model {mod:8.2f} s / measured: "
+    for phase, v in out.items():
+        meas, ratio = v["measured_s"], v["ratio"]
+        print(f"phase {phase:8s} model {v['model_s']:8.2f} s / measured: "
               f"{why if meas is None else f'{meas:.2f} s'} / ratio: {'n/a' if ratio is None else f'{ratio:.2f}'}")
+    steps = p.a.steps
     hours = {k: None if out["step"][k] is None else out["step"][k] * steps / 3600 for k in ("model_s", "measured_s")}
     meas = why if hours["measured_s"] is None else f"{hours['measured_s']:.1f} h"
     print(f"phase hours    the paper run's {steps} steps on 8 x {time_model.GPUS[key].name}: model "
           f"{hours['model_s']:.1f} h / measured: {meas}", flush=True)
-    return {"phases": out, "hours": {"model": hours["model_s"], "measured": hours["measured_s"]}, "gpu": key}
+    return {"phases": out, "hours": {"model": hours["model_s"], "measured": hours["measured_s"]}, "gpu": key,
+            "kv_budget": kv}
 
 
 def write_json(path, a, name, rep, phases, seconds):
@@ -1206,32 +1614,37 @@ def parse_args(argv):
                     "on a GPU, gpu_check_cpu.json in the temporary folder without one)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (if any) or cpu")
     ap.add_argument("--items", default=",".join(ITEMS), help="comma-separated subset of the items to run")
-    ap.add_argument("--layers", type=int, default=0, help="decoder layers of update-mfu's and decode-speed's model "
-                    "(0: the preset's, at most as many as the plan fits in 75%% of the GPU; the full-depth items "
-                    "take every layer)")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers of decode-speed's model (0: the "
+                    "preset's; the full-depth items take every layer)")
     ap.add_argument("--train-layers", type=int, default=0, help="decoder layers of train.main's model (0: preset's)")
-    ap.add_argument("--rows", type=int, default=None, help="responses in the update step")
-    ap.add_argument("--prompt-len", type=int, default=None)
-    ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--micro-tokens", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None, help="decode-speed's prompt tokens")
     ap.add_argument("--decode-new", type=int, default=None, help="new tokens of the ours-vs-HF decode comparison")
     ap.add_argument("--pass-steps", type=int, default=None, help="decode-pass's timed decode steps")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the GPU (default: by name)")
-    ap.add_argument("--hbm-tbs", type=float, default=None, help="HBM bandwidth, TB/s (default: by name)")
+    ap.add_argument("--hbm-tbs", type=float, default=None, help="HBM bandwidth, TB/s, of decode-pass's bound "
+                    "(default: by name; decode-grid's bound is the time model's card)")
     ap.add_argument("--tmp", default=None, help="folder for train.main's model and run, kept (default: a temporary "
                     "one, deleted at the end but for train.log where a train item failed)")
     a = ap.parse_args(argv)
     a.p = PRESETS[a.preset]
-    for k in ("rows", "prompt_len", "new_tokens", "micro_tokens", "decode_new", "pass_steps"):
+    for k in ("prompt_len", "decode_new", "pass_steps"):
         setattr(a, k, getattr(a, k) or a.p[k])
     a.layers, a.train_layers = a.layers or a.p["layers"], a.train_layers or a.p["train_layers"]
-    a.group = 8 if a.rows % 8 == 0 else a.rows
     a.items = [i for i in a.items.split(",") if i]
     unknown = set(a.items) - set(ITEMS)
     if unknown:
         ap.error(f"unknown items {sorted(unknown)}; choose from {', '.join(ITEMS)}")
     return a
+
+
+def phases_or_error(name, cuda) -> dict:
+    """phase_lines, or the error in its place (a report, as an item's: never the run's end)."""
+    try:
+        return phase_lines(name, cuda)
+    except Exception as e:
+        print(f"phase lines failed: {type(e).__name__}: {one_line(e)}", flush=True)
+        return {"phases": None, "error": f"{type(e).__name__}: {one_line(e)}"}
 
 
 def main(argv=None):
@@ -1247,21 +1660,26 @@ def main(argv=None):
         pass
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
     total = torch.cuda.get_device_properties(dev).total_memory if cuda else 0
-    fit = ""
-    if cuda and a.preset == "7b":
-        try:
-            n = layers_that_fit(a, total)
-            fit, a.layers = f" (the plan fits {n} in 75%)", min(a.layers, n)
-        except Exception as e:  # the update item then runs with the requested layers, and says so
-            fit = f" (layers_that_fit failed: {type(e).__name__}: {one_line(e)})"
     print(f"gpu_check: {name}{f' ({total / GIB:.0f} GiB)' if cuda else ''}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, flash_attn {'absent' if flash_attn_missing() else 'present'}, "
-          f"preset {a.preset}, update-mfu/decode-speed layers {a.layers}{fit}, items {','.join(a.items)}", flush=True)
+          f"preset {a.preset}, decode-speed layers {a.layers}, items {','.join(a.items)}", flush=True)
     rep = Report(t_start + 60 * a.minutes, est=cuda)
-    if "decode-pass" in a.items:                 # the timing items first: what the time model rests on
-        rep.item("decode-pass", decode_pass, a, dev, name)
-    if "mfu" in a.items:
-        rep.item("update-mfu", update_mfu, a, dev, name)
+    tag = name.replace(" ", "_") if cuda else "cpu"
+    path = a.json or (os.path.join(ROOT, "bench", "results", f"gpu_check_{tag}.json") if cuda
+                      else os.path.join(tempfile.gettempdir(), "gpu_check_cpu.json"))
+    # The timing items first (what the time model rests on), the first of them the CUDA-only GEMM the
+    # update's head runs; the decoder decode-grid builds serves kv-budget and decode-pass, then goes.
+    if "matmul" in a.items:
+        rep.item("fp32-matmul", fp32_matmul, dev)
+    for item, fn in (("decode-grid", decode_grid), ("kv-budget", kv_budget), ("decode-pass", decode_pass)):
+        if item in a.items:
+            rep.item(item, fn, a, dev, name)
+    DECODER.clear()
+    free_memory()
+    if "update-fit" in a.items:
+        rep.item("update-fit", update_fit, a, dev, name)
+    phases = phases_or_error(name, cuda)          # the step they imply, and the JSON now: a run cut short
+    write_json(path, a, name, rep, phases, time.perf_counter() - t_start)   # by the device's time keeps them
     if "ragged" in a.items:
         for attn in ("sdpa", FA2):
             for prec in PRECISIONS:
@@ -1279,8 +1697,8 @@ def main(argv=None):
         if a.tmp is None:                      # the disk is small: a rerun needs the room
             keep = {"train.log"} if rep.counts["FAIL"] > fails else set()   # a failure's log stays
             for entry in set(os.listdir(tmp)) - keep:
-                path = os.path.join(tmp, entry)
-                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+                gone = os.path.join(tmp, entry)
+                shutil.rmtree(gone, ignore_errors=True) if os.path.isdir(gone) else os.remove(gone)
             if not keep:
                 os.rmdir(tmp)
     if "kv" in a.items:
@@ -1291,14 +1709,6 @@ def main(argv=None):
         rep.item("decode-speed", decode_speed, a, dev)
     if "sampler-gap" in a.items:
         rep.item("sampler-gap", sampler_gap, a, dev)
-    try:                                         # the model's phases against the measurements: a report
-        phases = phase_lines(name, cuda)
-    except Exception as e:  # (as an item's: never the run's end)
-        phases = {"phases": None, "error": f"{type(e).__name__}: {one_line(e)}"}
-        print(f"phase lines failed: {phases['error']}", flush=True)
-    tag = name.replace(" ", "_") if cuda else "cpu"
-    path = a.json or (os.path.join(ROOT, "bench", "results", f"gpu_check_{tag}.json") if cuda
-                      else os.path.join(tempfile.gettempdir(), "gpu_check_cpu.json"))
     write_json(path, a, name, rep, phases, time.perf_counter() - t_start)
     c = rep.counts
     print(f"gpu_check: {c['PASS']} PASS, {c['FAIL']} FAIL, {c['SKIP']} SKIP in {time.perf_counter() - t_start:.0f} s "

@@ -296,11 +296,12 @@ def test_sharded_checkpoint_resumes_at_world_size_1_and_2(tmp_path):
 
 def test_gpu_check_runs_its_code_on_a_tiny_model():
     """bench/gpu_check.py (the one-shot GPU check) at toy widths on the CPU runs every item of its
-    code path: one line per item, no FAIL, the CPU-runnable items PASS (the ragged batch in fp32 and
-    bf16-mixed with its SDPA masks, train.main under FSDP2 on a process group of one, its export,
-    the KV cache's one pass, the update, the full-depth update micro-batch against the plan, the
-    one pass's decode throughput, the decode comparison, the sampler vs pi_old), the GPU-only ones
-    SKIP with their reason, then the summary."""
+    code path: one line per item, no FAIL, the CPU-runnable items PASS (the decode grid, the update's
+    per-layer fit, the ragged batch in fp32 and bf16-mixed with its SDPA masks, train.main under FSDP2
+    on a process group of one, its export, the KV cache's one pass, the full-depth update micro-batch
+    against the plan, the one pass's decode throughput, the decode comparison, the sampler vs pi_old),
+    the GPU-only ones SKIP with their reason (the float32-output GEMM, the --kv-budget 0 slots,
+    train/memory), then the summary."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--preset", "tiny", "--device", "cpu"],
                        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -311,14 +312,17 @@ def test_gpu_check_runs_its_code_on_a_tiny_model():
             item = rest.split(" ", 1)[0]
             assert item not in status, f"{item} reported twice:\n{r.stdout}"
             status[item] = word
-    must_pass = ["ragged-score/sdpa/fp32", "ragged-sample/sdpa/fp32", "ragged-score/sdpa/bf16-mixed",
-                 "ragged-sample/sdpa/bf16-mixed", "train/fsdp2", "train/reload", "kv-cache", "update-mfu",
-                 "update-memory", "decode-pass", "decode-speed", "sampler-gap"]
+    must_pass = ["decode-grid", "decode-pass", "update-fit", "ragged-score/sdpa/fp32",
+                 "ragged-sample/sdpa/fp32", "ragged-score/sdpa/bf16-mixed", "ragged-sample/sdpa/bf16-mixed",
+                 "train/fsdp2", "train/reload", "kv-cache", "update-memory", "decode-speed", "sampler-gap"]
     may_skip = [f"ragged-{k}/{attn}/{prec}" for k in ("score", "sample") for attn in ("sdpa", "flash_attention_2")
-                for prec in ("fp32", "bf16", "bf16-mixed")] + ["train/memory"]
+                for prec in ("fp32", "bf16", "bf16-mixed")] + ["train/memory", "fp32-matmul", "kv-budget"]
     assert "FAIL" not in status.values(), r.stdout
     assert {k: status.get(k) for k in must_pass} == dict.fromkeys(must_pass, "PASS"), r.stdout
     assert set(status) == set(must_pass) | set(may_skip), r.stdout
+    assert status["fp32-matmul"] == status["kv-budget"] == "SKIP", r.stdout           # CUDA only
+    step = next(ln for ln in r.stdout.splitlines() if ln.startswith("phase step "))
+    assert "measured: n/a (no GPU)" in step, r.stdout
     assert r.stdout.splitlines()[-1].startswith(f"gpu_check: {len(must_pass)} PASS, 0 FAIL, "), r.stdout
 
 
