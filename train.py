@@ -93,8 +93,8 @@ OPTIONS = [
     opt("sampler",        "hf",                                "HF generate with the seeded per-row draw (plain), or "
                                                                "the one-pass KV-cache sampler (kv: fast, sampler/)", ["hf", "kv"]),
     opt("gen_batch",      256,                                 "rows per sampler call, at most", ">=1", resume=MAY_CHANGE),
-    opt("kv_budget",      0,                                   "KV-cache positions per sampler call (0 on CUDA: what fits in the free memory beside "
-                                                               "the rollout's other allocations, less 10% of the card; CPU: no cap)", ">=0", resume=MAY_CHANGE),
+    opt("kv_budget",      0,                                   "KV-cache positions per sampler call (0 on CUDA: what fits in the memory free at each "
+                                                               "pass beside the rollout's other allocations, less 10% of the card; CPU: no cap)", ">=0", resume=MAY_CHANGE),
     opt("compile_decode", False,                               "the sampler's decode step through torch.compile (CUDA graphs); off until measured on a GPU", resume=MAY_CHANGE),
     opt("max_resample_rounds", 4,                                 "dynamic sampling: extra sampling rounds at most", ">=0"),
     opt("reward",         "acc",                               "binary accuracy, or 0.9*acc + 0.1*format", ["acc", "acc+format"]),
@@ -146,7 +146,7 @@ OPTIONS = [
                                                                query_reference.REFERENCES, before="cache"),
     opt("query_cache_dir",   os.environ.get("ERPO_CACHE", "~/.cache/erpo/query_cache"), "reuse Query-KL reference caches of earlier runs from here ('' = always build)", resume=MAY_CHANGE),
     opt("measure_policy_kl", False,                               "keep a reference model to log Policy-KL even when the loss has none "
-                                                               "(ERPO's Table 3 Policy-KL column: true; +24 s a paper step, 9.3 -> 11.0 h)", resume=MAY_CHANGE),
+                                                               "(ERPO's Table 3 Policy-KL column: true; +23 s a paper step, 9.0 -> 10.5 h)", resume=MAY_CHANGE),
     opt("no_signal",      "skip",                              "an update batch whose every advantage is ~0 (its "
                                                                "groups' rewards all equal): skip its step (no AdamW "
                                                                "update, no weight decay, the LR schedule waits), or "
@@ -227,8 +227,8 @@ def rl_step(run, step, before_update=None) -> experience.StepResult:
 
 def micro_batches(run, rows: slice) -> list[slice]:
     """Consecutive slices of at most --micro-batch rows: every rank runs as many (same row counts)."""
-    return [slice(s, min(rows.stop, s + run.args.micro_batch)) for s in range(rows.start, rows.stop,
-                                                                                   run.args.micro_batch)]
+    size = run.args.micro_batch
+    return [slice(s, min(rows.stop, s + size)) for s in range(rows.start, rows.stop, size)]
 
 
 def score(model, packed, rows, temperature, with_entropy=False) -> logprobs.TokenScores:
